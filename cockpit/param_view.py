@@ -1,0 +1,157 @@
+"""Read-only access to one parameter's BackPACK results inside the extension hook.
+
+A :class:`ParamView` is created for every parameter as soon as BackPACK has finished
+the module that owns it. Quantities read statistics from it; each statistic is
+computed at most once per parameter and shared by all quantities (one pass over the
+per-sample gradients feeds every statistic). All statistics are in terms of the
+*unscaled* individual gradients ``g_i = N * b_i`` (``b_i`` is BackPACK's ``grad_batch``
+under a mean-reduced loss), so ``g = mean_i g_i`` is the mini-batch gradient.
+
+Where per-sample gradients come from is decided by one object, the *source*
+(:class:`BackpackGradBatch` today); another engine (e.g. ``torch.func``) can be plugged
+in by handing a different source to the view.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+class BackpackGradBatch:
+    """Per-sample gradients from BackPACK's ``BatchGrad`` savefield ``grad_batch``."""
+
+    savefield = "grad_batch"
+
+    def available(self, param: Tensor) -> bool:
+        """Return whether per-sample gradients exist for ``param`` right now."""
+        return hasattr(param, self.savefield)
+
+    def scaled(self, param: Tensor) -> Tensor:
+        """Return ``b_i``, BackPACK's per-sample gradients, ``[N, *param.shape]``."""
+        return getattr(param, self.savefield)
+
+
+DEFAULT_SOURCE = BackpackGradBatch()
+
+
+class ParamView:
+    """Statistics of one parameter's per-sample gradients and curvature.
+
+    Args:
+        param: The parameter tensor (BackPACK results are attributes of it).
+        index: Position of ``param`` in the cockpit's parameter list.
+        source: Where per-sample gradients come from.
+    """
+
+    def __init__(self, param: Tensor, index: int, source=DEFAULT_SOURCE):
+        self.param = param
+        self.index = index
+        self._source = source
+        self._cache: dict[str, Tensor] = {}
+
+    def _cached(self, name: str, compute: Callable[[], Tensor]) -> Tensor:
+        if name not in self._cache:
+            self._cache[name] = compute()
+        return self._cache[name]
+
+    def _missing(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"No {what} for parameter #{self.index} (shape {tuple(self.param.shape)}): "
+            "the BackPACK extension that provides it did not run for this parameter."
+        )
+
+    @property
+    def has_individual_gradients(self) -> bool:
+        """Whether per-sample gradients are available for this parameter."""
+        return self._source.available(self.param)
+
+    @property
+    def batch_size(self) -> int:
+        """The number of samples N, read off the per-sample results."""
+        if self.has_individual_gradients:
+            return self._source.scaled(self.param).shape[0]
+        if hasattr(self.param, "batch_l2"):
+            return self.param.batch_l2.shape[0]
+        raise self._missing("per-sample result")
+
+    def individual_gradients(self) -> Tensor:
+        """Return ``g_i`` for every sample, shape ``[N, *param.shape]``."""
+
+        def compute() -> Tensor:
+            if not self.has_individual_gradients:
+                raise self._missing("per-sample gradients")
+            scaled = self._source.scaled(self.param)
+            return scaled * scaled.shape[0]
+
+        return self._cached("individual_gradients", compute)
+
+    def _flat_individual(self) -> Tensor:
+        return self.individual_gradients().flatten(start_dim=1)
+
+    def mean_gradient(self) -> Tensor:
+        """Return ``g = mean_i g_i`` from the per-sample gradients, shape of param."""
+        return self._cached(
+            "mean_gradient", lambda: self._source.scaled(self.param).sum(0)
+        )
+
+    def batch_l2(self) -> Tensor:
+        """Return ``||g_i||^2`` for every sample, shape ``[N]``."""
+
+        def compute() -> Tensor:
+            if self.has_individual_gradients:
+                return (self._flat_individual() ** 2).sum(1)
+            if hasattr(self.param, "batch_l2"):
+                n = self.param.batch_l2.shape[0]
+                return self.param.batch_l2 * n**2
+            raise self._missing("per-sample squared norms")
+
+        return self._cached("batch_l2", compute)
+
+    def sum_grad_squared(self, batch_size: int | None = None) -> Tensor:
+        """Return ``sum_i g_i**2`` elementwise, shape of param.
+
+        Args:
+            batch_size: N; needed only when the value comes from BackPACK's
+                ``SumGradSquared`` (which carries no batch axis).
+
+        Returns:
+            The elementwise second moment times N.
+        """
+
+        def compute() -> Tensor:
+            if self.has_individual_gradients:
+                return (self.individual_gradients() ** 2).sum(0)
+            if hasattr(self.param, "sum_grad_squared"):
+                if batch_size is None:
+                    raise ValueError("batch_size is needed to unscale sum_grad_squared")
+                return self.param.sum_grad_squared * batch_size**2
+            raise self._missing("sum of squared per-sample gradients")
+
+        return self._cached("sum_grad_squared", compute)
+
+    def gram(self) -> Tensor:
+        """Return the Gram matrix ``G_ij = g_i . g_j``, shape ``[N, N]``."""
+
+        def compute() -> Tensor:
+            flat = self._flat_individual()
+            return flat @ flat.T
+
+        return self._cached("gram", compute)
+
+    def curvature(self, savefield: str) -> Tensor:
+        """Return a curvature diagonal (``diag_h``, ``diag_ggn_exact``, ...)."""
+        if not hasattr(self.param, savefield):
+            raise self._missing(f"curvature diagonal {savefield!r}")
+        return getattr(self.param, savefield)
+
+    def release(self) -> None:
+        """Drop every cached statistic (called once all quantities have read them)."""
+        self._cache.clear()
+
+
+def empty_like_param(param: Tensor) -> Tensor:
+    """Return a zero scalar on ``param``'s device and dtype (an accumulator seed)."""
+    return torch.zeros((), device=param.device, dtype=param.dtype)

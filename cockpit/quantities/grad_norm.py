@@ -1,0 +1,16 @@
+"""GradNorm: the norm of the mini-batch gradient, per parameter tensor."""
+
+from __future__ import annotations
+
+from cockpit.quantities.base import ByproductQuantity, TrackContext
+from cockpit.quantities.utils_params import gradients, norms
+
+
+class GradNorm(ByproductQuantity):
+    """``||g_p||_2`` for every parameter tensor ``p``, read from ``.grad``.
+
+    The total gradient norm is ``sqrt(sum_p ||g_p||^2)``.
+    """
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
+        return norms(gradients(ctx.params))

@@ -1,0 +1,44 @@
+"""HessTrace: the trace of a curvature matrix, per parameter tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from cockpit.needs import curvature_need
+from cockpit.param_view import ParamView
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+
+
+class HessTrace(SingleStepQuantity):
+    """``sum_d C_dd`` over the coordinates of each parameter tensor.
+
+    ``C`` is the Hessian of the mini-batch loss (``curvature="diag_h"``), its
+    generalised Gauss-Newton (``"diag_ggn_exact"``) or a one-sample Monte-Carlo
+    estimate of the GGN (``"diag_ggn_mc"``, random). The diagonal of each parameter is
+    summed as soon as BackPACK produced it and freed right away.
+
+    Args:
+        track_schedule: When to track.
+        verbose: Extra diagnostics.
+        curvature: ``"diag_h"`` (default), ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
+        key: History key (default ``"HessTrace"``).
+
+    Raises:
+        ValueError: For an unknown ``curvature``, listing the valid ones.
+    """
+
+    def __init__(self, track_schedule, verbose=False, curvature="diag_h", key=None):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        self._need = curvature_need(curvature)
+        self.curvature = curvature
+
+    def needs(self, global_step: int):
+        """The curvature diagonal, on scheduled steps."""
+        return {self._need} if self.should_compute(global_step) else set()
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Sum the parameter's curvature diagonal."""
+        self._acc[view.index] = view.curvature(self.curvature).sum()
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
+        return torch.stack([self._acc[i] for i in range(len(ctx.params))]).tolist()

@@ -1,0 +1,15 @@
+"""Loss: the mini-batch loss."""
+
+from __future__ import annotations
+
+from cockpit.quantities.base import ByproductQuantity, TrackContext
+
+
+class Loss(ByproductQuantity):
+    """The mean-reduced mini-batch loss ``L`` as a float (reads ``info['loss']``)."""
+
+    info_keys = ("loss",)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        loss = ctx.info.require("loss", self.key)
+        return float(loss.detach()) if hasattr(loss, "detach") else float(loss)

@@ -1,0 +1,15 @@
+"""Parameters: raw parameter values (large; meant for small models)."""
+
+from __future__ import annotations
+
+from cockpit.quantities.base import ByproductQuantity, TrackContext
+
+
+class Parameters(ByproductQuantity):
+    """All parameter values, one nested list per parameter tensor.
+
+    The log grows by the model size at every tracked step; use a sparse schedule.
+    """
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> list:
+        return [p.detach().cpu().tolist() for p in ctx.params]

@@ -1,0 +1,14 @@
+"""Time: wall-clock time stamps."""
+
+from __future__ import annotations
+
+import time
+
+from cockpit.quantities.base import ByproductQuantity, TrackContext
+
+
+class Time(ByproductQuantity):
+    """Wall-clock time (``time.time()``, seconds since the epoch) when tracked."""
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        return time.time()

@@ -1,0 +1,1 @@
+"""Utilities: track schedules and ready-made quantity configurations."""

@@ -1,0 +1,1 @@
+"""Shared test helpers: small problems, training loops and brute-force references."""
