@@ -1,0 +1,1 @@
+"""Overhead benchmarks for cockpit (run ``python -m benchmarks.run``)."""
