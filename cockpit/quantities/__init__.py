@@ -8,6 +8,7 @@ from cockpit.quantities.base import (
     TwoStepQuantity,
 )
 from cockpit.quantities.distance import Distance
+from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
 from cockpit.quantities.grad_norm import GradNorm
 from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.loss import Loss
@@ -19,6 +20,8 @@ from cockpit.quantities.variance import Variance
 __all__ = [
     "ByproductQuantity",
     "Distance",
+    "GradHist1d",
+    "GradHist2d",
     "GradNorm",
     "HessTrace",
     "Loss",

@@ -1,0 +1,410 @@
+"""GradHist1d and GradHist2d: histograms of individual gradient elements.
+
+Both histograms are counted per parameter inside the backward pass, from that
+parameter's per-sample gradients ``g_i`` (shape ``[N, *shape]``), and summed over the
+parameters; only the integer counts are kept, so the per-sample gradients of a module
+can be freed as soon as BackPACK is done with it. Counting turns every value into a
+flat integer bin index and calls ``torch.bincount`` once per parameter: the counts are
+exact integers and do not depend on the order of the values (deterministic, also on
+GPUs).
+
+Binning rule (shared by both histograms). For ``bins`` equal-width bins on
+``[lo, hi]`` the published edges are ``e_k = lo + k * ((hi - lo) / bins)`` for
+``k < bins`` and ``e_bins = hi`` (the floating-point formula of ``numpy.linspace``),
+and a value ``v`` goes to bin ``k`` iff ``e_k <= v < e_{k+1}``; the last bin also holds
+``v == hi``. The index is ``floor((v - lo) / w)`` (``w`` the bin width) followed by a
+one-step correction against the edges, so values within rounding error of an edge land
+on the side the published edges say, exactly as in ``numpy.histogram``. Comparisons
+run in the dtype of the values (edges rounded to it). NaN values are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.bin_adaptation import BinAdaptation, as_policy
+
+Range = tuple[float, float]
+
+
+# --- pure functions ----------------------------------------------------------------
+def histogram_edges(lo: float, hi: float, bins: int) -> Tensor:
+    """Return the ``bins + 1`` edges of equal-width bins on ``[lo, hi]`` (float64, CPU).
+
+    ``edges[k] = lo + k * ((hi - lo) / bins)`` and ``edges[bins] = hi``, the same
+    arithmetic as ``numpy.linspace(lo, hi, bins + 1)``.
+    """
+    edges = torch.arange(bins + 1, dtype=torch.float64) * ((hi - lo) / bins) + lo
+    edges[-1] = hi
+    return edges
+
+
+def bin_index(values: Tensor, edges: Tensor, clamp: Range | None = None) -> Tensor:
+    """Map values to bin indices: ``k`` iff ``edges[k] <= v < edges[k + 1]``.
+
+    Values are first clamped to ``clamp`` (which must lie inside
+    ``[edges[0], edges[-1]]``); the last bin is closed on the right.
+
+    Args:
+        values: Any shape; floating point.
+        edges: The ``bins + 1`` increasing edges, on the device and in the dtype of
+            ``values``.
+        clamp: ``(low, high)`` to clamp the values to before binning; ``None``
+            clamps to the outer edges.
+
+    Returns:
+        ``int64`` indices of the same shape as ``values``, in ``[0, bins - 1]``; NaN
+        values get the index ``bins`` (an overflow slot that callers drop).
+    """
+    bins = edges.numel() - 1
+    lo, hi = edges[0], edges[-1]
+    v = values.clamp(lo, hi) if clamp is None else values.clamp(clamp[0], clamp[1])
+    nan = torch.isnan(v)
+    position = ((v - lo) * (bins / (hi - lo))).floor().clamp_(0, bins - 1)
+    index = torch.where(nan, torch.zeros_like(position), position).long()
+    # one step of correction against the edges (rounding in the line above)
+    index -= (v < edges[index]).long()
+    index += ((v >= edges[index + 1]) & (index < bins - 1)).long()
+    return torch.where(nan, torch.full_like(index, bins), index)
+
+
+def histogram_1d(values: Tensor, edges: Tensor) -> Tensor:
+    """Count ``values`` into the bins of ``edges``, clamping them to the outer edges.
+
+    Values below ``edges[0]`` count in the first bin, values above ``edges[-1]`` in
+    the last one (``torch.histc`` semantics after clamping); NaN is not counted.
+
+    Returns:
+        ``int64`` counts, shape ``[bins]``.
+    """
+    bins = edges.numel() - 1
+    index = bin_index(values, edges)
+    return torch.bincount(index.reshape(-1), minlength=bins + 1)[:bins]
+
+
+def _inner_clamp(lo: float, hi: float, bins: int) -> Range:
+    """The clamp range of the 2-D histogram: the centres of the two outer bins."""
+    half = (hi - lo) / bins / 2
+    return (lo + half, hi - half)
+
+
+def histogram_2d(
+    x: Tensor, y: Tensor, xedges: Tensor, yedges: Tensor, x_clamp: Range, y_clamp: Range
+) -> Tensor:
+    """Count the pairs ``(x[i, d], y[d])`` into a 2-D histogram.
+
+    Args:
+        x: Values on the first axis, shape ``[N, D]``.
+        y: Values on the second axis, shape ``[D]`` (shared by all ``N`` rows).
+        xedges: Edges of the first axis (``xbins + 1``), dtype/device of ``x``.
+        yedges: Edges of the second axis (``ybins + 1``), dtype/device of ``y``.
+        x_clamp: Clamp range of ``x`` before binning.
+        y_clamp: Clamp range of ``y`` before binning.
+
+    Returns:
+        ``int64`` counts, shape ``[xbins, ybins]``; pairs with a NaN are not counted.
+    """
+    xbins, ybins = xedges.numel() - 1, yedges.numel() - 1
+    total = xbins * ybins
+    ix = bin_index(x, xedges, x_clamp)
+    iy = bin_index(y, yedges, y_clamp).unsqueeze(0)
+    invalid = (ix == xbins) | (iy == ybins)
+    flat = torch.where(invalid, torch.full_like(ix, total), ix * ybins + iy)
+    counts = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
+    return counts.reshape(xbins, ybins)
+
+
+# --- argument checks -----------------------------------------------------------------
+def _check_bins(bins: Any, what: str) -> int:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(
+            f"{what} must be a positive int, got {bins!r}. E.g. {what}=100."
+        )
+    return bins
+
+
+def _check_range(value: Any, what: str) -> Range:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{what} must be a pair (lo, hi) of numbers, got {value!r}. "
+            f"E.g. {what}=(-2, 2)."
+        ) from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(
+            f"{what} must be finite with lo < hi, got {value!r}. E.g. {what}=(-2, 2)."
+        )
+    return (lo, hi)
+
+
+def _pair(value: Any, what: str) -> tuple[Any, Any]:
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return value[0], value[1]
+    raise ValueError(
+        f"{what} must be a pair (for the gradient axis, for the parameter axis), "
+        f"got {value!r}."
+    )
+
+
+class _EdgeCache:
+    """Bin edges of one axis on every device/dtype they are needed in, for one step."""
+
+    def __init__(self, lo: float, hi: float, bins: int):
+        self.cpu = histogram_edges(lo, hi, bins)
+        self._on: dict[tuple, Tensor] = {}
+
+    def like(self, tensor: Tensor) -> Tensor:
+        key = (tensor.device, tensor.dtype)
+        if key not in self._on:
+            self._on[key] = self.cpu.to(device=tensor.device, dtype=tensor.dtype)
+        return self._on[key]
+
+
+# --- quantities ----------------------------------------------------------------------
+class _Histogram(SingleStepQuantity):
+    """Shared plumbing: counts per parameter, range adaptation on its own schedule."""
+
+    def _policies(self) -> Sequence[BinAdaptation]:
+        raise NotImplementedError
+
+    def is_active(self, global_step: int) -> bool:
+        """Active on the histogram's steps and on the steps of its range policies."""
+        return self.should_compute(global_step) or any(
+            policy.should_compute(global_step) for policy in self._policies()
+        )
+
+    def needs(self, global_step: int) -> set[Need]:
+        """Per-sample gradients when counting, plus what the policies read."""
+        needs = set()
+        if self.should_compute(global_step):
+            needs.add(Need.INDIVIDUAL_GRADIENTS)
+        for policy in self._policies():
+            needs |= policy.needs(global_step)
+        return needs
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Count this parameter's values and collect the policies' reductions."""
+        with torch.no_grad():
+            if self.should_compute(global_step):
+                counts = self._count(global_step, view)
+                total = self._acc.get("counts")
+                self._acc["counts"] = counts if total is None else total + counts
+                if getattr(self, "keep_individual", False):
+                    self._acc.setdefault("per_param", {})[view.index] = counts
+            for axis, policy in enumerate(self._policies()):
+                if policy.should_compute(global_step):
+                    reduced = policy.reduce(view)
+                    if reduced is not None:
+                        self._acc.setdefault(("reduced", axis), []).append(reduced)
+
+    def _count(self, global_step: int, view: ParamView) -> Tensor:
+        raise NotImplementedError
+
+    def _edges(self, axis: int) -> _EdgeCache:
+        key = ("edges", axis)
+        if key not in self._acc:
+            lo, hi = self._ranges()[axis]
+            self._acc[key] = _EdgeCache(lo, hi, self._bins()[axis])
+        return self._acc[key]
+
+    def _ranges(self) -> list[Range]:
+        raise NotImplementedError
+
+    def _bins(self) -> list[int]:
+        raise NotImplementedError
+
+    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+        """Store the histogram (if scheduled), then let the policies move the range."""
+        results = super().track(global_step, ctx)
+        ranges = self._ranges()
+        for axis, policy in enumerate(self._policies()):
+            if policy.should_compute(global_step):
+                reduced = self._acc.get(("reduced", axis), [])
+                ranges[axis] = policy.compute(global_step, ctx, reduced, ranges[axis])
+        self._set_ranges(ranges)
+        return results
+
+    def _set_ranges(self, ranges: list[Range]) -> None:
+        raise NotImplementedError
+
+    def _empty_counts(self) -> Tensor:
+        return torch.zeros(math.prod(self._bins()), dtype=torch.int64)
+
+    def _result(self, counts: Tensor | None) -> dict[str, Any]:
+        counts = self._empty_counts() if counts is None else counts
+        edges = [self._edges(axis).cpu.tolist() for axis in range(len(self._bins()))]
+        return {
+            "hist": counts.reshape(self._bins()).tolist(),
+            "edges": edges[0] if len(edges) == 1 else edges,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the current (possibly adapted) range."""
+        return {"range": self._ranges()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a range saved by :meth:`state_dict`."""
+        if "range" in state:
+            self._set_ranges([tuple(r) for r in state["range"]])
+
+
+class GradHist1d(_Histogram):
+    """Histogram of all individual gradient elements ``g_{i,d}``.
+
+    The multiset holds ``N * D`` values: every sample ``i`` of the mini-batch and
+    every coordinate ``d`` of every parameter. Values outside ``range`` are clamped
+    into it, so outliers pile up in the two outer bins (``torch.histc`` semantics: a
+    value equal to the upper limit counts in the last bin). See the module docstring
+    for the exact binning rule.
+
+    Output at a tracked step: ``{"hist": [bins] ints, "edges": [bins + 1] floats}``.
+
+    Args:
+        track_schedule: When to track.
+        verbose: Extra diagnostics (the policy warns on range changes).
+        bins: Number of equal-width bins.
+        range: ``(lo, hi)`` of the bins.
+        adapt: A policy from :mod:`cockpit.quantities.bin_adaptation` that moves the
+            range after the histogram of its scheduled steps (``None``: fixed range).
+        key: History key (default ``"GradHist1d"``).
+
+    Raises:
+        ValueError: For a non-positive ``bins`` or an empty or non-finite ``range``.
+        TypeError: If ``adapt`` is not a policy.
+    """
+
+    def __init__(
+        self,
+        track_schedule: Callable[[int], bool],
+        verbose: bool = False,
+        bins: int = 100,
+        range: Range = (-2, 2),
+        adapt: BinAdaptation | None = None,
+        key: str | None = None,
+    ):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        self.bins = _check_bins(bins, "bins")
+        self.range = _check_range(range, "range")
+        self.adapt = as_policy(adapt)
+
+    def _policies(self) -> Sequence[BinAdaptation]:
+        return (self.adapt,)
+
+    def _ranges(self) -> list[Range]:
+        return [self.range]
+
+    def _set_ranges(self, ranges: list[Range]) -> None:
+        self.range = _check_range(ranges[0], "range")
+
+    def _bins(self) -> list[int]:
+        return [self.bins]
+
+    def _count(self, global_step: int, view: ParamView) -> Tensor:
+        values = view.individual_gradients().detach()
+        return histogram_1d(values, self._edges(0).like(values))
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
+        return self._result(self._acc.get("counts"))
+
+
+class GradHist2d(_Histogram):
+    """Joint histogram of individual gradient elements and parameter values.
+
+    The pairs are ``(g_{i,d}, theta_d)`` for every sample ``i`` and every coordinate
+    ``d`` of every parameter (each parameter value repeated ``N`` times). The first
+    axis (``x``) holds gradients, the second (``y``) parameters. On each axis with
+    ``bins`` bins of width ``w`` on ``[lo, hi]``, values are clamped to
+    ``[lo + w/2, hi - w/2]`` (outliers land in the outer bins) and binned by
+    ``floor((v - lo) / w)`` (made exact against the published edges, see the module
+    docstring).
+
+    Output: ``{"hist": [xbins][ybins] ints, "edges": [xedges, yedges]}``; with
+    ``keep_individual`` also ``"param_groups"`` (the number of parameter tensors) and
+    ``"param_<k>"``: ``{"hist", "edges"}`` of tensor ``k`` alone.
+
+    Args:
+        track_schedule: When to track.
+        verbose: Extra diagnostics (the policies warn on range changes).
+        bins: ``(xbins, ybins)``, or one int for both axes.
+        range: ``((xlo, xhi), (ylo, yhi))``.
+        adapt: ``(x_policy, y_policy)``; ``None`` entries keep that axis fixed.
+        keep_individual: Also store the histogram of every parameter tensor.
+        key: History key (default ``"GradHist2d"``).
+
+    Raises:
+        ValueError: For malformed ``bins``, ``range`` or ``adapt``.
+        TypeError: If an ``adapt`` entry is not a policy.
+    """
+
+    def __init__(
+        self,
+        track_schedule: Callable[[int], bool],
+        verbose: bool = False,
+        bins: tuple[int, int] | int = (40, 50),
+        range: tuple[Range, Range] = ((-1, 1), (-2, 2)),
+        adapt: tuple[BinAdaptation | None, BinAdaptation | None] = (None, None),
+        keep_individual: bool = False,
+        key: str | None = None,
+    ):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        if isinstance(bins, int) and not isinstance(bins, bool):
+            bins = (bins, bins)
+        xbins, ybins = _pair(bins, "bins")
+        self.bins = (_check_bins(xbins, "bins[0]"), _check_bins(ybins, "bins[1]"))
+        xrange, yrange = _pair(range, "range")
+        self.range = (
+            _check_range(xrange, "range[0]"),
+            _check_range(yrange, "range[1]"),
+        )
+        if adapt is None:
+            adapt = (None, None)
+        xadapt, yadapt = _pair(adapt, "adapt")
+        self.adapt = (as_policy(xadapt, "adapt[0]"), as_policy(yadapt, "adapt[1]"))
+        self.keep_individual = bool(keep_individual)
+
+    def _policies(self) -> Sequence[BinAdaptation]:
+        return self.adapt
+
+    def _ranges(self) -> list[Range]:
+        return list(self.range)
+
+    def _set_ranges(self, ranges: list[Range]) -> None:
+        self.range = (
+            _check_range(ranges[0], "range[0]"),
+            _check_range(ranges[1], "range[1]"),
+        )
+
+    def _bins(self) -> list[int]:
+        return list(self.bins)
+
+    def _count(self, global_step: int, view: ParamView) -> Tensor:
+        grads = view.individual_gradients().detach().flatten(start_dim=1)
+        params = view.param.detach().flatten()
+        (xlo, xhi), (ylo, yhi) = self.range
+        counts = histogram_2d(
+            grads,
+            params,
+            self._edges(0).like(grads),
+            self._edges(1).like(params),
+            _inner_clamp(xlo, xhi, self.bins[0]),
+            _inner_clamp(ylo, yhi, self.bins[1]),
+        )
+        return counts.reshape(-1)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
+        result = self._result(self._acc.get("counts"))
+        if self.keep_individual:
+            per_param = self._acc.get("per_param", {})
+            result["param_groups"] = len(ctx.params)
+            for k in range(len(ctx.params)):
+                single = self._result(per_param.get(k))
+                result[f"param_{k}"] = single
+        return result

@@ -1,0 +1,341 @@
+"""GradHist1d, GradHist2d and the bin-adaptation policies against numpy twins.
+
+The twins clamp brute-force float64 per-sample gradients exactly as documented and
+count them with ``numpy.histogram`` / ``numpy.histogram2d``; the counts must agree
+exactly (integers), the edges bit for bit.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from backpack import CTX
+from backpack.extensions import BatchGrad
+
+from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
+from cockpit.quantities.grad_hist import histogram_1d, histogram_2d, histogram_edges
+from cockpit.utils.schedules import linear, logarithmic
+from tests.utils import brute_force as bf
+from tests.utils.harness import run
+from tests.utils.problems import PROBLEM_IDS, PROBLEMS, make_problem
+
+STEPS = 5
+SCHEDULES = {
+    "every-step-from-1": lambda: linear(1, offset=1),
+    "log": lambda: logarithmic(0, 1, steps=4, init=False),  # {1, 2, 4}
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The dense float64 twins (double backward through conv) run ~50x slower with two
+    # intra-op threads on a shared, loaded 2-core machine; one thread is plenty here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tracked_steps(schedule, steps=STEPS):
+    return [s for s in range(steps) if schedule(s)]
+
+
+@pytest.fixture(params=PROBLEMS, ids=PROBLEM_IDS)
+def problem(request):
+    return make_problem(*request.param)
+
+
+@pytest.fixture(params=list(SCHEDULES), ids=list(SCHEDULES))
+def schedule(request):
+    return SCHEDULES[request.param]()
+
+
+# --- numpy twins ----------------------------------------------------------------------
+def per_sample_gradients(problem, record):
+    """Brute-force ``g_i`` per parameter as numpy arrays ``[N, D_p]``."""
+    grads = bf.individual_gradients(problem, record.params, record.x, record.y)
+    return [g.flatten(1).numpy() for g in grads]
+
+
+def np_hist_1d(values, bins, lo, hi):
+    counts, edges = np.histogram(np.clip(values, lo, hi), bins=bins, range=(lo, hi))
+    return counts.tolist(), edges.tolist()
+
+
+def inner_clamp(values, bins, lo, hi):
+    half = (hi - lo) / bins / 2
+    return np.clip(values, lo + half, hi - half)
+
+
+def np_hist_2d(grads, params, bins, ranges):
+    """2-D twin: ``grads`` list of [N, D_p], ``params`` list of [D_p]."""
+    x = np.concatenate([g.reshape(-1) for g in grads])
+    y = np.concatenate(
+        [np.broadcast_to(p, g.shape).reshape(-1) for g, p in zip(grads, params)]
+    )
+    x = inner_clamp(x, bins[0], *ranges[0])
+    y = inner_clamp(y, bins[1], *ranges[1])
+    counts, xedges, yedges = np.histogram2d(x, y, bins=bins, range=ranges)
+    return counts.astype(np.int64).tolist(), [xedges.tolist(), yedges.tolist()]
+
+
+def assert_int_counts(hist):
+    flat = np.asarray(hist).reshape(-1).tolist()
+    assert all(type(c) is int for c in flat), "counts must be stored as ints"
+
+
+# --- pure binning ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bins,lo,hi", [(100, -2.0, 2.0), (7, -0.1, 0.1), (3, -1e-3, 5.0), (1, -1.0, 1.0)]
+)
+def test_histogram_1d_matches_numpy_on_edges_and_outliers(bins, lo, hi):
+    edges = histogram_edges(lo, hi, bins)
+    np_edges = np.histogram_bin_edges(np.zeros(1), bins=bins, range=(lo, hi))
+    assert np.array_equal(edges.numpy(), np_edges)
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat(
+        [
+            torch.randn(20_000, generator=gen, dtype=torch.float64) * (hi - lo),
+            edges,  # exactly on every edge, including lo and hi
+            torch.nextafter(edges, edges - 1),  # one ulp below every edge
+            torch.nextafter(edges, edges + 1),  # one ulp above every edge
+            torch.tensor([math.inf, -math.inf, 0.0, -0.0], dtype=torch.float64),
+        ]
+    )
+    counts = histogram_1d(values, edges)
+    expected, _ = np_hist_1d(values.numpy(), bins, lo, hi)
+    assert counts.tolist() == expected
+    assert counts[-1] > 0 and counts[0] > 0  # clamped outliers and `hi` counted
+    with_nan = torch.cat([values, torch.full((5,), math.nan, dtype=torch.float64)])
+    assert histogram_1d(with_nan, edges).tolist() == expected  # NaN not counted
+
+
+@pytest.mark.parametrize(
+    "bins,ranges",
+    [((40, 50), ((-1.0, 1.0), (-2.0, 2.0))), ((3, 4), ((-0.1, 0.2), (-1.0, 1.0)))],
+)
+def test_histogram_2d_matches_numpy_on_edges_and_outliers(bins, ranges):
+    gen = torch.Generator().manual_seed(1)
+    xedges, yedges = (histogram_edges(*r, b) for r, b in zip(ranges, bins))
+    x = torch.randn(6, 500, generator=gen, dtype=torch.float64)
+    y = 2 * torch.randn(500, generator=gen, dtype=torch.float64)
+    x[0, : bins[0] + 1] = xedges  # values exactly on edges
+    y[: bins[1] + 1] = yedges
+    half = [(r[1] - r[0]) / b / 2 for r, b in zip(ranges, bins)]
+    clamps = [(r[0] + h, r[1] - h) for r, h in zip(ranges, half)]
+    counts = histogram_2d(x, y, xedges, yedges, clamps[0], clamps[1])
+    expected, _ = np_hist_2d([x.numpy()], [y.numpy()], bins, ranges)
+    assert counts.tolist() == expected
+    x[1, 0] = math.nan
+    assert counts.sum() - histogram_2d(x, y, xedges, yedges, *clamps).sum() == 1
+
+
+# --- GradHist1d -----------------------------------------------------------------------
+HIST_1D_SETTINGS = {
+    "default": {},
+    "narrow-clamped": {"bins": 7, "range": (-0.05, 0.05)},
+}
+
+
+@pytest.mark.parametrize("setting", list(HIST_1D_SETTINGS))
+def test_grad_hist_1d(problem, schedule, setting):
+    kwargs = HIST_1D_SETTINGS[setting]
+    bins, (lo, hi) = kwargs.get("bins", 100), kwargs.get("range", (-2, 2))
+    result = run(problem, [Q.GradHist1d(schedule, **kwargs)], steps=STEPS)
+    assert sorted(result.output) == tracked_steps(schedule)
+    for step in tracked_steps(schedule):
+        value = result.output[step]["GradHist1d"]
+        assert set(value) == {"hist", "edges"}
+        grads = per_sample_gradients(problem, result.records[step])
+        values = np.concatenate([g.reshape(-1) for g in grads])
+        counts, edges = np_hist_1d(values, bins, lo, hi)
+        assert value["hist"] == counts, f"step {step}"
+        assert value["edges"] == edges
+        assert_int_counts(value["hist"])
+    if setting == "narrow-clamped":  # the clamp really moved values into edge bins
+        last = result.output[tracked_steps(schedule)[-1]]["GradHist1d"]["hist"]
+        assert last[0] > 0 and last[-1] > 0
+
+
+# --- GradHist2d -----------------------------------------------------------------------
+HIST_2D_SETTINGS = {
+    "default": {},
+    "small-individual": {
+        "bins": (5, 3),
+        "range": ((-0.05, 0.05), (-0.5, 0.5)),
+        "keep_individual": True,
+    },
+}
+
+
+@pytest.mark.parametrize("setting", list(HIST_2D_SETTINGS))
+def test_grad_hist_2d(problem, schedule, setting):
+    kwargs = HIST_2D_SETTINGS[setting]
+    bins = kwargs.get("bins", (40, 50))
+    ranges = kwargs.get("range", ((-1, 1), (-2, 2)))
+    result = run(problem, [Q.GradHist2d(schedule, **kwargs)], steps=STEPS)
+    assert sorted(result.output) == tracked_steps(schedule)
+    for step in tracked_steps(schedule):
+        value = result.output[step]["GradHist2d"]
+        record = result.records[step]
+        grads = per_sample_gradients(problem, record)
+        params = [p.reshape(-1).numpy() for p in record.params]
+        counts, edges = np_hist_2d(grads, params, bins, ranges)
+        assert value["hist"] == counts, f"step {step}"
+        assert value["edges"] == edges
+        assert_int_counts(value["hist"])
+        n_params = len(record.params)
+        if kwargs.get("keep_individual"):
+            expected_keys = {"hist", "edges", "param_groups"}
+            expected_keys |= {f"param_{k}" for k in range(n_params)}
+            assert set(value) == expected_keys
+            assert value["param_groups"] == n_params
+            for k in range(n_params):
+                single = np_hist_2d([grads[k]], [params[k]], bins, ranges)
+                assert value[f"param_{k}"] == {"hist": single[0], "edges": single[1]}
+        else:
+            assert set(value) == {"hist", "edges"}
+
+
+# --- bin adaptation -------------------------------------------------------------------
+def abs_max_range(m, padding=0.0, min_size=1e-6):
+    r = (1 + padding) * max(min_size / 2, m)
+    return (-r, r)
+
+
+def expected_range(initial, adapt_steps, step, compute):
+    """The range in force at ``step``: set after the last adaptation step before it."""
+    earlier = [s for s in adapt_steps if s < step]
+    return compute(earlier[-1]) if earlier else initial
+
+
+def test_adaptation_moves_range_after_the_histogram_on_its_own_schedule():
+    problem = make_problem("cnn", "ce", "momentum")
+    steps = 6
+    hist_schedule = linear(2)  # 0, 2, 4
+    grad_adapt = GradAbsMax(linear(3), padding=0.1)  # 0, 3: step 3 has no histogram
+    param_adapt = ParamAbsMax(linear(1))
+    quantities = [
+        Q.GradHist1d(linear(1), bins=9, adapt=GradAbsMax(linear(2, offset=1))),
+        Q.GradHist2d(hist_schedule, bins=(6, 4), adapt=(grad_adapt, param_adapt)),
+    ]
+    result = run(problem, quantities, steps=steps)
+    grads = {s: per_sample_gradients(problem, result.records[s]) for s in range(steps)}
+
+    def grad_max(s):
+        return max(np.abs(g).max() for g in grads[s])
+
+    def param_max(s):
+        return max(p.abs().max().item() for p in result.records[s].params)
+
+    assert "GradHist2d" not in result.output.get(3, {})
+    for step in range(steps):
+        # 1-D: adapted after odd steps, no padding
+        lo, hi = expected_range(
+            (-2.0, 2.0), [1, 3, 5], step, lambda s: abs_max_range(grad_max(s))
+        )
+        value = result.output[step]["GradHist1d"]
+        np.testing.assert_allclose([value["edges"][0], value["edges"][-1]], [lo, hi])
+        values = np.concatenate([g.reshape(-1) for g in grads[step]])
+        lo, hi = value["edges"][0], value["edges"][-1]
+        assert value["hist"] == np_hist_1d(values, 9, lo, hi)[0]
+        if not hist_schedule(step):
+            continue
+        # 2-D: x adapted after 0 and 3 (padding 0.1), y after every step
+        x_range = expected_range(
+            (-1.0, 1.0), [0, 3], step, lambda s: abs_max_range(grad_max(s), 0.1)
+        )
+        y_range = expected_range(
+            (-2.0, 2.0), range(steps), step, lambda s: abs_max_range(param_max(s))
+        )
+        value = result.output[step]["GradHist2d"]
+        xedges, yedges = value["edges"]
+        np.testing.assert_allclose([xedges[0], xedges[-1]], x_range, rtol=1e-12)
+        np.testing.assert_allclose([yedges[0], yedges[-1]], y_range, rtol=1e-12)
+        params = [p.reshape(-1).numpy() for p in result.records[step].params]
+        ranges = ((xedges[0], xedges[-1]), (yedges[0], yedges[-1]))
+        assert value["hist"] == np_hist_2d(grads[step], params, (6, 4), ranges)[0]
+    # step 2's x range comes from step 0, step 4's from step 3 (an adapt-only step)
+    assert (
+        result.output[2]["GradHist2d"]["edges"][0]
+        != (result.output[4]["GradHist2d"]["edges"][0])
+    )
+
+
+def test_min_size_no_adaptation_and_state_dict():
+    problem = make_problem("mlp", "mse")
+    floored = Q.GradHist1d(linear(1), adapt=ParamAbsMax(linear(1), min_size=100.0))
+    fixed = Q.GradHist1d(
+        linear(1), bins=4, range=(-3, 1), adapt=NoAdaptation(), key="Fixed"
+    )
+    result = run(problem, [floored, fixed], steps=2)
+    assert result.output[1]["GradHist1d"]["edges"][0] == -50.0  # min_size / 2
+    assert result.output[1]["Fixed"]["edges"] == [-3.0, -2.0, -1.0, 0.0, 1.0]
+    restored = Q.GradHist1d(linear(1))
+    restored.load_state_dict(json.loads(json.dumps(floored.state_dict())))
+    assert restored.range == floored.range == (-50.0, 50.0)
+
+
+def test_histograms_share_one_batch_grad_and_free_it():
+    problem = make_problem("mlp", "ce")
+    quantities = [
+        Q.GradHist1d(linear(1), adapt=GradAbsMax(linear(1))),
+        Q.GradHist2d(linear(1), adapt=(GradAbsMax(linear(1)), None)),
+    ]
+    cockpit = Cockpit(problem.params, quantities)
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with cockpit(0, info={"loss": loss}):
+        active = list(CTX.get_active_exts())
+        loss.backward()
+    # one per-sample-gradient extension (BackPACK's BatchGrad or the cockpit's
+    # variant of it, both write ``grad_batch``) serves all four consumers
+    assert [e.savefield for e in active] == ["grad_batch"]
+    assert isinstance(active[0], BatchGrad)
+    assert not any(hasattr(p, "grad_batch") for p in problem.params)
+    output = cockpit.get_output()[0]
+    assert sum(output["GradHist1d"]["hist"]) == x.shape[0] * sum(
+        p.numel() for p in problem.params
+    )
+
+
+def test_float32_model_counts_every_value():
+    torch.manual_seed(0)
+    from backpack import extend
+
+    model = extend(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    cockpit = Cockpit(
+        model.parameters(), [Q.GradHist1d(linear(1)), Q.GradHist2d(linear(1))]
+    )
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    loss = loss_fn(model(x), y)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    out = cockpit.get_output()[0]
+    total = 5 * sum(p.numel() for p in model.parameters())
+    assert sum(out["GradHist1d"]["hist"]) == total
+    assert sum(map(sum, out["GradHist2d"]["hist"])) == total
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: Q.GradHist1d(linear(1), bins=0), ValueError, "positive int"),
+        (lambda: Q.GradHist1d(linear(1), range=(1, 1)), ValueError, "lo < hi"),
+        (lambda: Q.GradHist1d(linear(1), range=3), ValueError, r"pair \(lo, hi\)"),
+        (lambda: Q.GradHist1d(linear(1), adapt=GradAbsMax), TypeError, "instantiate"),
+        (lambda: Q.GradHist2d(linear(1), bins=(3,)), ValueError, "pair"),
+        (lambda: Q.GradHist2d(linear(1), adapt=(None, 1)), TypeError, "adapt"),
+        (lambda: GradAbsMax(linear(1), padding=-1), ValueError, "padding"),
+        (lambda: ParamAbsMax(linear(1), min_size=0), ValueError, "min_size"),
+        (lambda: GradAbsMax(3), TypeError, "callable"),
+    ],
+)
+def test_invalid_arguments_are_explained(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
