@@ -132,6 +132,23 @@ class ParamView:
 
         return self._cached("sum_grad_squared", compute)
 
+    def scaled_sum_grad_squared(self) -> Tensor:
+        """Return ``sum_i b_i**2 = (1/N**2) sum_i g_i**2`` elementwise, shape of param.
+
+        This is BackPACK's ``SumGradSquared`` convention. Unlike
+        :meth:`sum_grad_squared` it needs no batch size, whichever extension ran, so
+        a quantity can reduce it inside the hook and multiply by ``N`` later.
+        """
+
+        def compute() -> Tensor:
+            if self.has_individual_gradients:
+                return self.sum_grad_squared() / self.batch_size**2
+            if hasattr(self.param, "sum_grad_squared"):
+                return self.param.sum_grad_squared
+            raise self._missing("sum of squared per-sample gradients")
+
+        return self._cached("scaled_sum_grad_squared", compute)
+
     def gram(self) -> Tensor:
         """Return the Gram matrix ``G_ij = g_i . g_j``, shape ``[N, N]``."""
 

@@ -10,9 +10,11 @@ from cockpit.quantities.base import (
 from cockpit.quantities.distance import Distance
 from cockpit.quantities.grad_hist import GradHist1d, GradHist2d
 from cockpit.quantities.grad_norm import GradNorm
+from cockpit.quantities.hess_max_ev import HessMaxEV
 from cockpit.quantities.hess_trace import HessTrace
 from cockpit.quantities.loss import Loss
 from cockpit.quantities.parameters import Parameters
+from cockpit.quantities.tic import TICDiag, TICTrace
 from cockpit.quantities.time import Time
 from cockpit.quantities.update_size import UpdateSize
 from cockpit.quantities.variance import Variance
@@ -23,11 +25,14 @@ __all__ = [
     "GradHist1d",
     "GradHist2d",
     "GradNorm",
+    "HessMaxEV",
     "HessTrace",
     "Loss",
     "Parameters",
     "Quantity",
     "SingleStepQuantity",
+    "TICDiag",
+    "TICTrace",
     "Time",
     "TrackContext",
     "TwoStepQuantity",

@@ -1,0 +1,381 @@
+"""HessMaxEV: the eigenvalue of largest magnitude of the mini-batch Hessian.
+
+The Hessian ``H`` of the mean-reduced mini-batch loss ``L`` is never formed; it is
+touched only through Hessian-vector products ``H v``, obtained by differentiating the
+gradients in ``.grad`` a second time. For that, ``.grad`` must carry the graph of the
+first backward pass, so on scheduled steps the user runs
+``loss.backward(create_graph=cockpit.create_graph(step))``. The products run after
+BackPACK's buffers are freed and with BackPACK disabled (``after_cleanup``); afterwards
+the cockpit detaches ``.grad``, and this quantity keeps no tensor that references the
+graph, so the double-backward graph is freed at the end of the step.
+
+Two iterative eigensolvers are available as plain functions of an ``hvp`` callable
+(:func:`lanczos_max_ev`, the default, and :func:`power_max_ev`); both return the
+eigenvalue of largest magnitude (which can be negative) and use the same stopping
+rule, so their product counts can be compared directly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+
+HVP = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class EigenResult:
+    """Outcome of an eigensolver run.
+
+    Attributes:
+        eigenvalue: The estimate of the eigenvalue of largest magnitude.
+        eigenvector: The matching unit (Ritz) vector, flat and detached.
+        num_hvps: How many Hessian-vector products were spent.
+        converged: Whether the stopping rule was met within the iteration budget.
+        residual: ``||H y - theta y||`` of the returned pair (``y`` the vector).
+    """
+
+    eigenvalue: float
+    eigenvector: Tensor
+    num_hvps: int
+    converged: bool
+    residual: float
+
+
+def _tolerance(theta: float, rtol: float, atol: float) -> float:
+    return rtol * abs(theta) + atol
+
+
+def power_max_ev(
+    hvp: HVP, v0: Tensor, rtol: float = 1e-3, atol: float = 1e-6, max_iter: int = 100
+) -> EigenResult:
+    """Power iteration for the eigenvalue of largest magnitude of a symmetric ``H``.
+
+    Each round normalises ``v``, spends one product ``w = H v``, and takes the
+    Rayleigh quotient ``theta = v . w``. Stopping rule: the residual
+    ``||H v - theta v||`` is at most ``rtol * |theta| + atol`` (then an eigenvalue of
+    ``H`` lies within that distance of ``theta``), or ``max_iter`` products are spent.
+
+    Args:
+        hvp: ``v -> H v`` for flat vectors.
+        v0: Non-zero start vector (flat).
+        rtol: Relative residual tolerance.
+        atol: Absolute residual tolerance.
+        max_iter: Budget of Hessian-vector products.
+
+    Returns:
+        The estimate, its vector and the number of products.
+    """
+    with torch.no_grad():
+        v = v0 / v0.norm()
+        theta, residual, converged, count = 0.0, float("inf"), False, 0
+        for _ in range(max_iter):
+            w = hvp(v)
+            count += 1
+            theta = float(torch.dot(v, w))
+            residual = float((w - theta * v).norm())
+            if residual <= _tolerance(theta, rtol, atol):
+                converged = True
+                break
+            norm = w.norm()
+            if float(norm) == 0.0:
+                break
+            v = w / norm
+        return EigenResult(theta, v.detach(), count, converged, residual)
+
+
+def lanczos_max_ev(
+    hvp: HVP, v0: Tensor, rtol: float = 1e-3, atol: float = 1e-6, max_iter: int = 50
+) -> EigenResult:
+    """Lanczos iteration for the eigenvalue of largest magnitude of a symmetric ``H``.
+
+    Builds an orthonormal basis ``Q_k`` of the Krylov space of ``v0`` (one product
+    per step, full re-orthogonalisation against all previous vectors, done twice) and
+    the tridiagonal ``T_k = Q_k^T H Q_k``, whose eigenpairs (``torch.linalg.eigh`` in
+    float64) give Ritz values ``theta_j`` with residuals
+    ``||H y_j - theta_j y_j|| = beta_k |s_j[-1]|``, free of extra products. The
+    answer is the Ritz value of largest magnitude.
+
+    Stopping rule: the largest-magnitude Ritz pair has residual at most
+    ``rtol * |theta| + atol`` (an eigenvalue lies within that distance of ``theta``;
+    the eigenvalue error is typically far smaller, about ``residual**2 / gap``) and
+    the Ritz value ``theta'`` at the opposite end of the spectrum is settled below it,
+    ``|theta'| + residual' <= |theta|``; or the Krylov space became invariant
+    (``beta_k`` at rounding level: the Ritz values are exact eigenvalues); or
+    ``max_iter`` products are spent (capped at the dimension). The basis costs
+    ``max_iter`` vectors of the size of ``v0``.
+
+    Args:
+        hvp: ``v -> H v`` for flat vectors.
+        v0: Non-zero start vector (flat); its dtype and device are used throughout.
+        rtol: Relative residual tolerance.
+        atol: Absolute residual tolerance.
+        max_iter: Budget of Hessian-vector products (basis size).
+
+    Returns:
+        The estimate, its Ritz vector and the number of products.
+    """
+    with torch.no_grad():
+        dim = v0.numel()
+        steps = max(1, min(max_iter, dim))
+        basis = torch.zeros(steps, dim, dtype=v0.dtype, device=v0.device)
+        basis[0] = v0 / v0.norm()
+        alphas: list[float] = []
+        betas: list[float] = []
+        count, converged = 0, False
+        breakdown = 10 * torch.finfo(v0.dtype).eps
+        for j in range(steps):
+            w = hvp(basis[j])
+            count += 1
+            alpha = float(torch.dot(basis[j], w))
+            w = w - alpha * basis[j]
+            if j > 0:
+                w = w - betas[-1] * basis[j - 1]
+            done = basis[: j + 1]
+            for _ in range(2):
+                w = w - done.T @ (done @ w)
+            beta = float(w.norm())
+            alphas.append(alpha)
+            tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+            if betas:
+                off = torch.tensor(betas, dtype=torch.float64)
+                tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
+            values, vectors = torch.linalg.eigh(tridiagonal)
+            residuals = beta * vectors[-1].abs()
+            best = int(values.abs().argmax())
+            other = 0 if best == len(alphas) - 1 else len(alphas) - 1
+            theta = float(values[best])
+            settled = other == best or float(
+                values[other].abs() + residuals[other]
+            ) <= abs(theta)
+            if settled and float(residuals[best]) <= _tolerance(theta, rtol, atol):
+                converged = True
+                break
+            invariant = beta <= breakdown * float(values.abs().max())
+            if invariant or j + 1 == steps:
+                converged = invariant or j + 1 == dim
+                break
+            betas.append(beta)
+            basis[j + 1] = w / beta
+        coefficients = vectors[:, best].to(dtype=v0.dtype, device=v0.device)
+        ritz = done.T @ coefficients
+        return EigenResult(
+            theta, ritz.detach(), count, converged, float(residuals[best])
+        )
+
+
+class HessMaxEV(SingleStepQuantity):
+    """Eigenvalue of largest magnitude of the mini-batch loss Hessian, a float.
+
+    ``H = nabla^2_theta L`` over all parameters handed to the cockpit. As in
+    cockpit-for-pytorch 1.0.2 the value is the eigenvalue of largest *magnitude*
+    (for the usual, mostly positive Hessian spectra: the largest eigenvalue).
+
+    Method. By default Lanczos (:func:`lanczos_max_ev`) with at most ``max_iter``
+    Hessian-vector products (default 50), which typically needs far fewer products
+    than power iteration. ``use_power=True`` selects power iteration
+    (:func:`power_max_ev`, default budget 100 products), the default method of
+    1.0.2; in 1.0.2 ``use_power=False`` meant SciPy's Lanczos for the largest
+    *algebraic* eigenvalue, here both methods return the largest-magnitude one.
+
+    Tolerance and stopping rule (both methods): stop once the returned Ritz pair
+    ``(theta, y)`` has residual ``||H y - theta y|| <= rtol * |theta| + atol``
+    (``rtol=1e-3``, ``atol=1e-6``); Lanczos additionally requires the Ritz value
+    ``theta'`` at the opposite end of the spectrum to satisfy
+    ``|theta'| + residual' <= |theta|``, so that the answer's sign is settled. A
+    residual ``r`` guarantees an eigenvalue within ``r`` of ``theta``; the error of
+    a Ritz value is typically about ``r**2 / gap``, far below ``r``. If the budget
+    runs out first, a warning is emitted and the last estimate is returned. (1.0.2
+    stopped power iteration when two consecutive estimates agreed to rtol 1e-3 /
+    atol 1e-6, which can stop early when convergence is slow.)
+
+    Start vector: the previous tracked step's eigenvector (warm start) plus 10 % of a
+    random direction, or a random direction on the first step. The random direction
+    comes from a private generator seeded with ``seed + global_step`` (reproducible,
+    the global RNG is untouched). Vectors live on the first parameter's device in the
+    promoted dtype of the parameters; the tridiagonal problem is solved in float64.
+
+    Args:
+        track_schedule: When to track; on those steps ``create_graph`` is True.
+        verbose: Warn with the number of products after every computation.
+        use_power: Use power iteration instead of Lanczos.
+        rtol: Relative residual tolerance.
+        atol: Absolute residual tolerance.
+        max_iter: Budget of products (default: 50 for Lanczos, 100 for power).
+        warm_start: Start from the previous step's eigenvector.
+        seed: Seed of the random start direction.
+        key: History key (default ``"HessMaxEV"``).
+
+    Raises:
+        ValueError: For non-positive tolerances or budget.
+    """
+
+    after_cleanup = True
+
+    #: Weight of the random direction added to a warm start.
+    WARM_START_NOISE = 0.1
+
+    def __init__(
+        self,
+        track_schedule: Callable[[int], bool],
+        verbose: bool = False,
+        use_power: bool = False,
+        rtol: float = 1e-3,
+        atol: float = 1e-6,
+        max_iter: int | None = None,
+        warm_start: bool = True,
+        seed: int = 0,
+        key: str | None = None,
+    ):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        if not (rtol >= 0 and atol >= 0 and rtol + atol > 0):
+            raise ValueError(
+                f"rtol and atol must be >= 0 and not both 0, got rtol={rtol!r}, "
+                f"atol={atol!r}. The defaults are rtol=1e-3, atol=1e-6."
+            )
+        if max_iter is not None and (
+            isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
+        ):
+            raise ValueError(
+                f"max_iter must be a positive int or None, got {max_iter!r}."
+            )
+        self.use_power = bool(use_power)
+        self.rtol, self.atol = float(rtol), float(atol)
+        self.max_iter = max_iter if max_iter is not None else (100 if use_power else 50)
+        self.warm_start = bool(warm_start)
+        self.seed = int(seed)
+        self._previous: Tensor | None = None
+        #: Hessian-vector products spent at the last computation.
+        self.last_num_hvps = 0
+
+    def create_graph(self, global_step: int) -> bool:
+        """True on scheduled steps: the products need the graph of ``.grad``."""
+        return self.should_compute(global_step)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        params = list(ctx.params)
+        grads = _graph_gradients(params, self.key, global_step)
+        dtype = _common_dtype(params)
+        device = params[0].device
+        hvp = _make_hvp(params, grads, dtype, device)
+        v0 = self._start_vector(global_step, sum(p.numel() for p in params))
+        v0 = v0.to(device=device, dtype=dtype)
+        solver = power_max_ev if self.use_power else lanczos_max_ev
+        result = solver(hvp, v0, rtol=self.rtol, atol=self.atol, max_iter=self.max_iter)
+        del hvp, grads
+        self.last_num_hvps = result.num_hvps
+        if self.warm_start:
+            self._previous = result.eigenvector.detach()
+        if not result.converged:
+            warnings.warn(
+                f"{self.key} at step {global_step}: no convergence within "
+                f"{result.num_hvps} Hessian-vector products (residual "
+                f"{result.residual:.3g}); returning the last estimate. Raise max_iter "
+                "or loosen rtol/atol.",
+                stacklevel=2,
+            )
+        elif self.verbose:
+            warnings.warn(
+                f"{self.key} at step {global_step}: {result.eigenvalue:.6g} after "
+                f"{result.num_hvps} Hessian-vector products.",
+                stacklevel=2,
+            )
+        return float(result.eigenvalue)
+
+    def _start_vector(self, global_step: int, dim: int) -> Tensor:
+        generator = torch.Generator().manual_seed(self.seed + global_step)
+        noise = torch.randn(dim, generator=generator, dtype=torch.float64)
+        noise /= noise.norm()
+        previous = self._previous
+        if previous is None or previous.numel() != dim:
+            return noise
+        previous = previous.detach().to(device="cpu", dtype=torch.float64)
+        norm = previous.norm()
+        if not torch.isfinite(norm) or float(norm) == 0.0:
+            return noise
+        return previous / norm + self.WARM_START_NOISE * noise
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the warm-start vector (or ``None``)."""
+        return {"previous": self._previous}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the warm-start vector."""
+        self._previous = state.get("previous")
+
+
+def _graph_gradients(
+    params: Sequence[Tensor], who: str, global_step: int
+) -> list[Tensor]:
+    """Return ``.grad`` of every parameter, checking that it carries a graph."""
+    grads = []
+    for i, p in enumerate(params):
+        if p.grad is None:
+            raise RuntimeError(
+                f"{who} at step {global_step}: parameter #{i} (shape "
+                f"{tuple(p.shape)}) has no .grad. Hand the cockpit only parameters "
+                "that the loss depends on, and run loss.backward() inside the "
+                "cockpit context."
+            )
+        grads.append(p.grad)
+    if not any(g.grad_fn is not None for g in grads):
+        raise RuntimeError(
+            f"{who} at step {global_step} needs the gradients' graph for "
+            "Hessian-vector products, but .grad carries none. Fix: call "
+            f"loss.backward(create_graph=cockpit.create_graph({global_step})) inside "
+            "the cockpit context."
+        )
+    return grads
+
+
+def _common_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    dtype = params[0].dtype
+    for p in params[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
+def _make_hvp(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> HVP:
+    """Return ``v -> H v`` on flat vectors, by differentiating ``grads`` again.
+
+    Gradients without a graph are constant in the parameters: their rows (and, by
+    symmetry, columns) of ``H`` are zero, so they are left out of the outputs.
+    """
+    sizes = [p.numel() for p in params]
+    live = [k for k, g in enumerate(grads) if g.grad_fn is not None]
+    outputs = [grads[k] for k in live]
+
+    def hvp(vector: Tensor) -> Tensor:
+        pieces = torch.split(vector, sizes)
+        grad_outputs = [
+            pieces[k].reshape(params[k].shape).to(grads[k].device, grads[k].dtype)
+            for k in live
+        ]
+        with torch.enable_grad():
+            products = torch.autograd.grad(
+                outputs,
+                params,
+                grad_outputs=grad_outputs,
+                retain_graph=True,
+                allow_unused=True,
+            )
+        flat = [
+            torch.zeros(n, dtype=dtype, device=device)
+            if h is None
+            else h.detach().reshape(-1).to(device=device, dtype=dtype)
+            for h, n in zip(products, sizes, strict=True)
+        ]
+        return torch.cat(flat)
+
+    return hvp

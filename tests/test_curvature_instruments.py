@@ -1,0 +1,371 @@
+"""TICDiag, TICTrace and HessMaxEV against dense float64 brute-force twins.
+
+TIC: per-sample gradients by autograd loops, curvature diagonals from the dense
+Hessian / GGN (rtol 1e-6). HessMaxEV: ``torch.linalg.eigvalsh`` of the dense Hessian
+(rtol 1e-3). Also: one curvature extension feeds every quantity that reads it, the
+Lanczos solver spends fewer Hessian-vector products than power iteration, and no
+double-backward graph survives a step.
+"""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from backpack import CTX
+from backpack.extensions import DiagGGNMC, DiagHessian, SumGradSquared
+
+from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.quantities.base import Quantity
+from cockpit.quantities.hess_max_ev import lanczos_max_ev, power_max_ev
+from cockpit.utils.schedules import linear, logarithmic
+from tests.test_histograms import np_hist_1d, np_hist_2d, per_sample_gradients
+from tests.utils import brute_force as bf
+from tests.utils.harness import run
+from tests.utils.problems import PROBLEM_IDS, PROBLEMS, make_problem
+
+STEPS = 5
+SCHEDULES = {
+    "every-step-from-1": lambda: linear(1, offset=1),
+    "log": lambda: logarithmic(0, 1, steps=4, init=False),  # {1, 2, 4}
+}
+EPS = 1e-7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The dense float64 twins (double backward through conv) run ~50x slower with two
+    # intra-op threads on a shared, loaded 2-core machine; one thread is plenty here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tracked_steps(schedule, steps=STEPS):
+    return [s for s in range(steps) if schedule(s)]
+
+
+def close(actual, expected, rtol, what):
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64),
+        torch.as_tensor(expected, dtype=torch.float64),
+        rtol=rtol,
+        atol=0.0,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+@pytest.fixture(params=PROBLEMS, ids=PROBLEM_IDS)
+def problem(request):
+    return make_problem(*request.param)
+
+
+@pytest.fixture(params=list(SCHEDULES), ids=list(SCHEDULES))
+def schedule(request):
+    return SCHEDULES[request.param]()
+
+
+# --- brute-force twins ----------------------------------------------------------------
+def tic_twin(problem, record, curvature):
+    grads = bf.individual_gradients(problem, record.params, record.x, record.y)
+    moment = torch.cat([(g**2).mean(0).reshape(-1) for g in grads])  # M_d
+    matrix = bf.hessian if curvature == "diag_h" else bf.ggn
+    h = torch.diagonal(matrix(problem, record.params, record.x, record.y))
+    return (moment / (h + EPS)).sum(), moment.sum() / (h.sum() + EPS)
+
+
+def max_ev_twin(problem, record):
+    evals = torch.linalg.eigvalsh(
+        bf.hessian(problem, record.params, record.x, record.y)
+    )
+    return evals[evals.abs().argmax()]
+
+
+# --- TIC ------------------------------------------------------------------------------
+@pytest.mark.parametrize("curvature", ["diag_h", "diag_ggn_exact"])
+def test_tic(problem, schedule, curvature):
+    quantities = [
+        Q.TICDiag(schedule, curvature=curvature),
+        Q.TICTrace(schedule, curvature=curvature),
+    ]
+    result = run(problem, quantities, steps=STEPS)
+    assert sorted(result.output) == tracked_steps(schedule)
+    for step in tracked_steps(schedule):
+        diag, trace = tic_twin(problem, result.records[step], curvature)
+        out = result.output[step]
+        assert isinstance(out["TICDiag"], float) and isinstance(out["TICTrace"], float)
+        close(out["TICDiag"], diag, 1e-6, f"TICDiag {curvature} step {step}")
+        close(out["TICTrace"], trace, 1e-6, f"TICTrace {curvature} step {step}")
+
+
+def test_unknown_curvature_is_rejected_at_construction():
+    for cls in (Q.TICDiag, Q.TICTrace):
+        with pytest.raises(
+            ValueError, match="'diag_h', 'diag_ggn_exact', 'diag_ggn_mc'"
+        ):
+            cls(linear(1), curvature="diag_hessian")
+    with pytest.raises(ValueError, match="epsilon"):
+        Q.TICDiag(linear(1), epsilon=-1.0)
+
+
+def _active_extensions(problem, quantities, step=0):
+    cockpit = Cockpit(problem.params, quantities)
+    x, y = problem.make_batch(step)
+    loss = problem.loss_fn(problem.model(x), y)
+    with cockpit(step, info={"loss": loss, "batch_size": x.shape[0]}):
+        active = list(CTX.get_active_exts())
+        loss.backward()
+    return active, cockpit.get_output()[step]
+
+
+def test_one_diag_hessian_feeds_hess_trace_and_both_tics():
+    problem = make_problem("cnn", "ce")
+    quantities = [Q.HessTrace(linear(1)), Q.TICDiag(linear(1)), Q.TICTrace(linear(1))]
+    active, together = _active_extensions(problem, quantities)
+    assert sum(isinstance(e, DiagHessian) for e in active) == 1
+    # alone, the second moment comes from SumGradSquared (no per-sample gradients)
+    assert sorted(type(e).__name__ for e in active) == [
+        "DiagHessian",
+        "SumGradSquared",
+    ]
+    # the same values when the second moment comes from per-sample gradients
+    fresh = make_problem("cnn", "ce")
+    shared, out = _active_extensions(
+        fresh, [Q.TICDiag(linear(1)), Q.TICTrace(linear(1)), Q.GradHist1d(linear(1))]
+    )
+    assert not any(isinstance(e, SumGradSquared) for e in shared)
+    assert [e.savefield for e in shared if e.savefield == "grad_batch"]
+    close(out["TICDiag"], together["TICDiag"], 1e-12, "TICDiag, other source")
+    close(out["TICTrace"], together["TICTrace"], 1e-12, "TICTrace, other source")
+
+
+def test_tic_with_monte_carlo_ggn():
+    problem = make_problem("mlp", "ce")
+    quantities = [
+        Q.TICDiag(linear(1), curvature="diag_ggn_mc"),
+        Q.TICTrace(linear(1), curvature="diag_ggn_mc"),
+    ]
+    active, out = _active_extensions(problem, quantities)
+    assert [type(e) for e in active if not isinstance(e, SumGradSquared)] == [DiagGGNMC]
+    assert np.isfinite(out["TICDiag"]) and out["TICTrace"] > 0
+
+
+def test_tic_rejects_a_wrong_batch_size():
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.TICDiag(linear(1)), Q.GradHist1d(linear(1))])
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with pytest.raises(ValueError, match=r"batch_size.*hold 6 samples.*x.shape\[0\]"):
+        with cockpit(0, info={"loss": loss, "batch_size": 5}):
+            loss.backward()
+    with pytest.raises(KeyError, match="batch_size"):
+        with cockpit(1, info={"loss": loss}):
+            pass
+
+
+# --- HessMaxEV ------------------------------------------------------------------------
+@pytest.mark.parametrize("use_power", [False, True], ids=["lanczos", "power"])
+def test_hess_max_ev(problem, schedule, use_power):
+    quantity = Q.HessMaxEV(schedule, use_power=use_power, max_iter=1000)
+    result = run(problem, [quantity], steps=STEPS)
+    assert sorted(result.output) == tracked_steps(schedule)
+    for step in tracked_steps(schedule):
+        value = result.output[step]["HessMaxEV"]
+        assert isinstance(value, float)
+        close(value, max_ev_twin(problem, result.records[step]), 1e-3, f"step {step}")
+    assert all(p.grad.grad_fn is None for p in problem.params)
+
+
+def test_hess_max_ev_needs_create_graph_and_says_how():
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.HessMaxEV(linear(2))])
+    assert cockpit.create_graph(0) and not cockpit.create_graph(1)
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with pytest.raises(RuntimeError, match=r"create_graph=cockpit.create_graph\(0\)"):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()  # without create_graph
+
+
+def _dense_hvp(problem, step=0):
+    x, y = problem.make_batch(step)
+    matrix = bf.hessian(problem, problem.params, x, y)
+    evals = torch.linalg.eigvalsh(matrix)
+    count = [0]
+
+    def hvp(v):
+        count[0] += 1
+        return matrix @ v
+
+    return hvp, count, evals[evals.abs().argmax()]
+
+
+@pytest.mark.parametrize("spec", PROBLEMS, ids=PROBLEM_IDS)
+def test_lanczos_needs_fewer_products_than_power_iteration(spec):
+    """Same start, same stopping rule and tolerance: Lanczos wins on every problem."""
+    hvp, count, exact = _dense_hvp(make_problem(*spec))
+    dim = sum(p.numel() for p in make_problem(*spec).params)
+    v0 = torch.randn(dim, generator=torch.Generator().manual_seed(0), dtype=exact.dtype)
+    spent = {}
+    for name, solver in (("lanczos", lanczos_max_ev), ("power", power_max_ev)):
+        count[0] = 0
+        result = solver(hvp, v0, rtol=1e-3, atol=1e-6, max_iter=1000)
+        assert result.converged
+        assert result.num_hvps == count[0]
+        close(result.eigenvalue, exact, 1e-3, name)
+        spent[name] = count[0]
+    assert spent["lanczos"] < spent["power"], spent
+
+
+def test_hvp_count_in_the_cockpit_and_warm_start(monkeypatch):
+    """Count real autograd HVPs per step: Lanczos < power, warm start <= cold start."""
+    calls = [0]
+    original = torch.autograd.grad
+
+    def counting_grad(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    spent = {}
+    for name, kwargs in {
+        "power": {"use_power": True, "max_iter": 1000},
+        "lanczos-cold": {"warm_start": False},
+        "lanczos-warm": {},
+    }.items():
+        problem = make_problem("cnn", "mse", "sgd")
+        quantity = Q.HessMaxEV(linear(1), **kwargs)
+        cockpit = Cockpit(problem.params, [quantity])
+        optimizer = problem.optimizer()
+        spent[name] = []
+        for step in range(3):
+            x, y = problem.make_batch(step)
+            optimizer.zero_grad()
+            loss = problem.loss_fn(problem.model(x), y)
+            monkeypatch.setattr(torch.autograd, "grad", counting_grad)
+            calls[0] = 0
+            with cockpit(step, info={"loss": loss}):
+                loss.backward(create_graph=cockpit.create_graph(step))
+            monkeypatch.setattr(torch.autograd, "grad", original)
+            assert calls[0] == quantity.last_num_hvps > 0
+            spent[name].append(calls[0])
+            optimizer.step()
+    assert sum(spent["lanczos-warm"]) < sum(spent["power"]), spent
+    assert sum(spent["lanczos-cold"]) < sum(spent["power"]), spent
+    assert sum(spent["lanczos-warm"][1:]) <= sum(spent["lanczos-cold"][1:]), spent
+
+
+def test_hess_max_ev_is_deterministic_and_leaves_global_rng_alone():
+    values = []
+    for _ in range(2):
+        problem = make_problem("mlp", "mse")  # seeds the global RNG
+        state = torch.get_rng_state()
+        result = run(problem, [Q.HessMaxEV(linear(1), warm_start=False)], steps=2)
+        assert torch.equal(torch.get_rng_state(), state)
+        values.append([result.output[s]["HessMaxEV"] for s in range(2)])
+    assert values[0] == values[1]
+
+
+def test_no_double_backward_graph_survives_a_step():
+    """Every tensor the forward pass saved for backward is freed after the step."""
+    problem = make_problem("cnn", "ce")
+    quantity = Q.HessMaxEV(linear(1))
+    cockpit = Cockpit(problem.params, [quantity, Q.TICDiag(linear(1))])
+    alive = weakref.WeakSet()
+
+    class Saved:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    def pack(tensor):
+        # keep a detached alias: holding ``tensor`` itself (with its grad_fn) would
+        # tie the holder into the graph in a cycle that the gc cannot see
+        holder = Saved(tensor.detach())
+        alive.add(holder)
+        return holder
+
+    def step(step, through_cockpit):
+        x, y = problem.make_batch(step)
+        for p in problem.params:
+            p.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
+            loss = problem.loss_fn(problem.model(x), y)
+        if through_cockpit:
+            with cockpit(step, info={"loss": loss, "batch_size": x.shape[0]}):
+                loss.backward(create_graph=cockpit.create_graph(step))
+        else:
+            loss.backward(create_graph=True)
+        del loss
+        gc.collect()
+
+    step(0, through_cockpit=True)
+    assert len(alive) == 0, f"{len(alive)} saved tensors still referenced"
+    assert 0 in cockpit.get_output()
+    assert quantity._previous is not None and quantity._previous.grad_fn is None
+    # control: a plain create_graph backward does keep the graph via .grad
+    step(1, through_cockpit=False)
+    assert len(alive) > 0
+    for p in problem.params:
+        p.grad = None
+    gc.collect()
+    assert len(alive) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rtol": 0, "atol": 0}, "rtol and atol"),
+        ({"max_iter": 0}, "max_iter"),
+    ],
+)
+def test_hess_max_ev_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Q.HessMaxEV(linear(1), **kwargs)
+
+
+# --- all together ---------------------------------------------------------------------
+def every_exported_quantity(schedule):
+    """One default instance of every exported quantity class that can be built."""
+    made = []
+    for name in Q.__all__:
+        cls = getattr(Q, name)
+        if not (isinstance(cls, type) and issubclass(cls, Quantity)):
+            continue
+        if cls.__module__ == "cockpit.quantities.base" or name.startswith("_"):
+            continue
+        try:
+            made.append(cls(schedule))
+        except TypeError:  # needs more than a schedule
+            continue
+    return made
+
+
+TOGETHER = [("mlp", "ce", "sgd"), ("cnn", "mse", "sgd"), ("cnn", "ce", "sgd")]
+
+
+@pytest.mark.parametrize("spec", TOGETHER, ids=["-".join(s) for s in TOGETHER])
+def test_everything_together(spec, schedule):
+    problem = make_problem(*spec)
+    quantities = every_exported_quantity(schedule)
+    quantities.append(
+        Q.GradHist2d(schedule, bins=(5, 3), keep_individual=True, key="Hist2dSmall")
+    )
+    mine = {"GradHist1d", "GradHist2d", "TICDiag", "TICTrace", "HessMaxEV"}
+    assert mine <= {q.key for q in quantities}
+    result = run(problem, quantities, steps=STEPS)
+    for step in tracked_steps(schedule):
+        out, record = result.output[step], result.records[step]
+        grads = per_sample_gradients(problem, record)
+        params = [p.reshape(-1).numpy() for p in record.params]
+        values = np.concatenate([g.reshape(-1) for g in grads])
+        assert out["GradHist1d"]["hist"] == np_hist_1d(values, 100, -2, 2)[0]
+        bins, ranges = (40, 50), ((-1, 1), (-2, 2))
+        assert out["GradHist2d"]["hist"] == np_hist_2d(grads, params, bins, ranges)[0]
+        small = np_hist_2d(grads, params, (5, 3), ranges)[0]
+        assert out["Hist2dSmall"]["hist"] == small
+        diag, trace = tic_twin(problem, record, "diag_h")
+        close(out["TICDiag"], diag, 1e-6, f"TICDiag step {step}")
+        close(out["TICTrace"], trace, 1e-6, f"TICTrace step {step}")
+        close(out["HessMaxEV"], max_ev_twin(problem, record), 1e-3, "HessMaxEV")
