@@ -1,0 +1,411 @@
+"""Input validation and clear error messages for the cockpit.
+
+Every check here is cheap: shape and attribute checks run before the backward pass;
+the value checks (is the loss mean-reduced, are the loss and the gradients finite)
+are gathered into one small tensor after the backward pass and read with a single
+device synchronisation per tracked step (:func:`step_health`).
+
+Each message names the problem and the fix. Problems that make the tracked values
+wrong raise; problems that training can live with warn once with a
+:class:`CockpitWarning` (filter them with ``warnings.filterwarnings("ignore",
+category=cockpit.checks.CockpitWarning)``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Sequence
+
+import torch
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from cockpit.context import StepInfo
+
+#: Where BackPACK lists the layers each extension supports.
+SUPPORTED_LAYERS_URL = "https://docs.backpack.pt/en/master/supported-layers.html"
+
+#: BackPACK savefields of first-order (per-sample gradient) extensions.
+FIRST_ORDER_SAVEFIELDS = frozenset({"grad_batch", "batch_l2", "sum_grad_squared"})
+
+# ATen's reduction enum as saved on loss nodes of the autograd graph.
+_REDUCTION_SUM = 2
+
+# Relative and absolute tolerance when comparing the loss with the mean of the
+# per-sample losses (float32 sums of a few thousand terms stay far inside).
+_RTOL = 1e-3
+_ATOL = 1e-7
+
+
+class CockpitWarning(UserWarning):
+    """A problem that cockpit can live with but that you should know about."""
+
+
+# --- before the backward pass ---------------------------------------------------------
+def check_step_info(step_info: StepInfo) -> None:
+    """Check ``batch_size``, ``individual_losses`` and ``loss`` without reading values.
+
+    Args:
+        step_info: The step's info.
+
+    Raises:
+        ValueError: If ``batch_size`` is not a positive int, ``individual_losses``
+            is not a tensor with a batch axis, the two disagree, or the loss node
+            says it was sum-reduced.
+    """
+    step = step_info.global_step
+    batch_size = step_info.get("batch_size")
+    if step_info.has("batch_size"):
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, numbers.Integral)
+            or batch_size < 1
+        ):
+            raise ValueError(
+                f"info['batch_size'] must be a positive int (the number of samples "
+                f"in the mini-batch), got {batch_size!r} at step {step}. Fix: pass "
+                "info={'batch_size': inputs.shape[0], ...}."
+            )
+    if step_info.has("individual_losses"):
+        losses = step_info.get("individual_losses")
+        if not isinstance(losses, Tensor) or losses.dim() == 0:
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else None
+            raise ValueError(
+                "info['individual_losses'] must be a tensor of per-sample losses with "
+                f"the batch axis first (shape [N]), got {type(losses).__name__} "
+                f"{'of shape ' + str(shape) if shape is not None else ''} at step "
+                f"{step}. Fix: compute them with reduction='none', e.g. "
+                "torch.nn.CrossEntropyLoss(reduction='none')(outputs, targets)."
+            )
+        if batch_size is not None and losses.shape[0] != batch_size:
+            raise ValueError(
+                f"info['batch_size'] is {batch_size} but info['individual_losses'] "
+                f"holds {losses.shape[0]} per-sample losses (shape "
+                f"{tuple(losses.shape)}) at step {step}. Fix: pass the size of the "
+                "mini-batch that went through the forward pass, "
+                "info={'batch_size': inputs.shape[0], ...}, and the per-sample "
+                "losses of that same batch."
+            )
+    if step_info.has("loss"):
+        node = _loss_node(step_info.get("loss"))
+        if getattr(node, "_saved_reduction", None) == _REDUCTION_SUM:
+            raise ValueError(sum_reduced_message(step, type(node).__name__))
+
+
+def _loss_node(loss: Any):
+    """The autograd node that produced ``loss``, behind BackPACK's hook wrappers."""
+    node = getattr(loss, "grad_fn", None)
+    for _ in range(4):  # extended modules wrap their outputs in hook nodes
+        if node is None or type(node).__name__ != "BackwardHookFunctionBackward":
+            break
+        node = node.next_functions[0][0] if node.next_functions else None
+    return node
+
+
+def sum_reduced_message(global_step: int, where: str) -> str:
+    """The message for a loss that is summed over the mini-batch instead of averaged."""
+    return (
+        f"The loss at step {global_step} is sum-reduced ({where}), but cockpit "
+        "needs the mean-reduced loss: BackPACK's per-sample gradients are scaled "
+        "by the reduction, so every per-sample quantity would be off by a factor "
+        "of the batch size. Fix: use reduction='mean' (the default), e.g. "
+        "torch.nn.CrossEntropyLoss(), and pass per-sample losses computed with "
+        "reduction='none' as info['individual_losses']."
+    )
+
+
+# --- after the backward pass ----------------------------------------------------------
+@dataclass(frozen=True)
+class StepHealth:
+    """What the value checks of one step found.
+
+    Attributes:
+        loss: The loss as a float (``None`` if not handed in).
+        mean_individual: The mean of ``individual_losses`` (``None`` if not both
+            ``loss`` and ``individual_losses`` were handed in).
+        grads_finite: Whether all gradients are finite (``None`` if no parameter
+            has a gradient).
+    """
+
+    loss: float | None
+    mean_individual: float | None
+    grads_finite: bool | None
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """What was not finite: a sublist of ``["loss", "gradients"]``."""
+        found = []
+        if self.loss is not None and not math.isfinite(self.loss):
+            found.append("loss")
+        if self.grads_finite is False:
+            found.append("gradients")
+        return found
+
+
+def _scalar(value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.detach().reshape(-1)[0]
+    return torch.tensor(float(value))
+
+
+def step_health(step_info: StepInfo, params: Sequence[Tensor]) -> StepHealth:
+    """Read the loss, the mean per-sample loss and gradient finiteness at once.
+
+    Everything is combined into one small tensor and copied to the host once.
+
+    Args:
+        step_info: The step's info.
+        params: The parameters whose ``.grad`` is checked.
+
+    Returns:
+        The findings.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    pieces: list[Tensor] = []
+    with torch.no_grad():
+        if step_info.has("loss"):
+            pieces.append(_scalar(step_info.get("loss")))
+        has_both = step_info.has("loss") and step_info.has("individual_losses")
+        if has_both:
+            pieces.append(step_info.get("individual_losses").detach().mean())
+        if grads:
+            # the max-abs norm is inf or NaN iff some entry is, and never overflows
+            pieces.append(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
+        if not pieces:
+            return StepHealth(None, None, None)
+        device = pieces[-1].device
+        values = torch.stack([t.to(device=device, dtype=torch.float32) for t in pieces])
+        values = values.tolist()
+    loss = values.pop(0) if step_info.has("loss") else None
+    mean = values.pop(0) if has_both else None
+    grads_finite = math.isfinite(values.pop(0)) if grads else None
+    return StepHealth(loss, mean, grads_finite)
+
+
+def reduction_problem(health: StepHealth, batch_size: int) -> str | None:
+    """Compare the loss with the mean of the per-sample losses.
+
+    Args:
+        health: The step's findings (with ``loss`` and ``mean_individual``).
+        batch_size: The number of per-sample losses N.
+
+    Returns:
+        ``"sum"`` if the loss equals N times the mean (a sum-reduced loss),
+        ``"mismatch"`` if it equals neither the mean nor the sum, ``None`` if it
+        matches the mean or cannot be checked (missing or non-finite values).
+    """
+    loss, mean = health.loss, health.mean_individual
+    if (
+        loss is None
+        or mean is None
+        or not (math.isfinite(loss) and math.isfinite(mean))
+    ):
+        return None
+    if math.isclose(loss, mean, rel_tol=_RTOL, abs_tol=_ATOL):
+        return None
+    summed = batch_size * mean
+    if (
+        batch_size > 1
+        and abs(mean) > _ATOL
+        and math.isclose(loss, summed, rel_tol=_RTOL)
+    ):
+        return "sum"
+    return "mismatch"
+
+
+def mismatch_message(health: StepHealth, global_step: int) -> str:
+    """The warning for a loss that differs from the mean of the per-sample losses."""
+    return (
+        f"At step {global_step}, info['loss'] ({health.loss:.6g}) differs from the "
+        f"mean of info['individual_losses'] ({health.mean_individual:.6g}). "
+        "Quantities that combine them (e.g. Alpha) will be inconsistent. Fix: pass "
+        "the mean-reduced loss of the mini-batch and the per-sample losses of the "
+        "same forward pass; keep penalty terms (e.g. weight decay) out of the loss. "
+        "(Warned once.)"
+    )
+
+
+def nonfinite_message(what: Sequence[str], global_step: int, key: str) -> str:
+    """The warning for a step with a NaN or infinite loss or gradient."""
+    return (
+        f"Step {global_step}: the {' and the '.join(what)} "
+        f"{'is' if len(what) == 1 else 'are'} not finite (NaN or inf). cockpit keeps "
+        f"going and records such steps under the history key {key!r}; quantities "
+        "there may be NaN or missing. Fix: lower the learning rate, clip gradients "
+        "(torch.nn.utils.clip_grad_norm_) or check the data for NaNs. "
+        "(Warned once; later non-finite steps are only recorded.)"
+    )
+
+
+# --- naming things --------------------------------------------------------------------
+def param_label(index: int, param: Tensor, name: str | None = None) -> str:
+    """Describe a parameter by name (if known), position and shape."""
+    shape = f"shape {tuple(param.shape)}"
+    return f"{name!r} (#{index}, {shape})" if name else f"#{index} ({shape})"
+
+
+def module_label(module: Module, owned: Sequence[tuple[int, str | None]]) -> str:
+    """Describe a module by class and, if its parameters are named, by its name.
+
+    Args:
+        module: The module.
+        owned: ``(index, name)`` of the cockpit parameters the module owns.
+
+    Returns:
+        E.g. ``"LayerNorm 'encoder.norm'"`` or ``"LayerNorm (owns parameter #2)"``.
+    """
+    cls = type(module).__name__
+    names = [name for _, name in owned if name]
+    if names:
+        prefix = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
+        return f"{cls} {prefix!r}" if prefix else f"{cls} (top-level module)"
+    if owned:
+        indices = ", ".join(f"#{i}" for i, _ in owned)
+        return f"{cls} (owns parameter {indices})"
+    children = [type(child).__name__ for child in module.children()]
+    if children:
+        return f"the module {cls} (with sub-modules {', '.join(children)})"
+    return f"{cls} ({module!r})"
+
+
+def is_training_batchnorm(module: Module) -> bool:
+    """Return whether ``module`` is a BatchNorm layer in train mode."""
+    return isinstance(module, _BatchNorm) and module.training
+
+
+def find_backpack_failure(
+    traceback: TracebackType | None,
+) -> tuple[Module | None, BackpropExtension | None]:
+    """Find the module and BackPACK extension that raised inside the backward pass.
+
+    BackPACK's hooks keep the module and the extension as local variables, so the
+    innermost frames of the traceback name both.
+
+    Args:
+        traceback: The exception's ``__traceback__``.
+
+    Returns:
+        ``(module, extension)``; either is ``None`` if it cannot be found.
+    """
+    module, extension = None, None
+    while traceback is not None:
+        local = traceback.tb_frame.f_locals
+        candidate = local.get("module")
+        if isinstance(candidate, Module):
+            module = candidate
+        for name in ("self", "ext", "backpack_extension"):
+            if isinstance(local.get(name), BackpropExtension):
+                extension = local[name]
+        traceback = traceback.tb_next
+    return module, extension
+
+
+def batchnorm_message(label: str, who: str, global_step: int, error: bool) -> str:
+    """The message for a BatchNorm layer in train mode during a tracked step."""
+    consequence = (
+        "BackPACK refuses to compute"
+        if error
+        else "BackPACK computes them, but they are not meaningful:"
+    )
+    return (
+        f"{label} is in train mode at step {global_step}. It normalises with "
+        "statistics of the whole mini-batch, so per-sample gradients and curvature "
+        f"mix samples; {consequence} the results needed by {who}"
+        f"{'' if error else ' (values are recorded anyway)'}. Fix: call "
+        "model.eval() before the forward pass of tracked steps (and model.train() "
+        "after), replace BatchNorm (e.g. by GroupNorm), or drop these quantities."
+    )
+
+
+def unsupported_message(
+    label: str,
+    extension: str,
+    who: str,
+    global_step: int,
+    first_order: bool,
+    container: bool = False,
+) -> str:
+    """The message for a layer that BackPACK has no extension for.
+
+    Args:
+        label: The module, as described by :func:`module_label`.
+        extension: Name of the BackPACK extension that failed.
+        who: The quantities that need it.
+        global_step: The step.
+        first_order: Whether only first-order (per-sample gradient) results failed.
+        container: Whether the module has sub-modules (a custom ``forward``).
+
+    Returns:
+        The message.
+    """
+    if container:
+        fix = (
+            "BackPACK passes curvature only through torch.nn.Sequential containers, "
+            "not through a module with its own forward(); build the model from "
+            "nn.Sequential, or extend it with backpack.extend(model, "
+            "use_converter=True), or drop these quantities"
+        )
+    elif first_order:
+        fix = (
+            "replace the layer by one BackPACK supports, pass the Cockpit only the "
+            "parameters of supported layers, or drop these quantities"
+        )
+    else:
+        fix = (
+            "curvature must flow back through every layer, so replace the layer by "
+            "one BackPACK supports or drop these quantities"
+        )
+    return (
+        f"BackPACK cannot compute {extension} for {label}, needed by {who} at step "
+        f"{global_step}. Fix: {fix} (supported layers: {SUPPORTED_LAYERS_URL})."
+    )
+
+
+def unextended_loss_message(who: str, global_step: int) -> str:
+    """The message for second-order extensions whose backpropagation never started."""
+    return (
+        f"BackPACK received no curvature information from the loss at step "
+        f"{global_step}, needed by {who}. Either the loss function was not "
+        "extended, or the model output passes through operations outside "
+        "nn.Modules before the loss. Fix: loss_fn = backpack.extend(loss_fn) (e.g. "
+        "extend(torch.nn.CrossEntropyLoss())) and compute the loss directly from "
+        "the output of the extended model."
+    )
+
+
+def no_gradient_message(labels: Sequence[str]) -> str:
+    """The warning for parameters that received no gradient in the backward pass."""
+    return (
+        f"Parameter(s) {', '.join(labels)} received no gradient (their .grad was not "
+        "written by the backward pass, e.g. an unused layer). cockpit treats their "
+        "gradients and curvature as zero. Fix: if that is intended, leave them out "
+        "of the parameters handed to the Cockpit; otherwise make sure the loss "
+        "depends on them. (Warned once.)"
+    )
+
+
+def unwritable_message(path: str, error: OSError) -> str:
+    """The message for a log path that cannot be written."""
+    reason = error.strerror or str(error)
+    return (
+        f"Cannot write the cockpit log to {path!r}: {reason}. Fix: pass a path in a "
+        "writable directory (missing parent directories are created, a bare file "
+        "name writes to the working directory)."
+    )
+
+
+def unwritable_error(path: str, error: OSError) -> OSError:
+    """Return an error of the same kind as ``error`` with :func:`unwritable_message`.
+
+    ``OSError(errno, message)`` picks the matching subclass (``PermissionError``,
+    ``NotADirectoryError``, ...), so ``except PermissionError`` keeps working.
+    """
+    message = unwritable_message(path, error)
+    if error.errno is None:
+        return OSError(message)
+    return OSError(error.errno, message)

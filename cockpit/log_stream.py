@@ -1,0 +1,289 @@
+"""A crash-safe log: the history streamed to a file while the run goes on.
+
+Turn it on with ``Cockpit(params, quantities, logpath="runs/log")``. The file
+(``runs/log.jsonl``; see :func:`stream_path`) is append-only and holds one standard
+JSON object per line, NaN and infinities encoded as in
+:meth:`cockpit.history.History.write_json`::
+
+    {"format":"cockpit-log-stream","version":1}          header (first line)
+    {"step":12,"values":{"Loss":0.31,"GradNorm":[...]}}  values recorded for step 12
+    {"step":11,"values":{"UpdateSize":[...]}}            a two-step value for step 11
+    {"resume_after":40}                                  see below
+
+The records of a tracked step are written and flushed when its ``with cockpit(...)``
+block ends, so a run killed at any moment (even with ``SIGKILL``) keeps every step
+that was completed; only the record being written can be torn, and the reader skips
+it with a warning. Values of one step may come in several records (two-step values
+arrive one step later, :meth:`~cockpit.Cockpit.log` writes its own); the reader merges
+them, later values winning. A run resumed from a checkpoint
+(:meth:`~cockpit.Cockpit.load_state_dict`) appends a ``resume_after`` marker: records
+for later steps written before it (by the run that died after the checkpoint) are
+dropped, since the resumed run writes them again.
+
+:meth:`cockpit.history.History.from_json` detects and reads this format, so
+``to_dataframe``, the plotter and ``cockpit plot`` read streamed logs as they are.
+Data reaches the operating system at each step (``flush``), which survives the death
+of the process; it is not ``fsync``-ed, so a power cut may lose the last steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Iterable, Mapping
+
+from cockpit.checks import CockpitWarning, unwritable_error
+from cockpit.history import _decode, _encode, to_builtin
+
+#: Name and version in the header line.
+STREAM_FORMAT = "cockpit-log-stream"
+STREAM_VERSION = 1
+
+_HEADER = json.dumps(
+    {"format": STREAM_FORMAT, "version": STREAM_VERSION}, separators=(",", ":")
+)
+_MAGIC = _HEADER[: _HEADER.index(",")].encode()  # b'{"format":"cockpit-log-stream"'
+_CHUNK = 1 << 20
+
+
+def stream_path(logpath: str | os.PathLike) -> str:
+    """Return the file a stream for ``logpath`` is written to.
+
+    ``logpath`` is used as given if it ends with ``.jsonl`` or ``.json``; otherwise
+    ``.jsonl`` is appended (so ``Cockpit.write(logpath)``, which writes
+    ``logpath + ".json"``, does not overwrite the stream).
+    """
+    logpath = os.fspath(logpath)
+    if logpath.endswith((".jsonl", ".json")):
+        return logpath
+    return logpath + ".jsonl"
+
+
+def _line(payload: Mapping[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def record_line(global_step: int, values: Mapping[str, Any]) -> str:
+    """Return the line that records ``values`` for ``global_step``."""
+    encoded = _encode({str(k): to_builtin(v) for k, v in values.items()})
+    return _line({"step": int(global_step), "values": encoded})
+
+
+class LogStream:
+    """Writes the history of a run to a JSON-lines file as the run goes.
+
+    The path is checked when the stream is created, so an unwritable path fails
+    before training starts. The file is opened at the first write: a new run
+    replaces an existing file, a run resumed with :meth:`resume` appends to it.
+
+    Args:
+        logpath: Log path; see :func:`stream_path` for the suffix.
+
+    Raises:
+        OSError: If the file cannot be created or written (message names the path
+            and the fix).
+    """
+
+    def __init__(self, logpath: str | os.PathLike):
+        self.path = stream_path(logpath)
+        self._handle = None
+        self._resuming = False
+        self._resume_after: int | None = None
+        #: The error that stopped streaming, if writing failed during the run.
+        self.error: OSError | None = None
+        try:
+            if os.path.isdir(self.path):
+                raise IsADirectoryError(21, "Is a directory")
+            parent = os.path.dirname(self.path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8"):
+                pass
+        except OSError as error:
+            raise unwritable_error(self.path, error) from error
+
+    # --- writing -------------------------------------------------------------------
+    def resume(self, after_step: int | None) -> None:
+        """Append to the existing file, dropping its records for steps > ``after_step``.
+
+        Args:
+            after_step: The last step the checkpoint had seen (``None``: none).
+        """
+        if self._handle is None:
+            self._resuming = True
+            self._resume_after = after_step
+        elif after_step is not None:
+            self._write(_line({"resume_after": int(after_step)}))
+
+    def write(self, records: Mapping[int, Mapping[str, Any]]) -> None:
+        """Append one record per step and flush.
+
+        A failure to write (disk full, file removed, ...) never interrupts
+        training: it warns once, stops streaming, and the history stays in memory.
+
+        Args:
+            records: ``{step: {key: value}}`` recorded since the last write.
+        """
+        text = "".join(
+            record_line(step, values) for step, values in records.items() if values
+        )
+        if text:
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self._handle is None:
+                text = self._open() + text
+            self._handle.write(text)
+            self._handle.flush()
+        except OSError as error:
+            self.error = error
+            warnings.warn(
+                f"Streaming the cockpit log to {self.path!r} failed ({error}); "
+                "streaming is off for the rest of the run, the history stays in "
+                "memory. Fix: free space or pick another path, and call "
+                "cockpit.write(path) to save the history.",
+                CockpitWarning,
+                stacklevel=3,
+            )
+
+    def _open(self) -> str:
+        """Open the file and return the lines that must precede the first record."""
+        if not self._resuming:
+            self._handle = open(self.path, "w", encoding="utf-8")
+            return _HEADER + "\n"
+        prefix = _prepare_for_append(self.path)
+        self._handle = open(self.path, "a", encoding="utf-8")
+        if self._resume_after is not None:
+            prefix += _line({"resume_after": int(self._resume_after)})
+        return prefix
+
+    def close(self) -> None:
+        """Close the file (records are on disk already; writing later reopens it)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+            self._resuming = True
+            self._resume_after = None
+
+
+def _prepare_for_append(path: str) -> str:
+    """Make ``path`` ready for appending; return a header if the file is empty.
+
+    A torn last record is cut off (it could not be read anyway, and a record
+    appended to it would be lost too). A log in standard JSON (e.g. written by
+    ``Cockpit.write`` to the same path) is converted to the streamed format.
+    """
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return _HEADER + "\n"
+    if not is_stream_file(path):
+        from cockpit.history import History
+
+        history = History.from_json(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(_HEADER + "\n")
+            for step, values in history.items():
+                handle.write(record_line(step, values))
+        os.replace(tmp, path)
+        return ""
+    with open(path, "rb+") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        position = end
+        while position > 0:
+            start = max(0, position - _CHUNK)
+            handle.seek(start)
+            chunk = handle.read(position - start)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                position = start + newline + 1
+                break
+            position = start
+        if position < end:
+            handle.truncate(position)
+    return "" if position > 0 else _HEADER + "\n"
+
+
+# --- reading -------------------------------------------------------------------------
+def is_stream_file(path: str | os.PathLike) -> bool:
+    """Return whether ``path`` holds a streamed log (an empty file counts as one)."""
+    with open(path, "rb") as handle:
+        head = handle.read(len(_MAGIC))
+        rest = handle.read(1)
+    if head == _MAGIC:
+        return True
+    return not rest and _MAGIC.startswith(head)  # empty, or a torn header
+
+
+def _parse(lines: Iterable[tuple[int, bytes, bool]], path: str):
+    for number, raw, terminated in lines:
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            if terminated:
+                warnings.warn(
+                    f"Skipped line {number} of the cockpit log {path!r}: it is not "
+                    "valid JSON (the file was damaged). The other records are read.",
+                    CockpitWarning,
+                    stacklevel=4,
+                )
+            else:
+                warnings.warn(
+                    f"Skipped the torn last record (line {number}) of the cockpit log "
+                    f"{path!r}: the run stopped while writing it. Every earlier step "
+                    "is read.",
+                    CockpitWarning,
+                    stacklevel=4,
+                )
+            continue
+        if isinstance(record, dict):
+            yield number, record
+
+
+def read_stream(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """Read a streamed log into ``{step: {key: value}}``.
+
+    Args:
+        path: The log file.
+
+    Returns:
+        The merged values, steps sorted.
+
+    Raises:
+        ValueError: If the log was written by a newer format version.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as handle:
+        data = handle.read()
+    pieces = data.split(b"\n")
+    last = len(pieces)
+    lines = ((number, raw, number < last) for number, raw in enumerate(pieces, start=1))
+    merged: dict[int, dict[str, Any]] = {}
+    for number, record in _parse(lines, path):
+        if "step" in record and isinstance(record.get("values"), dict):
+            entries = merged.setdefault(int(record["step"]), {})
+            entries.update(_decode(record["values"]))
+        elif "resume_after" in record:
+            after = int(record["resume_after"])
+            for step in [s for s in merged if s > after]:
+                del merged[step]
+        elif record.get("format") == STREAM_FORMAT:
+            if int(record.get("version", 1)) > STREAM_VERSION:
+                raise ValueError(
+                    f"The cockpit log {path!r} uses stream format version "
+                    f"{record['version']}, newer than this cockpit reads "
+                    f"({STREAM_VERSION}). Fix: upgrade cockpit."
+                )
+        else:
+            warnings.warn(
+                f"Skipped line {number} of the cockpit log {path!r}: unknown record "
+                f"{sorted(record)}.",
+                CockpitWarning,
+                stacklevel=2,
+            )
+    return {step: merged[step] for step in sorted(merged)}

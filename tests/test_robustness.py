@@ -1,0 +1,431 @@
+"""Bad inputs end in messages that name the problem and the fix (issue 5, part 1)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+
+from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.checks import CockpitWarning
+from cockpit.cockpit import NONFINITE_KEY
+from cockpit.needs import Need
+from cockpit.quantities.base import SingleStepQuantity
+from cockpit.utils.schedules import linear
+from tests.utils.harness import run
+from tests.utils.problems import make_problem
+
+EVERY = linear(1)
+
+
+class _NeedsIndividual(SingleStepQuantity):
+    """Reads per-sample gradients (forces BatchGrad); reports their mean norm."""
+
+    def needs(self, global_step):
+        return (
+            {Need.INDIVIDUAL_GRADIENTS} if self.should_compute(global_step) else set()
+        )
+
+    def accumulate(self, global_step, view):
+        self._acc[view.index] = view.individual_gradients().flatten(1).norm(dim=1)
+
+    def _compute(self, global_step, ctx):
+        return [float(self._acc[i].mean()) for i in sorted(self._acc)]
+
+
+class _FragileOnNaN(SingleStepQuantity):
+    """Raises on non-finite values, in accumulate and in track (like a histogram)."""
+
+    def needs(self, global_step):
+        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+
+    def accumulate(self, global_step, view):
+        value = view.batch_l2().sum()
+        if not torch.isfinite(value):
+            raise ValueError("cannot bin NaN")
+        self._acc[view.index] = value
+
+    def _compute(self, global_step, ctx):
+        total = sum(float(v) for v in self._acc.values())
+        if not math.isfinite(total):
+            raise ValueError("range is not finite")
+        return total
+
+
+def _step(cockpit, problem, step, x, y, info_update=None, loss_fn=None, opt=None):
+    out = problem.model(x)
+    loss = (loss_fn or problem.loss_fn)(out, y)
+    info = {
+        "batch_size": x.shape[0],
+        "individual_losses": problem.individual_loss_fn(out, y),
+        "loss": loss,
+    }
+    info.update(info_update or {})
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    return loss
+
+
+# --- mean reduction -------------------------------------------------------------------
+def test_sum_reduced_loss_module_fails_before_the_backward():
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.Variance(EVERY)])
+    x, y = problem.make_batch(0)
+    loss = extend(torch.nn.CrossEntropyLoss(reduction="sum"))(problem.model(x), y)
+    entered = False
+    with pytest.raises(ValueError, match=r"sum-reduced.*reduction='mean'"):
+        with cockpit(0, info={"loss": loss, "batch_size": 6}):
+            entered = True
+    assert not entered  # raised on entry, the backward never ran
+    assert cockpit.get_output() == {}
+
+
+def test_sum_of_individual_losses_is_detected_from_the_values():
+    problem = make_problem("cnn", "mse")
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY)])
+    x, y = problem.make_batch(0)
+    out = problem.model(x)
+    losses = problem.individual_loss_fn(out, y)
+    loss = losses.sum()  # summed by hand: no reduction flag on the graph
+    info = {"loss": loss, "individual_losses": losses, "batch_size": 6}
+    with pytest.raises(ValueError, match=r"sum-reduced.*is 6 times the mean.*Fix"):
+        with cockpit(0, info=info):
+            loss.backward()
+
+
+def test_loss_that_is_not_the_mean_of_individual_losses_warns_once():
+    problem = make_problem("mlp", "mse")
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY)])
+    penalty = sum((p**2).sum() for p in problem.params)
+    with pytest.warns(CockpitWarning, match=r"differs from the mean.*Fix") as record:
+        for step in range(3):
+            problem.model.zero_grad()
+            x, y = problem.make_batch(step)
+            out = problem.model(x)
+            losses = problem.individual_loss_fn(out, y)
+            loss = losses.mean() + 0.1 * penalty
+            info = {"loss": loss, "individual_losses": losses, "batch_size": 6}
+            with cockpit(step, info=info):
+                loss.backward(retain_graph=True)
+    assert len([w for w in record if "differs" in str(w.message)]) == 1
+    assert sorted(cockpit.get_output()) == [0, 1, 2]  # training went on
+
+
+def test_mean_reduced_loss_raises_nothing():
+    problem = make_problem("cnn", "ce")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)
+        result = run(problem, [Q.Loss(EVERY), Q.Variance(EVERY)], steps=2)
+    assert sorted(result.output) == [0, 1]
+
+
+# --- info -----------------------------------------------------------------------------
+def test_batch_size_disagreeing_with_individual_losses():
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY)])
+    x, y = problem.make_batch(0)
+    with pytest.raises(ValueError, match=r"batch_size'\] is 5 but .* holds 6.*Fix"):
+        _step(cockpit, problem, 0, x, y, {"batch_size": 5})
+    with pytest.raises(ValueError, match=r"positive int.*Fix: pass"):
+        _step(cockpit, problem, 0, x, y, {"batch_size": 6.0})
+    with pytest.raises(
+        ValueError, match=r"individual_losses'\] must be .*reduction='none'"
+    ):
+        _step(cockpit, problem, 0, x, y, {"individual_losses": torch.tensor(1.0)})
+
+
+def test_missing_info_key_a_scheduled_quantity_needs():
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.Loss(linear(2, offset=1))])
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with cockpit(0, info={}):  # Loss is not scheduled at step 0: nothing needed
+        loss.backward()
+    with pytest.raises(KeyError, match=r"Loss needs info\['loss'\].*Fix: pass it"):
+        with cockpit(1, info={"batch_size": 6}):
+            pass
+
+
+def test_global_step_must_be_an_int():
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY)])
+    with pytest.raises(TypeError, match=r"global_step must be an int.*Fix"):
+        with cockpit(1.5, info={}):
+            pass
+
+
+# --- models and layers ----------------------------------------------------------------
+def _mse_setup(model, quantities, named=True):
+    model = extend(model.double())
+    params = list(model.named_parameters()) if named else list(model.parameters())
+    return model, Cockpit(params, quantities)
+
+
+def _mse_step(model, cockpit, step=0, loss_fn=None, x=None):
+    torch.manual_seed(step)
+    x = torch.randn(6, 3, dtype=torch.float64) if x is None else x
+    y = torch.randn(6, 2, dtype=torch.float64)
+    out = model(x)
+    loss = (loss_fn or extend(torch.nn.MSELoss()))(out, y)
+    losses = ((out - y) ** 2).mean(1)
+    info = {"loss": loss, "individual_losses": losses, "batch_size": 6}
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+
+
+def test_model_not_extended():
+    model = torch.nn.Linear(3, 2).double()
+    cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])
+    with pytest.raises(
+        RuntimeError, match=r"no results for parameter.*backpack.extend"
+    ):
+        _mse_step(model, cockpit)
+
+
+def test_loss_not_extended_for_curvature():
+    model, cockpit = _mse_setup(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)),
+        [Q.HessTrace(EVERY)],
+    )
+    with pytest.raises(
+        RuntimeError, match=r"loss function was not extended.*Fix"
+    ) as info:
+        _mse_step(model, cockpit, loss_fn=torch.nn.MSELoss())
+    assert "HessTrace" in str(info.value)
+    assert isinstance(info.value.__cause__, AssertionError)
+
+
+def _layernorm_net():
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)
+    )
+
+
+def test_unsupported_layer_for_per_sample_quantities_is_named():
+    model, cockpit = _mse_setup(_layernorm_net(), [Q.Variance(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # BackPACK's own warning
+        with pytest.raises(NotImplementedError, match=r"LayerNorm '1', needed by Var"):
+            _mse_step(model, cockpit)
+    # leaving the LayerNorm's parameters out, as the message suggests, works
+    model = extend(_layernorm_net().double())
+    params = [p for name, p in model.named_parameters() if not name.startswith("1.")]
+    cockpit = Cockpit(params, [Q.Variance(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _mse_step(model, cockpit)
+    assert len(cockpit.get_output()[0]["Variance"]) == 4
+
+
+def test_unsupported_layer_for_curvature_is_named_and_chained():
+    model, cockpit = _mse_setup(_layernorm_net(), [Q.HessTrace(EVERY)], named=False)
+    with pytest.raises(NotImplementedError, match=r"DiagHessian for LayerNorm") as info:
+        _mse_step(model, cockpit)
+    message = str(info.value)
+    assert "owns parameter #2, #3" in message and "needed by HessTrace" in message
+    assert "Fix" in message
+    assert isinstance(info.value.__cause__, NotImplementedError)  # BackPACK's error
+
+
+def _batchnorm_net():
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)
+    )
+
+
+def test_batchnorm_in_train_mode():
+    model, cockpit = _mse_setup(_batchnorm_net(), [Q.Variance(EVERY)])
+    with pytest.raises(NotImplementedError, match=r"BatchNorm1d '1' is in train mode"):
+        _mse_step(model, cockpit)
+    # where BackPACK computes anyway (per-sample gradients), a warning says so
+    model, cockpit = _mse_setup(_batchnorm_net(), [_NeedsIndividual(EVERY)])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _mse_step(model, cockpit, step=0)
+        _mse_step(model, cockpit, step=1)
+    ours = [w for w in record if issubclass(w.category, CockpitWarning)]
+    assert len(ours) == 1
+    assert "train mode" in str(ours[0].message) and "model.eval()" in str(
+        ours[0].message
+    )
+    # in eval mode all is well
+    model.eval()
+    model, cockpit = _mse_setup(model, [Q.Variance(EVERY), _NeedsIndividual(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)
+        _mse_step(model, cockpit)
+    assert set(cockpit.get_output()[0]) == {"Variance", "_NeedsIndividual"}
+
+
+class _WithUnusedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(3, 2)
+        self.unused = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_parameters_without_gradient_count_as_zero_and_warn_once():
+    def quantities():
+        return [Q.Variance(EVERY), Q.GradNorm(EVERY), _NeedsIndividual(EVERY)]
+
+    torch.manual_seed(0)
+    model, cockpit = _mse_setup(_WithUnusedLayer(), quantities())
+    reference = Cockpit(model.used.parameters(), quantities())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(3):
+            model.zero_grad()
+            _mse_step(model, cockpit, step)
+            model.zero_grad()
+            _mse_step(model, reference, step)
+    ours = [str(w.message) for w in record if issubclass(w.category, CockpitWarning)]
+    assert len(ours) == 1
+    assert "'unused.weight' (#2, shape (2, 3)), 'unused.bias'" in ours[0]
+    assert "received no gradient" in ours[0] and "Fix" in ours[0]
+    for step in range(3):
+        got, want = cockpit.get_output()[step], reference.get_output()[step]
+        for key in ("Variance", "GradNorm", "_NeedsIndividual"):
+            assert got[key][:2] == pytest.approx(want[key], rel=1e-12)
+            assert got[key][2:] == [0.0, 0.0]
+
+
+# --- quantities, configurations, schedules --------------------------------------------
+def test_non_quantity_and_single_quantity():
+    problem = make_problem("mlp", "ce")
+    with pytest.raises(ValueError, match=r"Only cockpit.quantities.Quantity.*'Loss'"):
+        Cockpit(problem.params, ["Loss"])
+    with pytest.raises(ValueError, match="instantiate it"):
+        Cockpit(problem.params, [Q.Loss])
+    with pytest.raises(TypeError, match=r"single quantity.*quantities=\[...\]"):
+        Cockpit(problem.params, Q.Loss(EVERY))
+
+
+def test_bad_parameters():
+    problem = make_problem("mlp", "ce")
+    with pytest.raises(ValueError, match=r"same tensor as parameter #0.*Fix"):
+        Cockpit([problem.params[0], problem.params[0]])
+    with pytest.raises(TypeError, match=r"not a tensor.*named_parameters"):
+        Cockpit([problem.model])
+    with pytest.raises(ValueError, match="does not require gradients"):
+        Cockpit([torch.zeros(2)])
+
+
+def test_unknown_configuration_and_curvature_labels():
+    from cockpit.utils.configuration import configuration
+
+    with pytest.raises(KeyError, match=r"Unknown configuration 'ful'.*'full'"):
+        configuration("ful")
+    with pytest.raises(ValueError, match=r"Unknown curvature 'hessian'.*'diag_h'"):
+        Q.HessTrace(EVERY, curvature="hessian")
+
+
+def test_invalid_schedule():
+    with pytest.raises(ValueError, match=r"'interval' must be >= 1, got 0.*linear"):
+        linear(0)
+
+
+# --- non-finite values ----------------------------------------------------------------
+def test_nonfinite_steps_are_recorded_and_training_goes_on():
+    problem = make_problem("mlp", "mse", "sgd")
+    quantities = [
+        Q.Loss(EVERY),
+        Q.GradNorm(EVERY),
+        Q.Variance(EVERY),
+        Q.UpdateSize(EVERY),
+        _FragileOnNaN(EVERY),
+    ]
+    cockpit = Cockpit(problem.params, quantities)
+    opt = problem.optimizer()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(5):
+            opt.zero_grad()
+            x, y = problem.make_batch(step)
+            if step == 2:
+                x = x.clone()
+                x[0, 0] = math.nan
+            _step(cockpit, problem, step, x, y)
+            if step != 2:  # the user skips the update of a bad step
+                opt.step()
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1, 2, 3, 4]
+    assert [s for s in output if NONFINITE_KEY in output[s]] == [2]
+    assert output[2][NONFINITE_KEY] == ["loss", "gradients"]
+    assert math.isnan(output[2]["Loss"])
+    assert "_FragileOnNaN" not in output[2]  # dropped there, present elsewhere
+    assert all("_FragileOnNaN" in output[s] for s in (0, 1, 3, 4))
+    assert all(math.isfinite(output[s]["Loss"]) for s in (0, 1, 3, 4))
+    ours = [str(w.message) for w in record if issubclass(w.category, CockpitWarning)]
+    assert len([m for m in ours if "not finite" in m]) == 1
+    assert any(
+        "loss and the gradients are not finite" in m and "Fix" in m for m in ours
+    )
+
+
+def test_infinite_gradients_only_and_every_later_step_nonfinite():
+    problem = make_problem("cnn", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY), Q.GradNorm(EVERY)])
+    opt = problem.optimizer()
+    hook = problem.params[0].register_hook(lambda g: g * math.inf)
+    with pytest.warns(CockpitWarning, match="gradients is not finite"):
+        for step in range(3):
+            opt.zero_grad()
+            _step(cockpit, problem, step, *problem.make_batch(step))
+            opt.step()  # parameters become NaN: all later losses are NaN too
+            hook.remove() if step == 0 else None
+    output = cockpit.get_output()
+    assert output[0][NONFINITE_KEY] == ["gradients"]
+    assert output[1][NONFINITE_KEY] == ["loss", "gradients"]
+    assert output[2][NONFINITE_KEY] == ["loss", "gradients"]
+
+
+def test_finite_step_errors_of_quantities_still_surface():
+    class _Broken(_FragileOnNaN):
+        def accumulate(self, global_step, view):
+            raise ZeroDivisionError("bug in a quantity")
+
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [_Broken(EVERY)])
+    x, y = problem.make_batch(0)
+    with pytest.raises(ZeroDivisionError, match="bug in a quantity"):
+        _step(cockpit, problem, 0, x, y)
+    assert not any(hasattr(p, "batch_l2") for p in problem.params)
+
+
+# --- log paths ------------------------------------------------------------------------
+def test_unwritable_log_path(tmp_path):
+    problem = make_problem("mlp", "ce")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=r"Cannot write the cockpit log to .*a_file.*Fix"):
+        Cockpit(problem.params, [Q.Loss(EVERY)], logpath=str(blocker / "run" / "log"))
+    (tmp_path / "taken.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"Cannot write the cockpit log.*Fix"):
+        Cockpit(problem.params, logpath=str(tmp_path / "taken.jsonl"))
+    result = run(problem, [Q.Loss(EVERY)], steps=1)
+    with pytest.raises(OSError, match=r"Cannot write the cockpit log.*Fix"):
+        result.cockpit.write(str(blocker / "log"))
+    assert 0 in result.cockpit.get_output()  # the history is still there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "taken.jsonl"]
+
+
+def test_bare_file_name_as_log_path(tmp_path, monkeypatch):
+    from cockpit.history import History
+
+    monkeypatch.chdir(tmp_path)
+    problem = make_problem("mlp", "ce")
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY)], logpath="streamed")
+    x, y = problem.make_batch(0)
+    _step(cockpit, problem, 0, x, y)
+    assert cockpit.write("final") == "final.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "final.json",
+        "streamed.jsonl",
+    ]
+    for name in ("final", "streamed"):
+        assert History.from_json(name).to_dict() == cockpit.get_output()
