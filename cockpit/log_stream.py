@@ -169,6 +169,11 @@ class LogStream:
             self._resuming = True
             self._resume_after = None
 
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.close()
+
 
 def _prepare_for_append(path: str) -> str:
     """Make ``path`` ready for appending; return a header if the file is empty.
