@@ -17,7 +17,12 @@ from backpack.extensions import BatchGrad
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
-from cockpit.quantities.grad_hist import histogram_1d, histogram_2d, histogram_edges
+from cockpit.quantities.grad_hist import (
+    bin_index,
+    histogram_1d,
+    histogram_2d,
+    histogram_edges,
+)
 from cockpit.utils.schedules import linear, logarithmic
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
@@ -89,29 +94,61 @@ def assert_int_counts(hist):
 
 
 # --- pure binning ---------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "bins,lo,hi", [(100, -2.0, 2.0), (7, -0.1, 0.1), (3, -1e-3, 5.0), (1, -1.0, 1.0)]
-)
+def edge_probes(edges, gen, scale, n=20_000):
+    """Random values plus values on, one ulp below and one ulp above every edge."""
+    return torch.cat(
+        [
+            torch.randn(n, generator=gen, dtype=edges.dtype) * scale,
+            edges,
+            torch.nextafter(edges, edges - 1),
+            torch.nextafter(edges, edges + 1),
+            torch.tensor([math.inf, -math.inf, 0.0, -0.0], dtype=edges.dtype),
+        ]
+    )
+
+
+RANGES_1D = [
+    (100, -2.0, 2.0),
+    (7, -0.1, 0.1),
+    (3, -1e-3, 5.0),
+    (1, -1.0, 1.0),
+    (5, 1000.0, 1000.5),  # narrow bins far from 0: rounding dominates
+]
+
+
+@pytest.mark.parametrize("bins,lo,hi", RANGES_1D)
 def test_histogram_1d_matches_numpy_on_edges_and_outliers(bins, lo, hi):
     edges = histogram_edges(lo, hi, bins)
     np_edges = np.histogram_bin_edges(np.zeros(1), bins=bins, range=(lo, hi))
     assert np.array_equal(edges.numpy(), np_edges)
-    gen = torch.Generator().manual_seed(0)
-    values = torch.cat(
-        [
-            torch.randn(20_000, generator=gen, dtype=torch.float64) * (hi - lo),
-            edges,  # exactly on every edge, including lo and hi
-            torch.nextafter(edges, edges - 1),  # one ulp below every edge
-            torch.nextafter(edges, edges + 1),  # one ulp above every edge
-            torch.tensor([math.inf, -math.inf, 0.0, -0.0], dtype=torch.float64),
-        ]
-    )
-    counts = histogram_1d(values, edges)
+    values = edge_probes(edges, torch.Generator().manual_seed(0), hi - lo)
+    values[: values.numel() // 2] += (lo + hi) / 2
+    counts = histogram_1d(values, edges, (lo, hi))
     expected, _ = np_hist_1d(values.numpy(), bins, lo, hi)
     assert counts.tolist() == expected
     assert counts[-1] > 0 and counts[0] > 0  # clamped outliers and `hi` counted
     with_nan = torch.cat([values, torch.full((5,), math.nan, dtype=torch.float64)])
-    assert histogram_1d(with_nan, edges).tolist() == expected  # NaN not counted
+    assert histogram_1d(with_nan, edges, (lo, hi)).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bins,lo,hi", RANGES_1D)
+def test_bin_index_paths_agree_and_follow_the_edges(bins, lo, hi, dtype):
+    """The CPU path (re-check near edges) equals the all-values path (GPU default)."""
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    values = edge_probes(edges, torch.Generator().manual_seed(2), hi - lo)
+    values[: values.numel() // 2] += (lo + hi) / 2
+    values = torch.cat([values, torch.full((3,), math.nan, dtype=dtype)])
+    fast = bin_index(values, edges, (lo, hi), correct_all=False)
+    full = bin_index(values, edges, (lo, hi), correct_all=True)
+    assert torch.equal(fast, full)
+    nan = torch.isnan(values)
+    assert (fast[nan] == bins).all() and (fast[~nan] < bins).all()
+    v = values[~nan].clamp(edges[0], edges[-1])
+    k = fast[~nan]
+    last = k == bins - 1
+    assert (edges[k] <= v).all()
+    assert ((v < edges[k + 1]) | (last & (v == edges[-1]))).all()
 
 
 @pytest.mark.parametrize(
@@ -126,12 +163,13 @@ def test_histogram_2d_matches_numpy_on_edges_and_outliers(bins, ranges):
     x[0, : bins[0] + 1] = xedges  # values exactly on edges
     y[: bins[1] + 1] = yedges
     half = [(r[1] - r[0]) / b / 2 for r, b in zip(ranges, bins)]
-    clamps = [(r[0] + h, r[1] - h) for r, h in zip(ranges, half)]
-    counts = histogram_2d(x, y, xedges, yedges, clamps[0], clamps[1])
+    clamps = tuple((r[0] + h, r[1] - h) for r, h in zip(ranges, half))
+    counts = histogram_2d(x, y, xedges, yedges, ranges, clamps)
     expected, _ = np_hist_2d([x.numpy()], [y.numpy()], bins, ranges)
     assert counts.tolist() == expected
     x[1, 0] = math.nan
-    assert counts.sum() - histogram_2d(x, y, xedges, yedges, *clamps).sum() == 1
+    with_nan = histogram_2d(x, y, xedges, yedges, ranges, clamps)
+    assert counts.sum() - with_nan.sum() == 1
 
 
 # --- GradHist1d -----------------------------------------------------------------------

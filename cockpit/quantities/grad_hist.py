@@ -46,46 +46,91 @@ def histogram_edges(lo: float, hi: float, bins: int) -> Tensor:
     return edges
 
 
-def bin_index(values: Tensor, edges: Tensor, clamp: Range | None = None) -> Tensor:
+def bin_index(
+    values: Tensor,
+    edges: Tensor,
+    limits: Range,
+    clamp: Range | None = None,
+    correct_all: bool | None = None,
+) -> Tensor:
     """Map values to bin indices: ``k`` iff ``edges[k] <= v < edges[k + 1]``.
 
-    Values are first clamped to ``clamp`` (which must lie inside
-    ``[edges[0], edges[-1]]``); the last bin is closed on the right.
+    Values are first clamped to ``clamp`` (which must lie inside ``limits``); the
+    last bin is closed on the right. The index is ``trunc((v - lo) * bins / (hi -
+    lo))``; values whose scaled position lies within rounding distance of an integer
+    (and NaN) are then re-checked against ``edges`` and moved by one bin where the
+    edges say so. On the CPU only those few values are re-checked; elsewhere all
+    values are (no device synchronisation); the result is the same.
 
     Args:
         values: Any shape; floating point.
         edges: The ``bins + 1`` increasing edges, on the device and in the dtype of
             ``values``.
+        limits: ``(lo, hi)``: the outer edges as Python floats.
         clamp: ``(low, high)`` to clamp the values to before binning; ``None``
-            clamps to the outer edges.
+            clamps to ``limits``.
+        correct_all: Re-check every value against the edges (default: unless on
+            the CPU).
 
     Returns:
-        ``int64`` indices of the same shape as ``values``, in ``[0, bins - 1]``; NaN
-        values get the index ``bins`` (an overflow slot that callers drop).
+        Integer indices (``int32``, or ``int64`` for more than ``2**31 - 2`` bins)
+        of the same shape as ``values``, in ``[0, bins - 1]``; NaN values get the
+        index ``bins`` (an overflow slot that callers drop).
     """
     bins = edges.numel() - 1
-    lo, hi = edges[0], edges[-1]
-    v = values.clamp(lo, hi) if clamp is None else values.clamp(clamp[0], clamp[1])
+    lo, hi = limits
+    low, high = limits if clamp is None else clamp
+    v = values.clamp(low, high)
+    position = (v - lo).mul_(bins / (hi - lo))  # in [0, bins], or NaN
+    index = position.to(_index_dtype(bins + 1))  # garbage for NaN, fixed below
+    if correct_all is None:
+        correct_all = v.device.type != "cpu"
+    if correct_all:
+        return _correct(v, index, edges)
+    # |position - nearest integer| > delta rules out rounding across an edge: the
+    # position and the edges are each off by a few ulps of max(|lo|, |hi|)
+    eps = torch.finfo(v.dtype).eps
+    delta = 16 * eps * bins * (1 + max(abs(lo), abs(hi)) / (hi - lo))
+    centred = position.frac_().sub_(0.5).abs_()  # NaN stays NaN
+    suspicious = torch.le(centred, 0.5 - delta).logical_not_().reshape(-1)
+    where = suspicious.nonzero().squeeze(1)
+    if where.numel():
+        flat = index.view(-1)
+        flat[where] = _correct(v.reshape(-1)[where], flat[where], edges)
+    return index
+
+
+def _index_dtype(slots: int) -> torch.dtype:
+    """``int32`` (faster to convert and count) unless ``slots`` needs ``int64``."""
+    return torch.int32 if slots < 2**31 - 1 else torch.int64
+
+
+def _correct(v: Tensor, index: Tensor, edges: Tensor) -> Tensor:
+    """Move ``index`` by at most one bin so that ``edges[k] <= v < edges[k + 1]``."""
+    bins = edges.numel() - 1
     nan = torch.isnan(v)
-    position = ((v - lo) * (bins / (hi - lo))).floor().clamp_(0, bins - 1)
-    index = torch.where(nan, torch.zeros_like(position), position).long()
-    # one step of correction against the edges (rounding in the line above)
-    index -= (v < edges[index]).long()
-    index += ((v >= edges[index + 1]) & (index < bins - 1)).long()
-    return torch.where(nan, torch.full_like(index, bins), index)
+    index = index.clamp(0, bins - 1).masked_fill_(nan, 0)
+    index.sub_((v < edges[index]).to(index.dtype))
+    index.add_(((v >= edges[index + 1]) & (index < bins - 1)).to(index.dtype))
+    return index.masked_fill_(nan, bins)
 
 
-def histogram_1d(values: Tensor, edges: Tensor) -> Tensor:
+def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
     """Count ``values`` into the bins of ``edges``, clamping them to the outer edges.
 
-    Values below ``edges[0]`` count in the first bin, values above ``edges[-1]`` in
-    the last one (``torch.histc`` semantics after clamping); NaN is not counted.
+    Values below ``lo`` count in the first bin, values above ``hi`` in the last one
+    (``torch.histc`` semantics after clamping); NaN is not counted.
+
+    Args:
+        values: Any shape; floating point.
+        edges: The ``bins + 1`` edges in the dtype and on the device of ``values``.
+        limits: ``(lo, hi)``, the outer edges as Python floats.
 
     Returns:
         ``int64`` counts, shape ``[bins]``.
     """
     bins = edges.numel() - 1
-    index = bin_index(values, edges)
+    index = bin_index(values, edges, limits)
     return torch.bincount(index.reshape(-1), minlength=bins + 1)[:bins]
 
 
@@ -96,7 +141,12 @@ def _inner_clamp(lo: float, hi: float, bins: int) -> Range:
 
 
 def histogram_2d(
-    x: Tensor, y: Tensor, xedges: Tensor, yedges: Tensor, x_clamp: Range, y_clamp: Range
+    x: Tensor,
+    y: Tensor,
+    xedges: Tensor,
+    yedges: Tensor,
+    limits: tuple[Range, Range],
+    clamps: tuple[Range, Range],
 ) -> Tensor:
     """Count the pairs ``(x[i, d], y[d])`` into a 2-D histogram.
 
@@ -105,18 +155,19 @@ def histogram_2d(
         y: Values on the second axis, shape ``[D]`` (shared by all ``N`` rows).
         xedges: Edges of the first axis (``xbins + 1``), dtype/device of ``x``.
         yedges: Edges of the second axis (``ybins + 1``), dtype/device of ``y``.
-        x_clamp: Clamp range of ``x`` before binning.
-        y_clamp: Clamp range of ``y`` before binning.
+        limits: ``(lo, hi)`` of each axis as Python floats.
+        clamps: Clamp range of each axis before binning.
 
     Returns:
         ``int64`` counts, shape ``[xbins, ybins]``; pairs with a NaN are not counted.
     """
     xbins, ybins = xedges.numel() - 1, yedges.numel() - 1
     total = xbins * ybins
-    ix = bin_index(x, xedges, x_clamp)
-    iy = bin_index(y, yedges, y_clamp).unsqueeze(0)
+    itype = _index_dtype(total + 1)
+    ix = bin_index(x, xedges, limits[0], clamps[0]).to(itype)
+    iy = bin_index(y, yedges, limits[1], clamps[1]).to(itype).unsqueeze(0)
     invalid = (ix == xbins) | (iy == ybins)
-    flat = torch.where(invalid, torch.full_like(ix, total), ix * ybins + iy)
+    flat = ix.mul_(ybins).add_(iy).masked_fill_(invalid, total)
     counts = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
     return counts.reshape(xbins, ybins)
 
@@ -309,7 +360,7 @@ class GradHist1d(_Histogram):
 
     def _count(self, global_step: int, view: ParamView) -> Tensor:
         values = view.individual_gradients().detach()
-        return histogram_1d(values, self._edges(0).like(values))
+        return histogram_1d(values, self._edges(0).like(values), self.range)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
         return self._result(self._acc.get("counts"))
@@ -394,8 +445,11 @@ class GradHist2d(_Histogram):
             params,
             self._edges(0).like(grads),
             self._edges(1).like(params),
-            _inner_clamp(xlo, xhi, self.bins[0]),
-            _inner_clamp(ylo, yhi, self.bins[1]),
+            self.range,
+            (
+                _inner_clamp(xlo, xhi, self.bins[0]),
+                _inner_clamp(ylo, yhi, self.bins[1]),
+            ),
         )
         return counts.reshape(-1)
 
