@@ -268,6 +268,34 @@ def test_hess_max_ev_is_deterministic_and_leaves_global_rng_alone():
     assert values[0] == values[1]
 
 
+def test_hess_max_ev_warm_start_survives_a_checkpoint():
+    """A quantity restored from state_dict continues with the same warm start."""
+
+    def steps(quantity, problem, optimizer, start, stop):
+        cockpit = Cockpit(problem.params, [quantity])
+        for step in range(start, stop):
+            x, y = problem.make_batch(step)
+            optimizer.zero_grad()
+            loss = problem.loss_fn(problem.model(x), y)
+            with cockpit(step, info={"loss": loss}):
+                loss.backward(create_graph=cockpit.create_graph(step))
+            optimizer.step()
+        return cockpit.get_output(), quantity.last_num_hvps
+
+    problem = make_problem("mlp", "ce")
+    optimizer = problem.optimizer()
+    straight, hvps = steps(Q.HessMaxEV(linear(1)), problem, optimizer, 0, 3)
+
+    problem = make_problem("mlp", "ce")
+    optimizer = problem.optimizer()
+    first = Q.HessMaxEV(linear(1))
+    steps(first, problem, optimizer, 0, 2)
+    resumed = Q.HessMaxEV(linear(1))
+    resumed.load_state_dict(first.state_dict())
+    output, resumed_hvps = steps(resumed, problem, optimizer, 2, 3)
+    assert output[2] == straight[2] and resumed_hvps == hvps
+
+
 def test_no_double_backward_graph_survives_a_step():
     """Every tensor the forward pass saved for backward is freed after the step."""
     problem = make_problem("cnn", "ce")
