@@ -1,0 +1,330 @@
+"""Alpha: where on the local one-dimensional parabola did the optimizer's step land?"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities import functional as F
+from cockpit.quantities.base import TrackContext, TwoStepQuantity
+from cockpit.quantities.optim import (
+    ReplayError,
+    is_plain_sgd,
+    learning_rates,
+    multiple_of,
+    replay_update,
+)
+
+
+@dataclass
+class _StartEntry:
+    """What the backward pass of a start step keeps of one parameter.
+
+    ``kind`` is ``"sgd"`` (``vector`` is the gradient ``g_p``; the direction is
+    ``-lr_p g_p``, scaled once the learning rate is read after the backward pass),
+    ``"replay"`` (``vector`` is the update ``d_p`` replayed from the optimizer with
+    id ``owner``) or ``"failed"`` (``reason`` says why). ``dots`` are the per-sample
+    projections ``g_i,p . vector``, shape ``[N]``.
+    """
+
+    kind: str
+    vector: Tensor | None = None
+    dots: Tensor | None = None
+    owner: int | None = None
+    reason: str = ""
+
+
+def _per_sample_dots(view: ParamView, vector: Tensor) -> Tensor:
+    """Return ``g_i,p . vector`` for every sample, shape ``[N]`` (no autograd graph)."""
+    vector = vector.to(device=view.param.device, dtype=view.param.dtype)
+    return view.project(vector).detach()
+
+
+class Alpha(TwoStepQuantity):
+    """The normalised step length ``alpha`` of Schneider et al. (2021).
+
+    Between the parameters ``theta_t`` of a scheduled step ``t`` and ``theta_{t+1}``
+    of the next step, a quadratic is fitted along the update ``d = theta_{t+1} -
+    theta_t`` (length ``tau``, unit direction ``u``) to four noisy observations:
+    the mini-batch losses ``f_0 = L_t``, ``f_1 = L_{t+1}`` and the slopes
+    ``f'_k = mean_i u . g_i^(k)``, weighted by the inverses of their per-sample
+    variances (unbiased; a zero variance is replaced by ``1e-10`` with a warning
+    shown once). With the fit's minimiser ``x*``, ``alpha = tau / x* - 1``: ``-1``
+    means the step did not move (also stored when the fit has no minimum ahead),
+    ``0`` that it landed in the minimum, ``+1`` at the opposite point of equal height,
+    more than ``1`` that it overshot. The value is stored under step ``t`` once step
+    ``t + 1`` has been tracked; nothing is stored when the fit is singular.
+
+    All per-sample work happens inside the backward pass (per-sample gradients are
+    needed on scheduled steps and on the step after each): each module's per-sample
+    gradients are projected onto the step there and freed.
+
+    * **Plain SGD** (``torch.optim.SGD`` with momentum, dampening and weight decay
+      0): at step ``t`` the hook keeps ``g_p`` and the projections ``g_i,p . g_p``;
+      after the backward pass ``d_p = -lr_p g_p`` (each parameter's group learning
+      rate). Works from the very first step.
+    * **Any other optimizer** (momentum, Adam, ...): the hook replays the optimizer's
+      update for each parameter on copies (same class, group settings and state,
+      gradient ``g_p``; :func:`cockpit.quantities.optim.replay_update`), which gives
+      ``d_p`` exactly, and projects the per-sample gradients onto it. This needs the
+      optimizer *before* step ``t``'s backward pass: Alpha remembers
+      ``info["optimizer"]`` from the steps it tracks and from the step before each
+      scheduled start. If it had not seen the optimizer yet (the first step a
+      cockpit runs, or the first step after a restart), only ``g_p`` and
+      ``g_i,p . g_p`` are at hand: enough if the update is a multiple of the
+      gradient (SGD with momentum on its first step, say); otherwise the value of
+      that start is skipped with a warning.
+    * At step ``t + 1`` the hook projects the new per-sample gradients onto the
+      stored ``d``.
+
+    Both paths assume that ``optimizer.step()`` sees the gradient of this backward
+    pass unchanged (gradients zeroed before it; no clipping in between).
+
+    Memory: Alpha holds the direction ``d`` (``D`` numbers) of a pending start
+    between steps; while the hooks of a step that both ends and starts run, at most
+    ``2 D + N (P + 1)`` numbers (``P`` parameter tensors), on both paths. Replaying
+    adds, for the duration of one parameter's hook, a copy of that parameter, its
+    gradient and its optimizer state. Per-sample gradients are never kept beyond
+    their module's hook. Measured (``tests/test_per_sample_memory.py``, and a
+    784-256-10 MLP, ``N = 128``, float32, SGD and Adam): ``D = 203,530``, between
+    steps exactly ``D`` numbers (0.8 MiB), at most ``2 D + N (P + 1) = 407,700``
+    (1.6 MiB); cockpit-for-pytorch cached ``N D`` numbers for each of the two steps
+    with non-SGD optimizers (``2 N D``: 199 MiB).
+
+    ``info`` keys read at both steps: ``loss``, ``individual_losses`` (shape ``[N]``;
+    any further axes are averaged) and ``optimizer``. Two-step state (``d``, ``tau``
+    and the start's observations) is in :meth:`state_dict`, so a restored run
+    finishes a pending start.
+
+    Args:
+        track_schedule: The start steps ``t``.
+        verbose: Extra diagnostics (unused).
+        key: History key (default ``"Alpha"``).
+
+    Raises:
+        ValueError: If ``info["individual_losses"]`` does not hold one loss per
+            sample of the backward pass.
+    """
+
+    info_keys = ("loss", "individual_losses", "optimizer")
+
+    def __init__(self, track_schedule, verbose=False, key=None):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        self._optimizer_ref: weakref.ReferenceType | None = None
+        self._warned: set[str] = set()
+
+    # --- schedule ----------------------------------------------------------------
+    def _works(self, global_step: int) -> bool:
+        # Decided by the schedule (plus a restored start), so the answer for a step
+        # is the same before and after that step is tracked.
+        return (
+            self.should_compute(global_step)
+            or self.should_compute(global_step - 1)
+            or self.is_end(global_step)
+        )
+
+    def is_active(self, global_step: int) -> bool:
+        """Active on starts, ends and the step before each start (to see info)."""
+        return self._works(global_step) or self.should_compute(global_step + 1)
+
+    def required_info(self, global_step: int) -> tuple[str, ...]:
+        """The ``info`` keys needed on start and end steps (none on the step before)."""
+        return self.info_keys if self._works(global_step) else ()
+
+    def needs(self, global_step: int):
+        """Per-sample gradients on start and end steps."""
+        return {Need.INDIVIDUAL_GRADIENTS} if self._works(global_step) else set()
+
+    # --- inside the backward pass ------------------------------------------------
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Project the parameter's per-sample gradients onto the step(s)."""
+        if self.is_end(global_step):
+            direction = self._pending[global_step - 1]["direction"][view.index]
+            dots = _per_sample_dots(view, direction)
+            previous = self._acc.get("end")
+            self._acc["end"] = dots if previous is None else previous + dots
+        if self.should_compute(global_step):
+            self._acc[view.index] = self._start_entry(view)
+
+    def _start_entry(self, view: ParamView) -> _StartEntry:
+        optimizer = self._known_optimizer()
+        grad = view.mean_gradient().detach()
+        if optimizer is None or is_plain_sgd(optimizer):
+            return _StartEntry("sgd", grad, _per_sample_dots(view, grad))
+        try:
+            update = replay_update(optimizer, view.param, grad)
+        except ReplayError as error:
+            return _StartEntry("failed", reason=str(error))
+        return _StartEntry(
+            "replay", update, _per_sample_dots(view, update), owner=id(optimizer)
+        )
+
+    # --- after the backward pass ---------------------------------------------------
+    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+        """Remember the optimizer, finish the previous start, then start anew."""
+        optimizer = ctx.info.get("optimizer")
+        if optimizer is not None:
+            self._remember(optimizer)
+        results = []
+        if self.is_end(global_step):
+            state = self._pending.pop(global_step - 1)
+            results.append(
+                (global_step - 1, self._compute_end(global_step, ctx, state))
+            )
+        for stale in [s for s in self._pending if s < global_step]:
+            del self._pending[stale]
+        if self.should_compute(global_step):
+            state = self._compute_start(global_step, ctx)
+            if state is not None:
+                self._pending[global_step] = state
+        self._acc = {}  # keep only the pending directions until the next step
+        return results
+
+    def _compute_start(self, global_step: int, ctx: TrackContext) -> dict | None:
+        optimizer = ctx.info.require("optimizer", self.key)
+        entries = [self._acc[index] for index in range(len(ctx.params))]
+        direction_and_dots = self._direction(global_step, optimizer, entries, ctx)
+        if direction_and_dots is None:
+            return None
+        direction, dots = direction_and_dots
+        tau = float(torch.stack([(d**2).sum() for d in direction]).sum().sqrt())
+        value, value_var = self._loss_observation(ctx, dots.shape[0])
+        slope, slope_var = _slope_observation(dots, tau)
+        return {
+            "direction": direction,
+            "tau": tau,
+            "value": value,
+            "value_var": value_var,
+            "slope": slope,
+            "slope_var": slope_var,
+        }
+
+    def _direction(self, global_step, optimizer, entries, ctx):
+        kinds = {entry.kind for entry in entries}
+        if kinds == {"sgd"}:
+            if is_plain_sgd(optimizer):
+                factors = [-lr for lr in learning_rates(optimizer, ctx.params)]
+            else:
+                factors = self._gradient_multiples(global_step, optimizer, entries, ctx)
+                if factors is None:
+                    return None
+            direction = [c * e.vector for c, e in zip(factors, entries)]
+            dots = torch.stack([c * e.dots for c, e in zip(factors, entries)])
+            return direction, dots.sum(0)
+        if kinds == {"replay"} and all(e.owner == id(optimizer) for e in entries):
+            direction = [e.vector for e in entries]
+            return direction, torch.stack([e.dots for e in entries]).sum(0)
+        reasons = sorted({e.reason for e in entries if e.kind == "failed"})
+        why = reasons[0] if reasons else "the optimizer changed during the step"
+        self._warn_once(
+            "replay",
+            f"Alpha has no value for step {global_step}: {why}. Alpha needs to "
+            "know the update each parameter will receive while the backward pass "
+            "runs. Fix: use an optimizer whose step treats each parameter separately "
+            "(every torch.optim optimizer except LBFGS) and pass the same optimizer "
+            "in info on every step.",
+        )
+        return None
+
+    def _gradient_multiples(self, global_step, optimizer, entries, ctx):
+        """Factors ``c_p`` with ``d_p = c_p g_p``, if the update has that form.
+
+        Used when the optimizer was unknown during the backward pass, so only
+        ``g_p`` and ``g_i,p . g_p`` were kept. That suffices whenever this step's
+        update of every parameter is a multiple of its gradient: plain SGD, and
+        e.g. SGD with momentum on its first step (no buffer yet, no weight decay).
+        """
+        factors = []
+        for param, entry in zip(ctx.params, entries):
+            try:
+                update = replay_update(optimizer, param, entry.vector)
+            except ReplayError:
+                factor = None
+            else:
+                factor = multiple_of(update, entry.vector, param)
+            if factor is None:
+                self._warn_once(
+                    "unknown-optimizer",
+                    f"Alpha has no value for step {global_step}: "
+                    f"{type(optimizer).__name__}'s update is not a multiple of the "
+                    "gradient at this step, and Alpha projects per-sample gradients "
+                    "onto such an update only if it saw info['optimizer'] before the "
+                    "step's backward pass (it reads it on every step it tracks and on "
+                    "the step before each scheduled start). That is not the case on "
+                    "the first step a cockpit runs or right after a restart. Fix, if "
+                    "that value matters: start Alpha's schedule one step later, e.g. "
+                    "linear(interval, offset=1).",
+                )
+                return None
+            factors.append(factor)
+        return factors
+
+    def _compute_end(self, global_step: int, ctx: TrackContext, state: dict):
+        tau = state["tau"]
+        if tau == 0:
+            return -1.0
+        dots = self._acc["end"]
+        value, value_var = self._loss_observation(ctx, dots.shape[0])
+        slope, slope_var = _slope_observation(dots, tau)
+        variances, replaced = F.floor_variances(
+            (state["value_var"], value_var, state["slope_var"], slope_var)
+        )
+        if replaced:
+            self._warn_once(
+                "zero-variance",
+                f"Alpha at step {global_step - 1}: a loss or slope observation has "
+                f"zero variance over the mini-batch (e.g. batch size 1 or identical "
+                f"samples); it was replaced by {F.VARIANCE_FLOOR}, which makes the "
+                "fit follow that observation almost exactly. Use mini-batches of "
+                "at least two distinct samples to avoid this. Shown once.",
+            )
+        coefficients = F.fit_quadratic(
+            tau, (state["value"], value), (state["slope"], slope), variances
+        )
+        return F.alpha_from_fit(tau, coefficients)
+
+    def _loss_observation(self, ctx: TrackContext, n: int) -> tuple[float, float]:
+        loss = ctx.info.require("loss", self.key)
+        losses = torch.as_tensor(ctx.info.require("individual_losses", self.key))
+        losses = losses.detach()
+        if losses.dim() > 1:
+            losses = losses.flatten(start_dim=1).mean(1)
+        if losses.dim() != 1 or losses.shape[0] != n:
+            raise ValueError(
+                f"{self.key} needs info['individual_losses'] of shape [N] = [{n}] "
+                f"(one loss per sample of this backward pass), got shape "
+                f"{tuple(losses.shape)}. Fix: pass the per-sample losses of the same "
+                "mini-batch, e.g. loss_fn(outputs, targets, reduction='none')."
+            )
+        value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+        return value, float(F.sample_variance(losses.to(torch.float64)))
+
+    # --- helpers -------------------------------------------------------------------
+    def _remember(self, optimizer) -> None:
+        try:
+            self._optimizer_ref = weakref.ref(optimizer)
+        except TypeError:  # objects without weak-reference support
+            self._optimizer_ref = lambda: optimizer
+
+    def _known_optimizer(self):
+        return None if self._optimizer_ref is None else self._optimizer_ref()
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, stacklevel=2)
+
+
+def _slope_observation(dots: Tensor, tau: float) -> tuple[float, float]:
+    """Return mean and unbiased variance of ``dots / tau`` (zeros if ``tau = 0``)."""
+    if tau == 0:
+        return 0.0, 0.0
+    projections = dots.detach().to(torch.float64) / tau
+    return float(projections.mean()), float(F.sample_variance(projections))

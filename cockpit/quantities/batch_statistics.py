@@ -1,0 +1,112 @@
+"""Per-parameter reductions of per-sample gradients shared by several quantities.
+
+Everything here runs inside the backward pass (on a :class:`ParamView`) or finishes
+the per-parameter sums afterwards. Per-parameter results are scalars or ``[N, N]``
+matrices: sums that could be all-reduced across processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities import functional as F
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.utils_params import gradients
+
+
+def squared_norm_entry(view: ParamView) -> tuple:
+    """Reduce one parameter to ``(sum_i ||g_i,p||^2, ||g_p||^2 or None, N)``.
+
+    ``||g_p||^2`` comes from the per-sample gradients' mean when they exist (another
+    quantity asked for ``BatchGrad``); with ``BatchL2Grad`` alone it is ``None`` and
+    :func:`total_squared_norms` reads ``.grad`` instead.
+    """
+    batch_l2 = view.batch_l2().detach()
+    grad_sq = None
+    if view.has_individual_gradients:
+        grad_sq = (view.mean_gradient().detach() ** 2).sum()
+    return batch_l2.sum(), grad_sq, batch_l2.shape[0]
+
+
+def total_squared_norms(acc: dict, params) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sum the entries of :func:`squared_norm_entry` over all parameters.
+
+    Args:
+        acc: Parameter index -> entry.
+        params: The cockpit's parameters (``.grad`` is final at this point).
+
+    Returns:
+        ``sum_i ||g_i||^2`` and ``||g||^2`` over the whole model, and ``N``.
+
+    Raises:
+        RuntimeError: If parameters saw different batch sizes.
+    """
+    grads = gradients(params)
+    per_sample, mean, sizes = [], [], set()
+    for index in range(len(params)):
+        sum_sq, grad_sq, n = acc[index]
+        per_sample.append(sum_sq)
+        mean.append(grad_sq if grad_sq is not None else (grads[index] ** 2).sum())
+        sizes.add(n)
+    if len(sizes) != 1:
+        raise RuntimeError(
+            f"Parameters saw different batch sizes {sorted(sizes)} in one backward "
+            "pass. Fix: compute the loss of a single mini-batch per step."
+        )
+    return torch.stack(per_sample).sum(), torch.stack(mean).sum(), sizes.pop()
+
+
+class GramQuantity(SingleStepQuantity):
+    """Base for statistics of the whole model's per-sample Gram matrix.
+
+    Each parameter adds its ``[N, N]`` Gram matrix ``g_i,p . g_j,p`` to a running
+    sum, so a module's per-sample gradients are reduced and freed in its hook.
+    Subclasses implement ``_statistic(gram) -> scalar tensor``.
+    """
+
+    def needs(self, global_step: int):
+        """The per-sample Gram matrix, on scheduled steps."""
+        return {Need.GRAM} if self.should_compute(global_step) else set()
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Add the parameter's Gram matrix to the running sum."""
+        gram = view.gram().detach()
+        self._acc["gram"] = gram + self._acc["gram"] if "gram" in self._acc else gram
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        return float(self._statistic(self._acc["gram"]))
+
+    def _statistic(self, gram: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
+    """Reduce one parameter to ``(sum_d g_d^2 / (var_d + epsilon), D_p, N)``.
+
+    ``g`` and ``sum_i g_i^2`` are formed elementwise from the per-sample gradients
+    (shared with every other quantity through the view) and summed right away.
+    """
+    n = view.batch_size
+    snr = F.snr_sum(
+        view.mean_gradient().detach(),
+        view.sum_grad_squared().detach(),
+        n,
+        epsilon,
+        unbiased=unbiased,
+    )
+    return snr, view.param.numel(), n
+
+
+def total_snr(acc: dict, num_params: int) -> tuple[torch.Tensor, int, int]:
+    """Sum the entries of :func:`snr_entry`; return the sum, ``D`` and ``N``."""
+    entries = [acc[index] for index in range(num_params)]
+    sizes = {n for _, _, n in entries}
+    if len(sizes) != 1:
+        raise RuntimeError(
+            f"Parameters saw different batch sizes {sorted(sizes)} in one backward "
+            "pass. Fix: compute the loss of a single mini-batch per step."
+        )
+    snr = torch.stack([s for s, _, _ in entries]).sum()
+    return snr, sum(d for _, d, _ in entries), sizes.pop()

@@ -1,0 +1,45 @@
+"""CABS: the batch size suggested by coupled adaptive batch sizes (Balles et al.)."""
+
+from __future__ import annotations
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities import functional as F
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import squared_norm_entry, total_squared_norms
+from cockpit.quantities.optim import require_plain_sgd
+
+
+class CABS(SingleStepQuantity):
+    """The CABS batch size of Balles et al. (2017), for plain SGD.
+
+    ``lr * sum_d v_d / L`` with ``v_d = (1/N) sum_i (g_i,d - g_d)^2`` the biased
+    variance of coordinate ``d`` of the per-sample gradients and ``L`` the mini-batch
+    loss. As ``sum_d v_d = (1/N) sum_i ||g_i||^2 - ||g||^2``, each parameter is
+    reduced to two scalars in the backward pass, from BackPACK's ``BatchL2Grad``
+    (or ``BatchGrad`` when another quantity needs it); see :class:`NormTest`.
+
+    Reads ``info["loss"]`` and ``info["optimizer"]``.
+
+    Raises:
+        ValueError: When tracked with anything but ``torch.optim.SGD`` with
+            momentum, dampening and weight decay 0, no Nesterov and one learning
+            rate for all groups; the message names the setting at fault.
+    """
+
+    info_keys = ("loss", "optimizer")
+
+    def needs(self, global_step: int):
+        """Per-sample squared norms, on scheduled steps."""
+        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Reduce the parameter to ``sum_i ||g_i,p||^2`` and ``||g_p||^2``."""
+        self._acc[view.index] = squared_norm_entry(view)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        optimizer = ctx.info.require("optimizer", self.key)
+        lr = require_plain_sgd(optimizer, self.key, single_lr=True)
+        loss = ctx.info.require("loss", self.key)
+        per_sample, mean, n = total_squared_norms(self._acc, ctx.params)
+        return float(F.cabs_batch_size(lr, per_sample, mean, n, loss.detach()))

@@ -1,0 +1,51 @@
+"""EarlyStopping: the evidence-based stopping criterion (Mahsereci et al.)."""
+
+from __future__ import annotations
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities import functional as F
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import snr_entry, total_snr
+from cockpit.quantities.optim import require_plain_sgd
+
+
+class EarlyStopping(SingleStepQuantity):
+    """The evidence-based early-stopping criterion of Mahsereci et al. (2017).
+
+    ``1 - (N/D) sum_d g_d^2 / (s_d^2 + epsilon)`` with ``g`` the mini-batch gradient
+    and ``s_d^2 = (1/(N-1)) sum_i (g_i,d - g_d)^2`` the unbiased variance of
+    coordinate ``d`` of the per-sample gradients. Positive values suggest stopping.
+    Each parameter's elementwise statistics are summed to a scalar in its hook.
+
+    Args:
+        track_schedule: When to track.
+        verbose: Extra diagnostics.
+        epsilon: Added to the variances (default ``1e-5``, as in cockpit-for-pytorch).
+        key: History key (default ``"EarlyStopping"``).
+
+    Raises:
+        ValueError: When tracked with anything but plain ``torch.optim.SGD``; the
+            message names the setting at fault.
+    """
+
+    info_keys = ("optimizer",)
+
+    def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        self.epsilon = epsilon
+
+    def needs(self, global_step: int):
+        """Per-sample gradients (their mean and second moment), on scheduled steps."""
+        if self.should_compute(global_step):
+            return {Need.INDIVIDUAL_GRADIENTS}
+        return set()
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Sum ``g_d^2 / (s_d^2 + epsilon)`` over the parameter's coordinates."""
+        self._acc[view.index] = snr_entry(view, self.epsilon, unbiased=True)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        require_plain_sgd(ctx.info.require("optimizer", self.key), self.key)
+        snr, dim, n = total_snr(self._acc, len(ctx.params))
+        return float(F.early_stopping(snr, n, dim))

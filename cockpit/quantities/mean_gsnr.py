@@ -1,0 +1,42 @@
+"""MeanGSNR: the average gradient signal-to-noise ratio (Liu et al.)."""
+
+from __future__ import annotations
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import snr_entry, total_snr
+
+
+class MeanGSNR(SingleStepQuantity):
+    """The mean gradient signal-to-noise ratio of Liu et al. (2020).
+
+    ``(1/D) sum_d g_d^2 / (v_d + epsilon)`` with ``g`` the mini-batch gradient and
+    ``v_d = (1/N) sum_i g_i,d^2 - g_d^2`` the biased variance of coordinate ``d`` of
+    the per-sample gradients. Each parameter's elementwise statistics are summed to
+    a scalar in its hook. Works with any optimizer.
+
+    Args:
+        track_schedule: When to track.
+        verbose: Extra diagnostics.
+        epsilon: Added to the variances (default ``1e-5``, as in cockpit-for-pytorch).
+        key: History key (default ``"MeanGSNR"``).
+    """
+
+    def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
+        super().__init__(track_schedule, verbose=verbose, key=key)
+        self.epsilon = epsilon
+
+    def needs(self, global_step: int):
+        """Per-sample gradients (their mean and second moment), on scheduled steps."""
+        if self.should_compute(global_step):
+            return {Need.INDIVIDUAL_GRADIENTS}
+        return set()
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Sum ``g_d^2 / (v_d + epsilon)`` over the parameter's coordinates."""
+        self._acc[view.index] = snr_entry(view, self.epsilon, unbiased=False)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        snr, dim, _ = total_snr(self._acc, len(ctx.params))
+        return float(snr / dim)

@@ -1,0 +1,35 @@
+"""NormTest: is the mini-batch large enough for the gradient's norm? (Byrd et al.)."""
+
+from __future__ import annotations
+
+from cockpit.needs import Need
+from cockpit.param_view import ParamView
+from cockpit.quantities import functional as F
+from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import squared_norm_entry, total_squared_norms
+
+
+class NormTest(SingleStepQuantity):
+    """The norm test of Byrd et al. (2012) over the whole gradient.
+
+    ``sqrt( sum_i ||g_i - g||^2 / (N (N-1) ||g||^2) )`` with ``g_i`` the gradient of
+    sample ``i`` and ``g`` their mean. The test with tolerance ``theta`` passes iff
+    ``theta >= value``: small values mean the mini-batch gradient is precise enough.
+
+    Per-sample squared norms come from BackPACK's ``BatchL2Grad`` (no per-sample
+    gradients are formed) or, when another quantity needs ``BatchGrad`` at the same
+    step, from the per-sample gradients; ``||g||^2`` then comes from their mean,
+    otherwise from ``.grad``. Each parameter contributes two scalars.
+    """
+
+    def needs(self, global_step: int):
+        """Per-sample squared norms, on scheduled steps."""
+        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Reduce the parameter to ``sum_i ||g_i,p||^2`` and ``||g_p||^2``."""
+        self._acc[view.index] = squared_norm_entry(view)
+
+    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        per_sample, mean, n = total_squared_norms(self._acc, ctx.params)
+        return float(F.norm_test(per_sample, mean, n))

@@ -1,0 +1,177 @@
+"""What quantities need to know about the optimizer of a step.
+
+* whether it is *plain SGD* (``torch.optim.SGD`` with momentum 0, dampening 0,
+  weight decay 0, no Nesterov, not maximising, in every group) -- CABS and
+  EarlyStopping are only defined for it, and Alpha projects cheaply for it;
+* each parameter's learning rate;
+* the update an optimizer step *would* make to one parameter, replayed on copies
+  (Alpha uses it to project per-sample gradients onto the step inside the backward
+  pass for optimizers other than plain SGD).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+# Group settings of plain SGD and their neutral values.
+_PLAIN_SGD_SETTINGS = (
+    ("momentum", 0),
+    ("dampening", 0),
+    ("weight_decay", 0),
+    ("nesterov", False),
+    ("maximize", False),
+)
+
+
+class ReplayError(RuntimeError):
+    """An optimizer step could not be replayed for a single parameter."""
+
+
+def plain_sgd_violation(optimizer) -> str | None:
+    """Say why ``optimizer`` is not plain SGD.
+
+    Args:
+        optimizer: Any object (normally a ``torch.optim.Optimizer``).
+
+    Returns:
+        ``None`` for plain SGD, else a short reason such as
+        ``"momentum=0.9 in param group 0"`` or ``"the optimizer is Adam, not
+        torch.optim.SGD"``.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        return f"the optimizer is {type(optimizer).__name__}, not torch.optim.SGD"
+    for index, group in enumerate(optimizer.param_groups):
+        for name, neutral in _PLAIN_SGD_SETTINGS:
+            value = group.get(name, neutral)
+            if value != neutral:
+                return f"{name}={value!r} in param group {index}"
+    return None
+
+
+def is_plain_sgd(optimizer) -> bool:
+    """Return whether ``optimizer`` is plain SGD (see :func:`plain_sgd_violation`)."""
+    return plain_sgd_violation(optimizer) is None
+
+
+def require_plain_sgd(optimizer, who: str, single_lr: bool = False) -> float | None:
+    """Check that ``optimizer`` is plain SGD, or fail with the setting at fault.
+
+    Args:
+        optimizer: The step's optimizer (``info["optimizer"]``).
+        who: The quantity's name, for the message.
+        single_lr: Also require one learning rate shared by all groups.
+
+    Returns:
+        The learning rate if ``single_lr``, else ``None``.
+
+    Raises:
+        ValueError: Naming the offending setting and the fix.
+    """
+    reason = plain_sgd_violation(optimizer)
+    if reason is None and single_lr:
+        rates = [float(group["lr"]) for group in optimizer.param_groups]
+        if len(set(rates)) > 1:
+            listed = ", ".join(
+                f"lr={r!r} in param group {i}" for i, r in enumerate(rates)
+            )
+            reason = f"the param groups have different learning rates ({listed})"
+    if reason is not None:
+        extra = " with a single learning rate" if single_lr else ""
+        raise ValueError(
+            f"{who} is only defined for plain SGD{extra} (torch.optim.SGD with "
+            "momentum=0, dampening=0, weight_decay=0, nesterov=False), but "
+            f"{reason}. Fix: train with plain torch.optim.SGD, or remove {who} from "
+            "the cockpit's quantities."
+        )
+    return float(optimizer.param_groups[0]["lr"]) if single_lr else None
+
+
+def group_index(optimizer, params: Sequence[Tensor]) -> list[int | None]:
+    """Return, for each parameter, the index of its optimizer group (or ``None``)."""
+    owner = {
+        id(p): index
+        for index, group in enumerate(optimizer.param_groups)
+        for p in group["params"]
+    }
+    return [owner.get(id(p)) for p in params]
+
+
+def learning_rates(optimizer, params: Sequence[Tensor]) -> list[float]:
+    """Return each parameter's learning rate (``0.0`` if the optimizer lacks it)."""
+    groups = optimizer.param_groups
+    return [
+        0.0 if g is None else float(groups[g]["lr"])
+        for g in group_index(optimizer, params)
+    ]
+
+
+def replay_update(optimizer, param: Tensor, grad: Tensor) -> Tensor:
+    """Return the change ``optimizer.step()`` would make to ``param`` given ``grad``.
+
+    The step is run by a fresh optimizer of the same class on a copy of ``param``,
+    with a copy of the parameter's group settings and optimizer state, so neither
+    ``optimizer`` nor ``param`` changes. This is exact for optimizers whose update
+    of a parameter depends only on that parameter, its gradient, its state and its
+    group (all ``torch.optim`` optimizers except LBFGS).
+
+    Args:
+        optimizer: The optimizer that will make the step.
+        param: One parameter (its current value is used).
+        grad: The gradient ``optimizer.step()`` will see for ``param``.
+
+    Returns:
+        ``theta_new - theta``, shaped like ``param`` (zeros if the optimizer does not
+        own ``param``).
+
+    Raises:
+        ReplayError: If the optimizer cannot be rebuilt or stepped this way.
+    """
+    (index,) = group_index(optimizer, [param])
+    if index is None:
+        return torch.zeros_like(param)
+    settings = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
+    shadow = param.detach().clone().requires_grad_(True)
+    shadow.grad = grad.detach().clone()
+    try:
+        twin = type(optimizer)([dict(settings, params=[shadow])])
+        state = optimizer.state.get(param)
+        if state:
+            twin.state[shadow] = copy.deepcopy(state)
+        with torch.no_grad():
+            twin.step()
+    except (TypeError, ValueError, RuntimeError, KeyError) as error:
+        raise ReplayError(
+            f"{type(optimizer).__name__}.step() could not be replayed for a single "
+            f"parameter ({type(error).__name__}: {error})"
+        ) from error
+    return shadow.detach() - param.detach()
+
+
+def multiple_of(update: Tensor, grad: Tensor, param: Tensor) -> float | None:
+    """Return ``c`` with ``update == c * grad`` up to the rounding of a step, if any.
+
+    A replayed update carries rounding errors of the order of the machine precision
+    times ``|param| + |update|`` (it is a difference of two parameter values); a
+    residual within a small multiple of that counts as zero.
+
+    Args:
+        update: A replayed update of ``param``.
+        grad: The gradient it was computed from.
+        param: The parameter (before the step).
+
+    Returns:
+        The factor ``c``, or ``None`` if ``update`` is not a multiple of ``grad``.
+    """
+    update, grad = update.reshape(-1), grad.reshape(-1)
+    grad_sq = grad @ grad
+    factor = (update @ grad) / grad_sq if grad_sq > 0 else update.new_zeros(())
+    residual = torch.linalg.vector_norm(update - factor * grad)
+    eps = torch.finfo(update.dtype).eps
+    scale = torch.linalg.vector_norm(param.detach()) + torch.linalg.vector_norm(update)
+    if residual > 4 * eps * scale:
+        return None
+    return float(factor)
