@@ -1,0 +1,414 @@
+"""The dashboard: lays the gauges out on one (or two) figures, live or from a log."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure, SubFigure
+
+from cockpit.history import History
+from cockpit.plotting import instruments
+from cockpit.plotting.data import DashboardData, as_history
+from cockpit.plotting.style import PANEL_COLORS, dashboard_style
+
+_NON_INTERACTIVE = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
+
+
+def _display_kind() -> str:
+    """``"gui"`` for a window backend, ``"inline"`` for notebooks, else ``"none"``."""
+    import matplotlib
+
+    backend = str(matplotlib.get_backend()).lower()
+    if "inline" in backend:
+        return "inline"
+    try:
+        from matplotlib.backends import BackendFilter, backend_registry
+
+        non_interactive = set(
+            backend_registry.list_builtin(BackendFilter.NON_INTERACTIVE)
+        )
+    except ImportError:  # matplotlib < 3.9
+        from matplotlib import rcsetup
+
+        non_interactive = {b.lower() for b in rcsetup.non_interactive_bk}
+    if backend in non_interactive | _NON_INTERACTIVE:
+        return "none"
+    return "gui"
+
+
+def _layer_grid(n: int) -> tuple[int, int]:
+    """Rows and columns for ``n`` layer histograms: 2x2, growing alternately."""
+    rows, cols = 2, 2
+    while rows * cols < n:
+        if cols <= rows:
+            cols += 1
+        else:
+            rows += 1
+    return rows, cols
+
+
+def resolve_source(source: Any) -> tuple[History, str, str | None]:
+    """Return the history, default title and default save folder of a source.
+
+    Args:
+        source: What :meth:`CockpitPlotter.plot` accepts.
+
+    Returns:
+        The history; ``"Cockpit for <optimizer>"`` for a cockpit that saw an
+        optimizer, ``"Cockpit: <file name>"`` for a log, else ``"Cockpit"``; the
+        log's folder for a log, else ``None``.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        name = os.path.basename(path)
+        return as_history(path), f"Cockpit: {name}", os.path.dirname(path) or "."
+    optimizer = getattr(source, "optimizer_name", None)
+    title = f"Cockpit for {optimizer}" if optimizer else "Cockpit"
+    return as_history(source), title, None
+
+
+class CockpitPlotter:
+    """Draw cockpit's dashboard from a running cockpit or from a log.
+
+    The primary screen has three tinted panels (STEP SIZE, GRADIENTS, CURVATURE)
+    with three gauges each, above a gray row with the learning rate and the loss /
+    accuracy: what practitioners already watch. The secondary screen
+    (``secondary_screen=True``) shows the mean GSNR, CABS and the early-stopping
+    criterion, and one 2-D histogram per parameter tensor (needs
+    ``GradHist2d(..., keep_individual=True)``).
+
+    Call :meth:`plot` as often as you like during training: the figures and a
+    cache of the data are kept, so an update reads only the new steps, draws at
+    most a bounded number of points per gauge, never steals focus, and works
+    headless (Agg). Global matplotlib state (rcParams, backend, interactive mode,
+    pyplot's current figure) is left as it was.
+
+    Args:
+        secondary_screen: Also draw the secondary screen.
+        figsize: Size of each figure in inches.
+        dpi: Resolution of each figure (and of saved images).
+
+    Attributes:
+        fig: The primary figure (``None`` before the first :meth:`plot`).
+        fig_secondary: The secondary figure, if requested.
+    """
+
+    def __init__(
+        self,
+        secondary_screen: bool = False,
+        figsize: tuple[float, float] = (16.0, 9.0),
+        dpi: float = 100.0,
+    ):
+        self.secondary_screen = secondary_screen
+        self.figsize = tuple(figsize)
+        self.dpi = dpi
+        self.fig: Figure | None = None
+        self.fig_secondary: Figure | None = None
+        self._data: DashboardData | None = None
+        self._managed = False  # figures live in pyplot (a window shows them)
+        self._shown = False
+        self._gauge_axes: list[tuple[Any, Axes]] = []
+        self._aux_axes: list[tuple[Any, Axes]] = []
+        self._layer_panel: SubFigure | None = None
+        self._layer_axes: list[Axes] = []
+        self._step_texts: list[Any] = []
+
+    # --- public --------------------------------------------------------------------
+    def plot(
+        self,
+        source: Any,
+        show_plot: bool = True,
+        block: bool = False,
+        save_plot: bool = False,
+        savedir: str | os.PathLike | None = None,
+        savename: str = "cockpit",
+        savename_append: str | None = None,
+        savefig_kwargs: dict[str, Any] | None = None,
+        show_log_iter: bool = False,
+        discard: int | None = None,
+        plot_title: str | None = None,
+        debug: bool = False,
+    ) -> list[str]:
+        """Draw (or update) the dashboard.
+
+        Args:
+            source: A :class:`~cockpit.Cockpit` (live), a
+                :class:`~cockpit.history.History`, a ``{step: {key: value}}`` dict,
+                or the path of a log: ours (also streamed) or one written by
+                cockpit-for-pytorch 1.0.2 (with or without ``.json``).
+            show_plot: Show the figures: in a window on a GUI backend (opened on
+                the first call, then updated without raising it), inline in a
+                notebook; nothing to show on a non-interactive backend such as Agg.
+            block: Block until the windows are closed (GUI backends only).
+            save_plot: Save the figures to ``savedir``.
+            savedir: Folder of saved images; defaults to the log's folder for a
+                path source and is required otherwise.
+            savename: File name stem; files are ``<savename>__primary`` and
+                ``<savename>__secondary``.
+            savename_append: Appended to the file names (e.g. ``"__epoch_3"``;
+                ``"__"`` is added in front if it starts with neither ``_`` nor
+                ``-``).
+            savefig_kwargs: Passed to ``Figure.savefig``; ``format`` (default
+                ``"png"``) also sets the file extension.
+            show_log_iter: Symmetric-log iteration axes.
+            discard: Plot only steps up to this global step (inclusive).
+            plot_title: Figure title; default ``"Cockpit for <optimizer>"`` for a
+                cockpit, the file name for a log.
+            debug: Warn about every gauge that has no data.
+
+        Returns:
+            Paths of the saved images (empty unless ``save_plot``).
+
+        Raises:
+            ValueError: If ``save_plot`` has no ``savedir`` for a non-path source.
+        """
+        history, title, default_dir = resolve_source(source)
+        if plot_title is not None:
+            title = plot_title
+        if save_plot and savedir is None:
+            if default_dir is None:
+                raise ValueError(
+                    "save_plot=True needs savedir= when plotting a Cockpit or a "
+                    "History (there is no log file to save next to), e.g. "
+                    "plotter.plot(cockpit, save_plot=True, savedir='plots')."
+                )
+            savedir = default_dir
+        data = self._data_for(history)
+        display = _display_kind() if (show_plot or block) else "none"
+        paths: list[str] = []
+        with dashboard_style():
+            self._ensure_figures(managed=display == "gui")
+            self.draw(data, title, show_log_iter=show_log_iter, upto=discard)
+            if save_plot:
+                paths = self._save(savedir, savename, savename_append, savefig_kwargs)
+            if display != "none":
+                for fig in self.figures:
+                    fig.canvas.draw()
+        if debug:
+            self._warn_empty()
+        self._show(display, block)
+        return paths
+
+    def save(
+        self,
+        path: str | os.PathLike | None,
+        secondary_path: str | os.PathLike | None = None,
+        **savefig_kwargs: Any,
+    ) -> list[str]:
+        """Save the figures drawn by the last :meth:`plot` to the given files.
+
+        Args:
+            path: File for the primary screen (``None``: skip it). The format
+                follows the suffix unless ``format=`` is given.
+            secondary_path: File for the secondary screen (``None``: skip it).
+            **savefig_kwargs: Passed to ``Figure.savefig`` (e.g. ``dpi``).
+
+        Returns:
+            The paths written.
+
+        Raises:
+            RuntimeError: If nothing was plotted yet, or a secondary path is given
+                but the plotter has no secondary screen.
+        """
+        if self.fig is None:
+            raise RuntimeError("Nothing to save yet: call plotter.plot(source) first.")
+        if secondary_path is not None and self.fig_secondary is None:
+            raise RuntimeError(
+                "This plotter has no secondary screen; create it with "
+                "CockpitPlotter(secondary_screen=True)."
+            )
+        written = []
+        with dashboard_style():
+            for fig, target in ((self.fig, path), (self.fig_secondary, secondary_path)):
+                if target is None:
+                    continue
+                target = os.fspath(target)
+                parent = os.path.dirname(target)
+                if parent:
+                    os.makedirs(parent, exist_ok=True)
+                fig.savefig(target, **savefig_kwargs)
+                written.append(target)
+        return written
+
+    @property
+    def figures(self) -> list[Figure]:
+        """The figures drawn so far (primary first)."""
+        return [f for f in (self.fig, self.fig_secondary) if f is not None]
+
+    def draw(
+        self,
+        data: DashboardData,
+        title: str = "Cockpit",
+        show_log_iter: bool = False,
+        upto: int | None = None,
+    ) -> None:
+        """Draw every gauge from ``data`` onto the existing figures.
+
+        Called by :meth:`plot`; use it directly only inside
+        :func:`~cockpit.plotting.style.dashboard_style`, after :meth:`plot` made
+        the figures.
+        """
+        options = {"show_log_iter": show_log_iter, "upto": upto}
+        last = data.last_step if upto is None else min(upto, data.last_step or upto)
+        step_label = "" if last is None else f"step {last}"
+        self.fig.suptitle(title)
+        for gauge, ax in self._gauge_axes:
+            gauge(ax, data, **options)
+        if self.fig_secondary is not None:
+            self.fig_secondary.suptitle(f"{title}: secondary screen")
+            for gauge, ax in self._aux_axes:
+                gauge(ax, data, **options)
+            self._draw_layers(data, options)
+        for text in self._step_texts:
+            text.set_text(step_label)
+
+    # --- internals -------------------------------------------------------------------
+    def _data_for(self, history: History) -> DashboardData:
+        if self._data is None or self._data.history is not history:
+            self._data = DashboardData(history)
+        self._data.refresh()
+        return self._data
+
+    def _ensure_figures(self, managed: bool) -> None:
+        if self.fig is not None and managed and self._managed:
+            if not self._window_open(self.fig):  # the user closed the window
+                self.fig = None
+        if self.fig is not None and (self._managed or not managed):
+            return
+        self._managed = managed
+        self._shown = False
+        self.fig = self._new_figure("Cockpit")
+        self._build_primary(self.fig)
+        self.fig_secondary = None
+        if self.secondary_screen:
+            self.fig_secondary = self._new_figure("Cockpit: secondary screen")
+            self._build_secondary(self.fig_secondary)
+
+    def _new_figure(self, window_title: str) -> Figure:
+        kwargs = {"figsize": self.figsize, "dpi": self.dpi, "layout": "constrained"}
+        if not self._managed:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            fig = Figure(**kwargs)
+            FigureCanvasAgg(fig)
+            return fig
+        import matplotlib.pyplot as plt
+
+        previous = plt.gcf() if plt.get_fignums() else None
+        fig = plt.figure(**kwargs)
+        if previous is not None:
+            plt.figure(previous)  # give the user's current figure back
+        manager = fig.canvas.manager
+        if manager is not None:
+            manager.set_window_title(window_title)
+        return fig
+
+    @staticmethod
+    def _window_open(fig: Figure) -> bool:
+        import matplotlib.pyplot as plt
+
+        number = getattr(fig, "number", None)
+        return number is not None and plt.fignum_exists(number)
+
+    def _panel(self, sub: SubFigure, name: str, color: str) -> None:
+        sub.set_facecolor(color)
+        sub.suptitle(name, fontsize=10, fontweight="bold", color="#444444")
+
+    def _build_primary(self, fig: Figure) -> None:
+        rows = fig.subfigures(2, 1, height_ratios=[3.0, 1.1])
+        top = rows[0].subfigures(1, 3, wspace=0.01)
+        self._gauge_axes = []
+        for sub, (name, gauges) in zip(top, instruments.PRIMARY_GAUGES.items()):
+            self._panel(sub, name, PANEL_COLORS[name.lower()])
+            for gauge, ax in zip(gauges, sub.subplots(len(gauges), 1)):
+                self._gauge_axes.append((gauge, ax))
+        bottom = rows[1].subfigures(1, 2, width_ratios=[1.0, 2.0], wspace=0.01)
+        for sub, gauge in zip(
+            bottom, (instruments.plot_hyperparameters, instruments.plot_performance)
+        ):
+            sub.set_facecolor(PANEL_COLORS["bottom"])
+            self._gauge_axes.append((gauge, sub.subplots(1, 1)))
+        self._step_texts = [self._step_text(fig)]
+
+    def _build_secondary(self, fig: Figure) -> None:
+        rows = fig.subfigures(2, 1, height_ratios=[1.0, 2.2])
+        self._panel(rows[0], "AUXILIARY", PANEL_COLORS["auxiliary"])
+        axes = rows[0].subplots(1, len(instruments.AUXILIARY_GAUGES))
+        self._aux_axes = list(zip(instruments.AUXILIARY_GAUGES, axes))
+        self._panel(rows[1], "LAYERWISE", PANEL_COLORS["layerwise"])
+        self._layer_panel = rows[1]
+        self._layer_axes = []
+        self._step_texts.append(self._step_text(fig))
+
+    @staticmethod
+    def _step_text(fig: Figure):
+        return fig.text(0.995, 0.995, "", ha="right", va="top", fontsize=8)
+
+    def _draw_layers(self, data: DashboardData, options: dict[str, Any]) -> None:
+        n = instruments.layer_count(data, upto=options["upto"])
+        cells = max(n, 1)
+        rows, cols = _layer_grid(cells)
+        if len(self._layer_axes) != rows * cols:
+            self._layer_panel.clear()
+            self._panel(self._layer_panel, "LAYERWISE", PANEL_COLORS["layerwise"])
+            grid = self._layer_panel.subplots(rows, cols, squeeze=False)
+            self._layer_axes = list(grid.flat)
+        for index, ax in enumerate(self._layer_axes):
+            if n == 0 and index == 0:
+                instruments.plot_hist_2d(ax, data, param=0, **options)
+            elif index < n:
+                instruments.plot_hist_2d(ax, data, param=index, **options)
+            else:
+                instruments._reset(ax)
+                ax.set_axis_off()
+
+    def _save(
+        self,
+        savedir: str | os.PathLike,
+        savename: str,
+        savename_append: str | None,
+        savefig_kwargs: dict[str, Any] | None,
+    ) -> list[str]:
+        kwargs = dict(savefig_kwargs or {})
+        fmt = kwargs.get("format", "png")
+        suffix = savename_append or ""
+        if suffix and not suffix.startswith(("_", "-")):
+            suffix = "__" + suffix
+        names = [
+            f"{savename}__{screen}{suffix}.{fmt}" for screen in ("primary", "secondary")
+        ]
+        primary, secondary = (os.path.join(os.fspath(savedir), n) for n in names)
+        return self.save(
+            primary, secondary if self.fig_secondary is not None else None, **kwargs
+        )
+
+    def _warn_empty(self) -> None:
+        axes = [ax for _, ax in self._gauge_axes + self._aux_axes] + self._layer_axes
+        for ax in axes:
+            if ax.get_gid() == instruments.NO_DATA_GID:
+                hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
+                warnings.warn(
+                    f"Gauge {ax.get_title()!r} has {hint}.", UserWarning, stacklevel=3
+                )
+
+    def _show(self, display: str, block: bool) -> None:
+        if display == "gui":
+            import matplotlib.pyplot as plt
+
+            for fig in self.figures:
+                if not self._shown:
+                    fig.show()  # opens the window once; later updates do not raise it
+                fig.canvas.draw_idle()
+                fig.canvas.flush_events()
+            self._shown = True
+            if block:
+                plt.show(block=True)
+        elif display == "inline":
+            from IPython.display import clear_output, display
+
+            clear_output(wait=True)
+            for fig in self.figures:
+                display(fig)

@@ -1,0 +1,337 @@
+"""The dashboard's view of a history: series that grow with the run.
+
+:class:`DashboardData` turns a :class:`~cockpit.history.History` into the arrays the
+gauges draw (one value per step, reduced over parameters where needed, plus an
+exponential moving average). It remembers how far it has read: :meth:`refresh` reads
+only the steps added since the last call (and the last step seen before, which a
+two-step quantity such as ``Alpha`` fills in one step late), so keeping a live
+dashboard up to date costs time proportional to the new data. Gauges draw at most
+:data:`MAX_POINTS` points per series, so drawing does not grow with the run either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from bisect import bisect_left
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from cockpit.history import History
+
+#: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
+#: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
+EMA_ALPHA = 0.2
+
+#: Upper bound on the number of points a gauge draws per series; longer series are
+#: thinned with a power-of-two stride (so the kept points do not jump around while
+#: the run grows); the last point is always drawn.
+MAX_POINTS = 2000
+
+
+def _to_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _flat(value: Any) -> np.ndarray | None:
+    """A list/array of numbers as a flat float array (``None`` if it is not one)."""
+    try:
+        return np.asarray(value, dtype=np.float64).ravel()
+    except (TypeError, ValueError):  # ragged or non-numeric
+        return None
+
+
+def _scalar(value: Any) -> float:
+    """A number as float; a one-element list as its element; else NaN."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        flat = _flat(value)
+        return float(flat[0]) if flat is not None and flat.size == 1 else math.nan
+    return _to_float(value)
+
+
+def _norm(value: Any) -> float:
+    """Root of the sum of squares over parameters (a number is its own norm)."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        flat = _flat(value)
+        if flat is None or flat.size == 0:
+            return math.nan
+        return float(np.sqrt(np.dot(flat, flat)))
+    return abs(_to_float(value))
+
+
+def _sum(value: Any) -> float:
+    """Sum over parameters (a number is its own sum)."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        flat = _flat(value)
+        if flat is None or flat.size == 0:
+            return math.nan
+        return float(np.sum(flat))
+    return _to_float(value)
+
+
+def _entries(history: History, step: int) -> Mapping[str, Any]:
+    """The entries of one step, for reading only.
+
+    ``history[step]`` returns a fresh plain-Python copy of the whole step, which
+    for histograms costs far more than the dashboard's update; the dashboard only
+    reads, so it looks at the stored values directly (numbers, lists, dicts and
+    read-only numpy arrays) when the history keeps them in ``_data``.
+    """
+    raw = getattr(history, "_data", None)
+    if isinstance(raw, dict):
+        return raw[step]
+    return history[step]
+
+
+#: How a per-step value becomes one number: ``"scalar"`` (floats), ``"norm"``
+#: (per-parameter norms combined to the norm of the whole vector) or ``"sum"``
+#: (per-parameter traces summed).
+REDUCERS: dict[str, Callable[[Any], float]] = {
+    "scalar": _scalar,
+    "norm": _norm,
+    "sum": _sum,
+}
+
+
+class Series:
+    """One quantity as growing arrays of steps, values and their moving average.
+
+    Non-finite values are kept in :attr:`values` (so steps line up) but skipped by
+    the moving average and by :meth:`view`.
+    """
+
+    def __init__(self) -> None:
+        self._steps = np.empty(64, dtype=np.int64)
+        self._values = np.empty(64, dtype=np.float64)
+        self._ema = np.empty(64, dtype=np.float64)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def steps(self) -> np.ndarray:
+        """Steps with a value, increasing (a view, do not modify)."""
+        return self._steps[: self._n]
+
+    @property
+    def values(self) -> np.ndarray:
+        """The values (a view, do not modify)."""
+        return self._values[: self._n]
+
+    @property
+    def ema(self) -> np.ndarray:
+        """Exponential moving average of the finite values so far (a view)."""
+        return self._ema[: self._n]
+
+    def truncate(self, first_step: int) -> None:
+        """Forget all entries at ``first_step`` and later."""
+        self._n = int(np.searchsorted(self.steps, first_step, side="left"))
+
+    def append(self, step: int, value: float) -> None:
+        """Add a value at a step later than all stored ones."""
+        if self._n == len(self._steps):
+            size = 2 * len(self._steps)
+            for name in ("_steps", "_values", "_ema"):
+                old = getattr(self, name)
+                new = np.empty(size, dtype=old.dtype)
+                new[: self._n] = old[: self._n]
+                setattr(self, name, new)
+        previous = self._ema[self._n - 1] if self._n else math.nan
+        if not math.isfinite(value):
+            ema = previous
+        elif math.isnan(previous):
+            ema = value
+        else:
+            ema = EMA_ALPHA * value + (1.0 - EMA_ALPHA) * previous
+        self._steps[self._n] = step
+        self._values[self._n] = value
+        self._ema[self._n] = ema
+        self._n += 1
+
+    def view(
+        self, upto: int | None = None, max_points: int | None = MAX_POINTS
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return ``(steps, values, ema)`` to draw: finite, up to a step, thinned.
+
+        Args:
+            upto: Last step to include (``None``: all).
+            max_points: Thin longer series to about this many points (``None``:
+                keep all).
+
+        Returns:
+            Three arrays of equal length.
+        """
+        n = self._n if upto is None else int(np.searchsorted(self.steps, upto, "right"))
+        index = thinned_index(n, max_points)
+        steps = self._steps[:n][index]
+        values = self._values[:n][index]
+        ema = self._ema[:n][index]
+        keep = np.isfinite(values)
+        return steps[keep], values[keep], ema[keep]
+
+
+def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
+    """Indices of at most about ``max_points`` of ``n`` points, always the last.
+
+    The stride is a power of two, so the chosen points stay the same while ``n``
+    grows (until the stride doubles): a live plot does not flicker.
+    """
+    if max_points is None or n <= max_points:
+        return slice(0, n)
+    stride = 2 ** math.ceil(math.log2(n / max_points))
+    index = np.arange(0, n, stride)
+    if index[-1] != n - 1:
+        index = np.append(index, n - 1)
+    return index
+
+
+class DashboardData:
+    """Incrementally maintained series of a history, shared by all gauges.
+
+    Args:
+        history: The history to read. It may keep growing (a live run); call
+            :meth:`refresh` before drawing.
+    """
+
+    def __init__(self, history: History):
+        if not isinstance(history, History):
+            raise TypeError(
+                f"DashboardData reads a cockpit.history.History, got "
+                f"{type(history).__name__}. Convert it with as_history(...)."
+            )
+        self.history = history
+        self._series: dict[tuple[str, str], Series] = {}
+        self._latest: dict[str, tuple[int, Any]] = {}
+        self._resume: int | None = None  # first step to (re-)read on refresh
+        #: Number of (step, key) entries read so far (shows the incremental cost).
+        self.entries_read = 0
+
+    # --- reading -------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read the steps added to the history since the last refresh."""
+        steps = self.history.steps
+        if not steps:
+            return
+        start = 0 if self._resume is None else bisect_left(steps, self._resume)
+        new = steps[start:]
+        if not new:
+            return
+        first = new[0]
+        for series in self._series.values():
+            series.truncate(first)
+        for step in new:
+            entries = _entries(self.history, step)
+            self.entries_read += len(entries)
+            for (key, reduce), series in self._series.items():
+                if key in entries:
+                    series.append(step, REDUCERS[reduce](entries[key]))
+            for key, value in entries.items():
+                if isinstance(value, Mapping):
+                    self._latest[key] = (step, value)
+        self._resume = new[-1]
+
+    def series(self, key: str, reduce: str = "scalar") -> Series:
+        """Return the series of ``key`` reduced with ``reduce`` (see :data:`REDUCERS`).
+
+        The first request for a series reads it from the whole history once; later
+        refreshes extend it.
+
+        Raises:
+            ValueError: For an unknown ``reduce``.
+        """
+        if reduce not in REDUCERS:
+            raise ValueError(
+                f"Unknown reduction {reduce!r}; choose one of {sorted(REDUCERS)}."
+            )
+        if (key, reduce) not in self._series:
+            series = Series()
+            upto = self._resume
+            for step in self.history.steps:
+                if upto is not None and step > upto:
+                    break
+                entries = _entries(self.history, step)
+                if key in entries:
+                    series.append(step, REDUCERS[reduce](entries[key]))
+            self._series[(key, reduce)] = series
+        return self._series[(key, reduce)]
+
+    def latest(self, key: str, upto: int | None = None) -> tuple[int, Any] | None:
+        """Return ``(step, value)`` of the last dict-valued entry of ``key``.
+
+        Args:
+            key: The quantity key (e.g. ``"GradHist1d"``).
+            upto: Last step to consider (``None``: all). Looking further back than
+                the newest entry scans the history backwards.
+
+        Returns:
+            The step and value, or ``None`` if there is none.
+        """
+        found = self._latest.get(key)
+        if found is not None and (upto is None or found[0] <= upto):
+            return found
+        if upto is None:
+            return None
+        steps = self.history.steps
+        for step in reversed(steps[: bisect_left(steps, upto + 1)]):
+            value = _entries(self.history, step).get(key)
+            if isinstance(value, Mapping):
+                return step, value
+        return None
+
+    def has(self, key: str) -> bool:
+        """Return whether ``key`` has at least one entry."""
+        if key in self._latest:
+            return True
+        return len(self.series(key)) > 0
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest step read so far."""
+        return self._resume
+
+
+def as_history(source: Any) -> History:
+    """Return the history behind ``source``.
+
+    Args:
+        source: A :class:`~cockpit.Cockpit`, a :class:`~cockpit.history.History`, a
+            ``{step: {key: value}}`` mapping, or the path of a log (ours or one
+            written by cockpit-for-pytorch 1.0.2, with or without ``.json``).
+
+    Returns:
+        The history (the cockpit's own object for a cockpit, so it stays live).
+
+    Raises:
+        TypeError: For any other kind of source.
+    """
+    if isinstance(source, History):
+        return source
+    history = getattr(source, "history", None)
+    if isinstance(history, History):
+        return history
+    if isinstance(source, (str, os.PathLike)):
+        return History.from_json(source)
+    if isinstance(source, Mapping):
+        return History(source)
+    raise TypeError(
+        f"Cannot plot a {type(source).__name__}. Pass a Cockpit, a History, a "
+        "{step: {key: value}} dict or the path of a cockpit log."
+    )
+
+
+def as_data(source: Any) -> DashboardData:
+    """Return :class:`DashboardData` for anything :func:`as_history` takes.
+
+    A :class:`DashboardData` is returned as it is (its owner refreshes it, once for
+    all gauges); anything else is read into a new, refreshed one.
+    """
+    if isinstance(source, DashboardData):
+        return source
+    data = DashboardData(as_history(source))
+    data.refresh()
+    return data

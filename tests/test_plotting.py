@@ -1,0 +1,481 @@
+"""The dashboard: every gauge from a real run's log, both screens, global state.
+
+Rendering uses the Agg backend only; checks look at what was drawn (titles, axes
+with data, overlapping labels, written PNGs) rather than at pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import matplotlib
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+from cockpit import quantities as Q
+from cockpit.history import History
+from cockpit.plotting import CockpitPlotter, DashboardData, instruments, make_timelapse
+from cockpit.plotting.data import MAX_POINTS, thinned_index
+from cockpit.plotting.style import format_number
+from cockpit.utils.configuration import configuration
+from cockpit.utils.schedules import linear
+from tests.utils.harness import run
+from tests.utils.problems import make_problem
+
+STEPS = 6
+PRIMARY_TITLES = [
+    "Alpha Distribution",
+    "Distance",
+    "Gradient Norm",
+    "Gradient Tests",
+    "Gradient Element Histogram",
+    "Gradient/Parameter Element Histogram (all)",
+    "Max Eigenvalue",
+    "Trace",
+    "TIC",
+    "Hyperparameters",
+    "Performance Plot",
+]
+AUXILIARY_TITLES = ["Mean GSNR", "CABS", "Early stopping"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# --- a real run ---
+def _all_quantities():
+    """The full configuration with per-layer histograms, plus every other gauge's."""
+    every = linear(1)
+    made = [q for q in configuration("full", every) if q.key != "GradHist2d"]
+    made += [
+        Q.GradHist2d(every, keep_individual=True),
+        Q.TICTrace(every),
+        Q.MeanGSNR(every),
+        Q.CABS(every),
+        Q.EarlyStopping(every),
+    ]
+    return made
+
+
+@pytest.fixture(scope="module")
+def real_log(tmp_path_factory):
+    """Log of a 6-step SGD run that tracked every quantity the dashboard shows."""
+    problem = make_problem("mlp", "ce", "sgd")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Full backward hook is firing")
+        result = run(problem, _all_quantities(), steps=STEPS)
+    cockpit = result.cockpit
+    for step in range(0, STEPS, 2):
+        cockpit.log(step, 0, 1.0 / (step + 1), 1.2 / (step + 1), None, 0.1 * step,
+                    0.08 * step, None, 0.1)  # fmt: skip
+    path = cockpit.write(tmp_path_factory.mktemp("run") / "log")
+    return path, cockpit, len(problem.params)
+
+
+@pytest.fixture(scope="module")
+def dashboard(real_log, tmp_path_factory):
+    """Both screens drawn from the real log and saved as PNGs."""
+    path, _, _ = real_log
+    plotter = CockpitPlotter(secondary_screen=True)
+    savedir = tmp_path_factory.mktemp("png")
+    saved = plotter.plot(path, show_plot=False, save_plot=True, savedir=savedir)
+    return plotter, saved
+
+
+def _gauge_axes(plotter):
+    return [ax for _, ax in plotter._gauge_axes]
+
+
+def _has_data(ax) -> bool:
+    """Whether ``ax`` (or a twin/inset it made) shows lines, points, bars or images."""
+    axes = [ax, *instruments._EXTRA_AXES.get(ax, [])]
+    for a in axes:
+        if any(len(line.get_xdata()) for line in a.lines):
+            return True
+        if any(len(c.get_offsets()) or len(c.get_paths()) for c in a.collections):
+            return True
+        if a.patches or a.images:
+            return True
+    return False
+
+
+# --- tests on the real run ---
+def test_every_gauge_draws_from_a_real_log(real_log, dashboard):
+    _, _, n_params = real_log
+    plotter, saved = dashboard
+
+    axes = _gauge_axes(plotter)
+    assert [ax.get_title() for ax in axes] == PRIMARY_TITLES
+    for ax in axes:
+        assert ax.get_gid() == instruments.GAUGE_GID, ax.get_title()
+        assert _has_data(ax), ax.get_title()
+    aux = [ax for _, ax in plotter._aux_axes]
+    assert [ax.get_title() for ax in aux] == AUXILIARY_TITLES
+    assert all(ax.get_gid() == instruments.GAUGE_GID and _has_data(ax) for ax in aux)
+    layers = [ax for ax in plotter._layer_axes if ax.get_gid() == instruments.GAUGE_GID]
+    assert [ax.get_title() for ax in layers] == [
+        f"Parameter {k}" for k in range(n_params)
+    ]
+
+    assert [p.rsplit("/", 1)[1] for p in saved] == [
+        "cockpit__primary.png",
+        "cockpit__secondary.png",
+    ]
+    for file in saved:
+        with open(file, "rb") as handle:
+            assert handle.read(8) == PNG_SIGNATURE
+    image = matplotlib.image.imread(saved[0])
+    assert image.shape[:2] == (900, 1600)
+    assert plotter.fig._suptitle.get_text() == "Cockpit: log.json"
+
+
+def test_gauges_show_the_logged_values(real_log, dashboard):
+    _, cockpit, _ = real_log
+    plotter, _ = dashboard
+    by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
+    # Gradient norm: the points are the norms of the whole gradient per step.
+    points = by_title["Gradient Norm"].collections[0].get_offsets()
+    expected = [math.sqrt(sum(v * v for v in cockpit.history[s]["GradNorm"]))
+                for s in range(STEPS)]  # fmt: skip
+    np.testing.assert_allclose(points[:, 1], expected, rtol=1e-12)
+    np.testing.assert_array_equal(points[:, 0], np.arange(STEPS))
+    # Trace: the sum over layers.
+    points = by_title["Trace"].collections[0].get_offsets()
+    expected = [sum(cockpit.history[s]["HessTrace"]) for s in range(STEPS)]
+    np.testing.assert_allclose(points[:, 1], expected, rtol=1e-12)
+    # Learning rate: the logged values at the logged steps.
+    line = by_title["Hyperparameters"].lines[0]
+    np.testing.assert_array_equal(line.get_xdata(), [0, 2, 4])
+    np.testing.assert_allclose(line.get_ydata(), [0.1, 0.1, 0.1])
+
+
+def test_live_plot_from_a_cockpit_then_update(real_log):
+    _, cockpit, _ = real_log
+    plotter = CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False)
+    assert plotter.fig._suptitle.get_text() == "Cockpit for SGD"
+    with pytest.raises(ValueError, match="savedir="):
+        plotter.plot(cockpit, show_plot=False, save_plot=True)
+
+
+def test_no_overlapping_labels_or_titles(dashboard):
+    plotter, _ = dashboard
+    for fig in plotter.figures:  # laid out and drawn when they were saved
+        renderer = fig.canvas.get_renderer()
+        problems = _overlaps(fig, renderer)
+        assert not problems, problems
+
+
+def _visible_texts(artist_list):
+    return [t for t in artist_list if t.get_visible() and t.get_text().strip()]
+
+
+def _overlaps(fig: Figure, renderer) -> list[str]:
+    """Overlapping tick labels within an axis, and titles touching other text."""
+    found = []
+    all_axes = []
+    for ax in fig.get_axes():
+        all_axes += [ax, *ax.child_axes]
+    for ax in all_axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = _visible_texts(axis.get_ticklabels())
+            boxes = [t.get_window_extent(renderer) for t in labels]
+            for i in range(len(boxes)):
+                for j in range(i + 1, len(boxes)):
+                    if boxes[i].overlaps(boxes[j]):
+                        found.append(
+                            f"{ax.get_title()!r}: tick labels {labels[i].get_text()!r}"
+                            f" and {labels[j].get_text()!r} overlap"
+                        )
+    titles = [(ax, ax.title) for ax in all_axes if ax.get_title()]
+    for ax, title in titles:
+        box = title.get_window_extent(renderer)
+        for other in all_axes:
+            texts = _visible_texts(
+                other.xaxis.get_ticklabels() + other.yaxis.get_ticklabels()
+            ) + [other.xaxis.label, other.yaxis.label]
+            if other is not ax:
+                texts.append(other.title)
+            for text in _visible_texts(texts):
+                if box.overlaps(text.get_window_extent(renderer)):
+                    found.append(
+                        f"title {title.get_text()!r} overlaps {text.get_text()!r}"
+                    )
+    return found
+
+
+def test_global_matplotlib_state_is_unchanged(real_log, tmp_path):
+    import matplotlib.pyplot as plt
+
+    path, _, _ = real_log
+    backend = matplotlib.get_backend()
+    user_fig = plt.figure()
+    before = {k: v for k, v in matplotlib.rcParams.items() if k != "backend"}
+    interactive = matplotlib.is_interactive()
+    fignums = plt.get_fignums()
+    try:
+        plotter = CockpitPlotter(secondary_screen=True)
+        plotter.plot(path, show_plot=True, save_plot=True, savedir=tmp_path)
+        plotter.plot(path, show_plot=True, block=True)  # an update; Agg: no window
+        make_timelapse(path, tmp_path / "run.gif", frames=1)
+        after = {k: v for k, v in matplotlib.rcParams.items() if k != "backend"}
+        changed = [k for k in before if not _same(before[k], after[k])]
+        assert not changed
+        assert matplotlib.get_backend() == backend
+        assert matplotlib.is_interactive() == interactive
+        assert plt.get_fignums() == fignums
+        assert plt.gcf() is user_fig
+    finally:
+        plt.close(user_fig)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+# --- synthetic histories in the logged formats ---
+def synthetic_history(steps=30, layers=3, seed=0, with_alpha=True) -> History:
+    """Values in the formats of section 1.5 of the reference (random numbers)."""
+    rng = np.random.default_rng(seed)
+    h = History()
+    xe, ye = np.linspace(-1, 1, 41), np.linspace(-2, 2, 51)
+    for t in range(steps):
+        h.add(t, "Loss", float(2 * np.exp(-t / 10) + 0.1 * rng.random()))
+        h.add(t, "GradNorm", list(rng.random(layers)))
+        h.add(t, "Distance", list(0.1 * t * rng.random(layers)))
+        h.add(t, "UpdateSize", list(0.01 * rng.random(layers)))
+        if with_alpha:
+            h.add(t, "Alpha", float(rng.normal(0.5, 0.8)))
+        for key in ("NormTest", "InnerTest", "OrthoTest", "TICDiag", "MeanGSNR"):
+            h.add(t, key, float(0.5 + rng.random()))
+        h.add(t, "HessMaxEV", float(10 ** rng.uniform(0, 3)))
+        h.add(t, "HessTrace", list(rng.normal(5, 1, layers)))
+        h.add(t, "CABS", float(30 + rng.random()))
+        h.add(t, "EarlyStopping", float(rng.normal()))
+        edges = np.linspace(-2, 2, 101)
+        counts = np.histogram(rng.normal(0, 0.5, 500), edges)[0].astype(float)
+        h.add(t, "GradHist1d", {"hist": counts, "edges": edges})
+        joint = np.histogram2d(rng.normal(0, 0.2, 500), rng.normal(0, 1, 500), [xe, ye])
+        h.add(t, "GradHist2d", {"hist": joint[0].astype(int), "edges": [xe, ye]})
+    return h
+
+
+def test_update_reads_only_new_steps():
+    history = synthetic_history(steps=200)
+    plotter = CockpitPlotter()
+    plotter.plot(history, show_plot=False)
+    data = plotter._data
+    read = data.entries_read
+    per_step = len(history[199])
+    history.add(200, "GradNorm", [3.0, 4.0])
+    history.add(199, "Alpha", 0.25)  # a two-step quantity fills the last step late
+    plotter.plot(history, show_plot=False)
+    assert data.entries_read - read == per_step + 1  # steps 199 and 200 only
+    steps, values, _ = data.series("GradNorm", "norm").view()
+    assert steps[-1] == 200 and values[-1] == 5.0
+    _, alphas, _ = data.series("Alpha").view()
+    assert alphas[-1] == 0.25 and len(alphas) == 200
+
+
+def test_long_runs_are_thinned_but_keep_the_last_point():
+    history = History({s: {"GradNorm": [float(s)]} for s in range(3 * MAX_POINTS)})
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_grad_norm(ax, history)
+    offsets = ax.collections[0].get_offsets()
+    assert len(offsets) <= MAX_POINTS + 1
+    assert offsets[-1, 0] == 3 * MAX_POINTS - 1
+    # the same points stay chosen while the run grows (no flicker)
+    a = np.asarray(thinned_index(5000, 1000))
+    b = np.asarray(thinned_index(5003, 1000))
+    assert set(a[:-1]) <= set(b)
+
+
+def test_discard_hides_later_steps_and_log_iter_axes():
+    history = synthetic_history(steps=30)
+    plotter = CockpitPlotter()
+    plotter.plot(history, show_plot=False, discard=12, show_log_iter=True)
+    by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
+    ax = by_title["Gradient Norm"]
+    assert ax.collections[0].get_offsets()[:, 0].max() == 12
+    assert ax.get_xscale() == "symlog"
+    hist = by_title["Gradient Element Histogram"]
+    assert any(t.get_text() == "step 12" for t in hist.texts)
+
+
+def test_gauges_without_data_say_so_and_debug_warns():
+    plotter = CockpitPlotter(secondary_screen=True)
+    with pytest.warns(UserWarning, match="has no data") as record:
+        plotter.plot(History({0: {"Loss": 1.0}}), show_plot=False, debug=True)
+    axes = _gauge_axes(plotter) + [ax for _, ax in plotter._aux_axes]
+    empty = [ax for ax in axes if ax.get_gid() == instruments.NO_DATA_GID]
+    assert len(empty) == len(axes) - 1  # all but the performance plot
+    assert all(ax.get_title() for ax in empty)
+    assert all(any("no data" in t.get_text() for t in ax.texts) for ax in empty)
+    assert len(record) == len(empty) + 1  # + the layerwise placeholder
+
+
+def test_redrawing_a_gauge_does_not_pile_up_axes():
+    history = synthetic_history(steps=10)
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_distance(ax, history)
+    count = len(fig.axes)
+    for _ in range(3):
+        instruments.plot_distance(ax, history)
+        instruments.plot_gradient_tests(ax, history)
+        instruments.plot_hist_2d(ax, history)
+    instruments.plot_distance(ax, history)
+    assert len(fig.axes) == count
+    assert len(ax.child_axes) == 0
+
+
+def test_gauges_take_a_history_and_any_axes():
+    history = synthetic_history(steps=10)
+    fig = Figure(figsize=(12, 8))
+    gauges = [g for panel in instruments.PRIMARY_GAUGES.values() for g in panel] + list(
+        instruments.AUXILIARY_GAUGES
+    )
+    for gauge, ax in zip(gauges, fig.subplots(3, 4).flat):
+        assert gauge(ax, history) is ax
+        assert ax.get_gid() == instruments.GAUGE_GID, ax.get_title()
+
+
+def test_alpha_gauge_counts_values_outside_the_range():
+    history = History({s: {"Alpha": v} for s, v in enumerate([-3.0, 0.1, 0.2, 5, 7])})
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_alpha(ax, history)
+    texts = {t.get_text() for t in ax.texts}
+    assert "◀ 1" in texts and "2 ▶" in texts
+    twin = instruments._EXTRA_AXES[ax][0]
+    labels = twin.get_legend_handles_labels()[1]
+    assert labels[0] == f"all: mean {np.mean([-3.0, 0.1, 0.2, 5, 7]):+.2f}"
+
+
+def test_reference_log_with_json_tricks_arrays(tmp_path):
+    path = tmp_path / "reference_log.json"
+    path.write_text(json.dumps(reference_log(), indent=4, sort_keys=True))
+    plotter = CockpitPlotter()
+    saved = plotter.plot(str(path)[: -len(".json")], show_plot=False, save_plot=True)
+    assert saved == [str(tmp_path / "cockpit__primary.png")]
+    by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
+    drawn = (
+        "Gradient Norm",
+        "Gradient Element Histogram",
+        "Performance Plot",
+        "Gradient/Parameter Element Histogram (all)",
+        "Hyperparameters",
+    )
+    for title in drawn:
+        assert by_title[title].get_gid() == instruments.GAUGE_GID, title
+    assert by_title["Max Eigenvalue"].get_gid() == instruments.NO_DATA_GID
+
+
+def _ndarray(values, dtype="float64"):
+    array = np.asarray(values, dtype=dtype)
+    return {"__ndarray__": array.tolist(), "dtype": dtype, "shape": list(array.shape),
+            "Corder": True}  # fmt: skip
+
+
+def reference_log():
+    """A small log as cockpit-for-pytorch 1.0.2 writes it (json_tricks arrays)."""
+    log = {}
+    for step in range(4):
+        entry = {
+            "Loss": 2.0 - 0.3 * step,
+            "GradNorm": [0.5 + 0.1 * step, 0.25],
+            "Alpha": 0.3 * step - 0.5,
+            "GradHist1d": {
+                "hist": _ndarray([0.0, 3.0, 10.0, 4.0, 1.0], "float32"),
+                "edges": _ndarray(np.linspace(-2, 2, 6)),
+            },
+            "GradHist2d": {
+                "hist": _ndarray(np.arange(12).reshape(3, 4), "int64"),
+                "edges": [
+                    _ndarray(np.linspace(-1, 1, 4)),
+                    _ndarray(np.linspace(-2, 2, 5)),
+                ],
+            },
+        }
+        if step % 2 == 0:
+            entry.update(epoch_count=0, train_loss=1.9, valid_loss=2.0, test_loss=2.1,
+                         train_accuracy=0.3, valid_accuracy=0.25, test_accuracy=0.2,
+                         learning_rate=0.01)  # fmt: skip
+        log[str(step)] = entry
+    return log
+
+
+def test_savename_append_and_format(tmp_path):
+    plotter = CockpitPlotter()
+    saved = plotter.plot(synthetic_history(5), show_plot=False, save_plot=True,
+                         savedir=tmp_path, savename="run", savename_append="epoch_3",
+                         savefig_kwargs={"format": "jpg", "dpi": 20})  # fmt: skip
+    assert saved == [str(tmp_path / "run__primary__epoch_3.jpg")]
+    assert matplotlib.image.imread(saved[0]).shape[:2] == (180, 320)
+
+
+def test_timelapse_writes_an_animated_gif(tmp_path):
+    from PIL import Image
+
+    path = make_timelapse(synthetic_history(12), tmp_path / "sub" / "run.gif", frames=2)
+    with Image.open(path) as gif:
+        assert gif.format == "GIF"
+        assert gif.n_frames == 2
+        assert gif.size == (960, 540)
+    with pytest.raises(ValueError, match="no recorded steps"):
+        make_timelapse(History(), tmp_path / "empty.gif")
+
+
+def test_layer_grid_grows_alternately():
+    from cockpit.plotting.dashboard import _layer_grid
+
+    assert [_layer_grid(n) for n in (1, 4, 5, 7, 9, 10, 13)] == [
+        (2, 2), (2, 2), (2, 3), (3, 3), (3, 3), (3, 4), (4, 4)
+    ]  # fmt: skip
+
+
+def test_number_format_is_short():
+    assert [format_number(x) for x in (0, 0.25, 2500, 15300, 2e6, 3e-5, -1.5)] == [
+        "0", "0.25", "2500", "15.3k", "2M", "3e-5", "-1.5"
+    ]  # fmt: skip
+
+
+def test_dashboard_data_rejects_unknown_reduction():
+    data = DashboardData(History())
+    with pytest.raises(ValueError, match="choose one of"):
+        data.series("GradNorm", "mean")
+
+
+def test_window_path_reuses_its_figure_and_keeps_the_current_one(monkeypatch):
+    """The GUI code path, exercised on Agg (pyplot figures exist, nothing shows)."""
+    import matplotlib.pyplot as plt
+
+    from cockpit.plotting import dashboard
+
+    monkeypatch.setattr(dashboard, "_display_kind", lambda: "gui")
+    history = synthetic_history(5)
+    user_fig = plt.figure()
+    fignums = plt.get_fignums()
+    plotter = CockpitPlotter()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "FigureCanvasAgg is non-interactive")
+            plotter.plot(history)
+            window = plotter.fig
+            history.add(5, "Loss", 0.5)
+            plotter.plot(history)  # an update draws into the same window
+            assert plotter.fig is window
+            assert plt.get_fignums() == [*fignums, window.number]
+            assert plt.gcf() is user_fig
+            plt.close(window)  # the user closes the window: the next call reopens
+            plotter.plot(history)
+            assert plotter.fig is not window
+            assert plt.gcf() is user_fig
+    finally:
+        plt.close(user_fig)
+        if plotter.fig is not None:
+            plt.close(plotter.fig)
