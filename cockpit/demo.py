@@ -125,9 +125,11 @@ def run_demo(
 
     bar = tqdm(range(steps), desc="cockpit demo", disable=not progress)
     with warnings.catch_warnings():
-        # BackPACK's full backward hooks fire on the first layer, whose input needs
-        # no gradient; PyTorch warns about that on every second-order backward.
+        # Expected and harmless here: BackPACK's full backward hooks fire on the
+        # first layer, whose input needs no gradient; and HessMaxEV's create_graph
+        # backward (the cockpit detaches .grad afterwards, breaking the cycle).
         warnings.filterwarnings("ignore", "Full backward hook is firing")
+        warnings.filterwarnings("ignore", r"Using backward\(\) with create_graph=True")
         for step in bar:
             index = torch.randint(
                 0, x_train.shape[0], (batch_size,), generator=generator

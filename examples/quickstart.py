@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 from backpack import extend
@@ -98,6 +99,9 @@ def main(
 
 
 if __name__ == "__main__":
+    # PyTorch warns when BackPACK's hook fires on the first layer, whose input needs
+    # no gradient; that is expected and harmless.
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", default="quickstart_output")
