@@ -123,14 +123,14 @@ def _scatter_with_ema(
         ax.scatter(steps, values, c=steps, cmap=ITERATION_CMAP, norm=norm, **kwargs)
     else:
         ax.scatter(steps, values, color=color, **kwargs)
-    last = format_number(float(values[-1]))
+    last, smooth = format_number(float(values[-1])), format_number(float(ema[-1]))
     ax.plot(
         steps,
         ema,
         color=ema_color or COLORS["dark"],
         linewidth=1.3,
         zorder=3,
-        label=f"{label} (EMA), last {last}",
+        label=f"{label}: last {last}, EMA {smooth}",
     )
 
 
