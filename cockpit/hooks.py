@@ -45,7 +45,10 @@ def merge_extensions(
     Extensions are de-duplicated by type *and* hyper-parameters. Two different
     extensions that write the same savefield (for instance ``BatchGrad()`` and
     ``BatchGrad(subsampling=[0])``) cannot run together; that is an error, never a
-    silent pick.
+    silent pick. The one exception is an extension that declares, through a
+    ``served_by(other)`` method, that ``other`` provides everything it does (the
+    cockpit's :class:`~cockpit.extensions.PerSampleGradients` and a plain
+    ``BatchGrad()``): only ``other`` runs.
 
     Args:
         user: Extra extensions handed to ``cockpit(step, *extensions)``.
@@ -72,7 +75,12 @@ def merge_extensions(
             if seen is None:
                 by_savefield[ext.savefield] = (signature, ext)
                 merged.append(ext)
-            elif seen[0] != signature:
+            elif seen[0] == signature or _served_by(ext, seen[1]):
+                continue
+            elif _served_by(seen[1], ext):
+                merged[merged.index(seen[1])] = ext
+                by_savefield[ext.savefield] = (signature, ext)
+            else:
                 raise ValueError(
                     f"Conflicting BackPACK extensions for savefield {ext.savefield!r}: "
                     f"{seen[1]!r} {dict(seen[0][1])} and {origin} {ext!r} "
@@ -80,6 +88,12 @@ def merge_extensions(
                     "drop your extra extension or make its settings match."
                 )
     return merged
+
+
+def _served_by(extension: BackpropExtension, other: BackpropExtension) -> bool:
+    """Whether ``other`` provides everything ``extension`` does."""
+    served_by = getattr(extension, "served_by", None)
+    return served_by is not None and bool(served_by(other))
 
 
 class ModuleHook:

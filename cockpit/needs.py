@@ -6,8 +6,9 @@ of every quantity due at a step and :func:`extensions_for` picks the cheapest se
 extensions that serves all of them, so a single backward pass feeds everything:
 
 * if any quantity needs the per-sample gradients themselves (or their Gram matrix),
-  BackPACK's ``BatchGrad`` runs and every other first-order statistic is derived from
-  its output while it is alive;
+  the cockpit's :class:`~cockpit.extensions.PerSampleGradients` runs (``BatchGrad``
+  that keeps ``Linear`` weights' per-sample gradients as two small factors) and every
+  other first-order statistic is derived from its output while it is alive;
 * otherwise per-sample squared norms come from ``BatchL2Grad`` and the elementwise
   second moment from ``SumGradSquared``, neither of which materialises per-sample
   gradients for linear and convolution layers;
@@ -20,7 +21,6 @@ from enum import Enum
 from typing import Iterable
 
 from backpack.extensions import (
-    BatchGrad,
     BatchL2Grad,
     DiagGGNExact,
     DiagGGNMC,
@@ -28,6 +28,8 @@ from backpack.extensions import (
     SumGradSquared,
 )
 from backpack.extensions.backprop_extension import BackpropExtension
+
+from cockpit.extensions import PerSampleGradients
 
 
 class Need(str, Enum):
@@ -91,7 +93,7 @@ def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
     needs = set(needs)
     extensions: list[BackpropExtension] = []
     if needs & _NEEDS_GRAD_BATCH:
-        extensions.append(BatchGrad())
+        extensions.append(PerSampleGradients())
     else:
         if Need.BATCH_L2 in needs:
             extensions.append(BatchL2Grad())

@@ -9,15 +9,28 @@ under a mean-reduced loss), so ``g = mean_i g_i`` is the mini-batch gradient.
 
 Where per-sample gradients come from is decided by one object, the *source*
 (:class:`BackpackGradBatch` today); another engine (e.g. ``torch.func``) can be plugged
-in by handing a different source to the view.
+in by handing a different source to the view. The source may hand over a materialised
+``[N, *shape]`` tensor or, for ``Linear`` weights under the cockpit's own extension
+(:class:`cockpit.extensions.PerSampleGradients`), a
+:class:`~cockpit.extensions.LinearFactors` object; statistics are then computed from
+the factors and the per-sample tensor is built only if a quantity asks for it.
+
+Statistics are computed from BackPACK's scaled ``b_i`` and rescaled at the end (one
+multiplication of a small result) instead of from a scaled copy of the per-sample
+tensor, unless that copy exists already.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 from torch import Tensor
+
+from cockpit.extensions import LinearFactors
+
+#: What a source hands over: per-sample gradients, materialised or factored.
+PerSample = Union[Tensor, LinearFactors]
 
 
 class BackpackGradBatch:
@@ -29,8 +42,12 @@ class BackpackGradBatch:
         """Return whether per-sample gradients exist for ``param`` right now."""
         return hasattr(param, self.savefield)
 
-    def scaled(self, param: Tensor) -> Tensor:
-        """Return ``b_i``, BackPACK's per-sample gradients, ``[N, *param.shape]``."""
+    def scaled(self, param: Tensor) -> PerSample:
+        """Return ``b_i``, BackPACK's per-sample gradients, ``[N, *param.shape]``.
+
+        For ``Linear`` weights under :class:`~cockpit.extensions.PerSampleGradients`
+        this is a :class:`~cockpit.extensions.LinearFactors` object.
+        """
         return getattr(param, self.savefield)
 
 
@@ -72,10 +89,18 @@ class ParamView:
     def batch_size(self) -> int:
         """The number of samples N, read off the per-sample results."""
         if self.has_individual_gradients:
-            return self._source.scaled(self.param).shape[0]
+            return self._scaled().shape[0]
         if hasattr(self.param, "batch_l2"):
             return self.param.batch_l2.shape[0]
         raise self._missing("per-sample result")
+
+    def _scaled(self) -> PerSample:
+        """BackPACK's scaled per-sample gradients ``b_i`` (tensor or factors)."""
+        return self._source.scaled(self.param)
+
+    def _flat_scaled(self) -> Tensor:
+        """``b_i`` as a ``[N, D]`` tensor; only for a materialised source."""
+        return self._scaled().flatten(start_dim=1)
 
     def individual_gradients(self) -> Tensor:
         """Return ``g_i`` for every sample, shape ``[N, *param.shape]``."""
@@ -83,7 +108,9 @@ class ParamView:
         def compute() -> Tensor:
             if not self.has_individual_gradients:
                 raise self._missing("per-sample gradients")
-            scaled = self._source.scaled(self.param)
+            scaled = self._scaled()
+            if isinstance(scaled, LinearFactors):
+                return scaled.materialize(scale=scaled.batch_size)
             return scaled * scaled.shape[0]
 
         return self._cached("individual_gradients", compute)
@@ -93,16 +120,47 @@ class ParamView:
 
     def mean_gradient(self) -> Tensor:
         """Return ``g = mean_i g_i`` from the per-sample gradients, shape of param."""
-        return self._cached(
-            "mean_gradient", lambda: self._source.scaled(self.param).sum(0)
-        )
+
+        def compute() -> Tensor:
+            scaled = self._scaled()
+            if isinstance(scaled, LinearFactors):
+                return scaled.sum()
+            return scaled.sum(0)
+
+        return self._cached("mean_gradient", compute)
+
+    def project(self, direction: Tensor) -> Tensor:
+        """Return ``g_i . direction`` for every sample, shape ``[N]``.
+
+        For ``Linear`` weights this never builds the per-sample gradients.
+
+        Args:
+            direction: A tensor of the parameter's shape.
+        """
+        if not self.has_individual_gradients:
+            raise self._missing("per-sample gradients")
+        scaled = self._scaled()
+        n = scaled.shape[0]
+        if isinstance(scaled, LinearFactors):
+            return scaled.project(direction) * n
+        if "individual_gradients" in self._cache:
+            return self._flat_individual() @ direction.reshape(-1)
+        return (self._flat_scaled() @ direction.reshape(-1)) * n
 
     def batch_l2(self) -> Tensor:
         """Return ``||g_i||^2`` for every sample, shape ``[N]``."""
 
         def compute() -> Tensor:
             if self.has_individual_gradients:
-                return (self._flat_individual() ** 2).sum(1)
+                scaled = self._scaled()
+                n = scaled.shape[0]
+                if isinstance(scaled, LinearFactors):
+                    return scaled.batch_l2() * n**2
+                if "individual_gradients" in self._cache:
+                    flat = self._flat_individual()
+                    return torch.linalg.vector_norm(flat, dim=1).square()
+                norms = torch.linalg.vector_norm(self._flat_scaled(), dim=1)
+                return norms.square() * n**2
             if hasattr(self.param, "batch_l2"):
                 n = self.param.batch_l2.shape[0]
                 return self.param.batch_l2 * n**2
@@ -123,7 +181,7 @@ class ParamView:
 
         def compute() -> Tensor:
             if self.has_individual_gradients:
-                return (self.individual_gradients() ** 2).sum(0)
+                return self.scaled_sum_grad_squared() * self.batch_size**2
             if hasattr(self.param, "sum_grad_squared"):
                 if batch_size is None:
                     raise ValueError("batch_size is needed to unscale sum_grad_squared")
@@ -142,7 +200,13 @@ class ParamView:
 
         def compute() -> Tensor:
             if self.has_individual_gradients:
-                return self.sum_grad_squared() / self.batch_size**2
+                scaled = self._scaled()
+                if isinstance(scaled, LinearFactors):
+                    return scaled.sum_grad_squared()
+                if "individual_gradients" in self._cache:
+                    g = self.individual_gradients()
+                    return (g * g).sum(0) / g.shape[0] ** 2
+                return (scaled * scaled).sum(0)
             if hasattr(self.param, "sum_grad_squared"):
                 return self.param.sum_grad_squared
             raise self._missing("sum of squared per-sample gradients")
@@ -153,8 +217,17 @@ class ParamView:
         """Return the Gram matrix ``G_ij = g_i . g_j``, shape ``[N, N]``."""
 
         def compute() -> Tensor:
-            flat = self._flat_individual()
-            return flat @ flat.T
+            if not self.has_individual_gradients:
+                raise self._missing("per-sample gradients")
+            scaled = self._scaled()
+            n = scaled.shape[0]
+            if isinstance(scaled, LinearFactors):
+                return scaled.gram() * n**2
+            if "individual_gradients" in self._cache:
+                flat = self._flat_individual()
+                return flat @ flat.T
+            flat = self._flat_scaled()
+            return (flat @ flat.T) * n**2
 
         return self._cached("gram", compute)
 

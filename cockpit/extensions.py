@@ -1,0 +1,180 @@
+"""Cockpit's own BackPACK extension for per-sample gradients.
+
+BackPACK's ``BatchGrad`` writes every layer's per-sample gradients ``b_i`` as one
+``[N, *shape]`` tensor. For a ``torch.nn.Linear`` weight that tensor is a sum of outer
+products, ``b_i = sum_l delta_il x_il^T`` (``x`` the layer input, ``delta`` the gradient
+of the loss with respect to the layer output, ``l`` running over any extra axes between
+batch and features), and most statistics quantities need are far cheaper from the two
+factors than from the ``N * out * in`` materialised tensor:
+
+================  =======================  ===================================
+statistic         materialised tensor      factors (2-D inputs)
+================  =======================  ===================================
+``||b_i||^2``     ``N * out * in``         ``N * (out + in)``
+``b_i . b_j``     ``N^2 * out * in``       ``N^2 * (out + in)``
+``sum_i b_i**2``  ``N * out * in`` + copy  one ``[out, N] @ [N, in]`` product
+``b_i . D``       ``N * out * in`` + copy  one ``[N, in] @ [in, out]`` product
+================  =======================  ===================================
+
+:class:`PerSampleGradients` is ``BatchGrad`` with the ``Linear`` rule replaced: the
+weight's savefield holds a :class:`LinearFactors` object instead of a tensor, and the
+per-sample tensor is built only if a quantity asks for it (e.g. a histogram of its
+elements). Every other layer (convolutions, batch norm, ...) uses BackPACK's own rule.
+The savefield is ``grad_batch`` as for ``BatchGrad``; the cockpit deletes it in its
+extension hook, so users never see a factor object. Read the results through
+:class:`~cockpit.param_view.ParamView`, which understands both forms.
+"""
+
+from __future__ import annotations
+
+import torch
+from backpack.extensions import BatchGrad
+from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.extensions.firstorder.base import FirstOrderModuleExtension
+from torch import Tensor
+from torch.nn import Linear
+
+
+class LinearFactors:
+    """The per-sample gradients of a ``Linear`` weight, kept as two factors.
+
+    ``b_i = sum_l grad_output[i, l]^T input[i, l]`` with ``input`` of shape
+    ``[N, L, in]`` and ``grad_output`` of shape ``[N, L, out]`` (``L = 1`` when the
+    layer sees plain ``[N, in]`` inputs). The values carry BackPACK's scaling: under a
+    mean-reduced loss ``b_i = g_i / N``.
+
+    Args:
+        inputs: The layer input, shape ``[N, *, in]``.
+        grad_output: The gradient of the loss with respect to the layer output, shape
+            ``[N, *, out]``.
+    """
+
+    __slots__ = ("inputs", "grad_output")
+
+    def __init__(self, inputs: Tensor, grad_output: Tensor):
+        n = inputs.shape[0]
+        self.inputs = inputs.reshape(n, -1, inputs.shape[-1])
+        self.grad_output = grad_output.reshape(n, -1, grad_output.shape[-1])
+
+    @property
+    def batch_size(self) -> int:
+        """N, the number of samples."""
+        return self.inputs.shape[0]
+
+    @property
+    def positions(self) -> int:
+        """L, the number of positions summed over per sample (1 for 2-D inputs)."""
+        return self.inputs.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the materialised per-sample gradients, ``[N, out, in]``."""
+        return torch.Size(
+            (self.batch_size, self.grad_output.shape[-1], self.inputs.shape[-1])
+        )
+
+    def materialize(self, scale: float = 1.0) -> Tensor:
+        """Return ``scale * b_i`` for every sample, shape ``[N, out, in]``."""
+        # [N, out, L] @ [N, L, in]
+        out = torch.bmm(self.grad_output.transpose(1, 2), self.inputs)
+        if scale != 1.0:
+            out.mul_(scale)
+        return out
+
+    def sum(self) -> Tensor:
+        """Return ``sum_i b_i``, shape ``[out, in]`` (the mini-batch gradient)."""
+        delta = self.grad_output.reshape(-1, self.grad_output.shape[-1])
+        return delta.T @ self.inputs.reshape(-1, self.inputs.shape[-1])
+
+    def _materialize_is_cheaper(self, pairwise: bool) -> bool:
+        """Whether contracting the factors costs more than materialising ``b_i``."""
+        n, positions = self.batch_size, self.positions
+        out, inp = self.grad_output.shape[-1], self.inputs.shape[-1]
+        pairs = n if pairwise else 1
+        factored = n * pairs * positions**2 * (out + inp)
+        materialised = n * positions * out * inp + n * pairs * out * inp
+        return materialised < factored
+
+    def batch_l2(self) -> Tensor:
+        """Return ``||b_i||^2`` for every sample, shape ``[N]``."""
+        if self.positions == 1:
+            delta, x = self.grad_output[:, 0], self.inputs[:, 0]
+            return delta.square().sum(1) * x.square().sum(1)
+        if self._materialize_is_cheaper(pairwise=False):
+            b = self.materialize().flatten(start_dim=1)
+            return torch.linalg.vector_norm(b, dim=1).square()
+        # ||b_i||^2 = sum_{l,k} (delta_il . delta_ik) (x_il . x_ik)
+        dd = torch.bmm(self.grad_output, self.grad_output.transpose(1, 2))
+        xx = torch.bmm(self.inputs, self.inputs.transpose(1, 2))
+        return (dd * xx).sum(dim=(1, 2))
+
+    def gram(self) -> Tensor:
+        """Return ``G_ij = b_i . b_j``, shape ``[N, N]``."""
+        if self.positions == 1:
+            delta, x = self.grad_output[:, 0], self.inputs[:, 0]
+            return (delta @ delta.T) * (x @ x.T)
+        if self._materialize_is_cheaper(pairwise=True):
+            b = self.materialize().flatten(start_dim=1)
+            return b @ b.T
+        # G_ij = sum_{l,k} (delta_il . delta_jk) (x_il . x_jk)
+        dd = torch.einsum("nlo,mko->nmlk", self.grad_output, self.grad_output)
+        xx = torch.einsum("nli,mki->nmlk", self.inputs, self.inputs)
+        return (dd * xx).sum(dim=(2, 3))
+
+    def sum_grad_squared(self) -> Tensor:
+        """Return ``sum_i b_i**2`` elementwise, shape ``[out, in]``."""
+        if self.positions == 1:
+            delta, x = self.grad_output[:, 0], self.inputs[:, 0]
+            return delta.square().T @ x.square()
+        return self.materialize().square_().sum(0)
+
+    def project(self, direction: Tensor) -> Tensor:
+        """Return ``b_i . direction`` for every sample, shape ``[N]``.
+
+        Args:
+            direction: A tensor of shape ``[out, in]``.
+        """
+        # b_i . D = sum_l delta_il^T D x_il
+        mapped = self.inputs @ direction.T  # [N, L, out]
+        return (mapped * self.grad_output).sum(dim=(1, 2))
+
+
+class _FactoredLinear(FirstOrderModuleExtension):
+    """``Linear``: keep the weight's per-sample gradients as factors."""
+
+    def __init__(self):
+        super().__init__(params=["bias", "weight"])
+
+    def weight(self, ext, module: Linear, g_inp, g_out, bp_quantities) -> LinearFactors:
+        """Return the factors ``(input, grad_output)`` of the weight's ``b_i``."""
+        return LinearFactors(module.input0, g_out[0])
+
+    def bias(self, ext, module: Linear, g_inp, g_out, bp_quantities) -> Tensor:
+        """Return the bias's per-sample gradients ``sum_l delta_il``, ``[N, out]``."""
+        grad_output = g_out[0]
+        if grad_output.dim() == 2:
+            return grad_output
+        return grad_output.sum(dim=tuple(range(1, grad_output.dim() - 1)))
+
+
+class PerSampleGradients(BatchGrad):
+    """``BatchGrad`` whose ``Linear`` weights keep factors instead of a tensor.
+
+    Results are written to the savefield ``grad_batch`` as ``BatchGrad``'s are: a
+    ``[N, *shape]`` tensor (scaled as BackPACK's) for every parameter except weights
+    of ``torch.nn.Linear`` layers, which hold a :class:`LinearFactors` object. Use it
+    only through the cockpit, whose extension hook reads and deletes the results.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.set_module_extension(Linear, _FactoredLinear(), overwrite=True)
+
+    @staticmethod
+    def served_by(other: BackpropExtension) -> bool:
+        """Whether ``other`` gives everything this extension gives.
+
+        A plain ``BatchGrad()`` (no subsampling) writes the materialised tensors to the
+        same savefield, which the cockpit reads just as well.
+        """
+        return type(other) is BatchGrad and other.get_subsampling() is None

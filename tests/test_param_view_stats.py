@@ -1,0 +1,196 @@
+"""ParamView statistics (factored Linear weights included) against brute force."""
+
+import pytest
+import torch
+from backpack import CTX, extend
+from backpack.extensions import BatchGrad
+
+from cockpit import Cockpit
+from cockpit.extensions import LinearFactors, PerSampleGradients
+from cockpit.hooks import merge_extensions
+from cockpit.needs import Need, extensions_for
+from cockpit.quantities.base import Quantity
+from cockpit.utils.schedules import linear
+from tests.utils import brute_force as bf
+from tests.utils.harness import run
+from tests.utils.problems import PROBLEM_IDS, PROBLEMS, Problem, make_problem
+
+RTOL, ATOL = 1e-6, 1e-10
+STEPS = 2
+
+
+class Probe(Quantity):
+    """Records every ParamView statistic of every parameter at every step."""
+
+    def __init__(self, schedule, individual_first: bool, key=None):
+        super().__init__(schedule, key=key)
+        self.individual_first = individual_first
+        self.records = {}
+        self.directions = {}
+        self.kinds = {}
+
+    def needs(self, global_step):
+        return (
+            {Need.INDIVIDUAL_GRADIENTS} if self.should_compute(global_step) else set()
+        )
+
+    def accumulate(self, global_step, view):
+        self.kinds[view.index] = type(view._scaled())
+        direction = torch.randn(
+            view.param.shape,
+            dtype=view.param.dtype,
+            generator=torch.Generator().manual_seed(view.index),
+        )
+        self.directions[view.index] = direction
+        stats = {}
+        if self.individual_first:
+            stats["individual"] = view.individual_gradients().clone()
+        stats["batch_size"] = view.batch_size
+        stats["mean"] = view.mean_gradient().clone()
+        stats["batch_l2"] = view.batch_l2().clone()
+        stats["gram"] = view.gram().clone()
+        stats["sgs"] = view.sum_grad_squared().clone()
+        stats["scaled_sgs"] = view.scaled_sum_grad_squared().clone()
+        stats["project"] = view.project(direction).clone()
+        if not self.individual_first:
+            stats["individual"] = view.individual_gradients().clone()
+        self.records.setdefault(global_step, {})[view.index] = stats
+
+    def track(self, global_step, ctx):
+        return []
+
+
+def sequence_problem() -> Problem:
+    """Linear layers applied to ``[N, L, in]`` inputs (extra axis between N and in)."""
+    torch.manual_seed(3)
+    n, length = 5, 3
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(4, 6),
+            torch.nn.Sigmoid(),
+            torch.nn.Linear(6, 2),
+            torch.nn.Flatten(),
+        ).double()
+    )
+    generator = torch.Generator().manual_seed(4)
+
+    def make_batch(step):
+        x = torch.randn(n, length, 4, generator=generator, dtype=torch.float64)
+        y = torch.randn(n, length * 2, generator=generator, dtype=torch.float64)
+        return x, y
+
+    return Problem(
+        name="sequence-mse",
+        model=model,
+        loss_fn=extend(torch.nn.MSELoss()),
+        individual_loss_fn=lambda out, y: ((out - y) ** 2).flatten(1).mean(1),
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        make_batch=make_batch,
+        batch_size=n,
+    )
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(
+        actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def check_against_brute_force(problem, probe, result):
+    for step, per_param in probe.records.items():
+        rec = result.records[step]
+        individual = bf.individual_gradients(problem, rec.params, rec.x, rec.y)
+        assert sorted(per_param) == list(range(len(individual)))
+        for i, g in enumerate(individual):
+            stats = per_param[i]
+            what = f"step {step} param {i}"
+            n = g.shape[0]
+            flat = g.flatten(1)
+            assert stats["batch_size"] == n
+            close(stats["individual"], g, f"{what} individual")
+            close(stats["mean"], g.mean(0), f"{what} mean")
+            close(stats["batch_l2"], (flat**2).sum(1), f"{what} batch_l2")
+            close(stats["gram"], flat @ flat.T, f"{what} gram")
+            close(stats["sgs"], (g**2).sum(0), f"{what} sum_grad_squared")
+            close(stats["scaled_sgs"], (g**2).sum(0) / n**2, f"{what} scaled sgs")
+            expected = flat @ probe.directions[i].reshape(-1)
+            close(stats["project"], expected, f"{what} project")
+
+
+@pytest.mark.parametrize("individual_first", [False, True], ids=["stats", "indiv"])
+@pytest.mark.parametrize(
+    "setting", PROBLEMS[:3] + [("sequence",)], ids=PROBLEM_IDS[:3] + ["sequence"]
+)
+def test_view_statistics(setting, individual_first):
+    problem = sequence_problem() if setting == ("sequence",) else make_problem(*setting)
+    probe = Probe(linear(1), individual_first)
+    result = run(problem, [probe], steps=STEPS)
+    assert len(probe.records) == STEPS
+    check_against_brute_force(problem, probe, result)
+    # Linear weights arrive as factors, everything else as tensors
+    linear_weights = {
+        i
+        for i, p in enumerate(problem.params)
+        if any(
+            p is m.weight
+            for m in problem.model.modules()
+            if type(m).__name__ == "Linear"
+        )
+    }
+    assert linear_weights
+    for i, kind in probe.kinds.items():
+        assert (kind is LinearFactors) == (i in linear_weights), (i, kind)
+
+
+@pytest.mark.parametrize("pairwise_factored", [False, True])
+def test_linear_factors_both_branches(monkeypatch, pairwise_factored):
+    """The factored and the materialising branch of every statistic agree."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, generator=gen, dtype=torch.float64)
+    delta = torch.randn(4, 3, 2, generator=gen, dtype=torch.float64)
+    factors = LinearFactors(x, delta)
+    b = torch.einsum("nlo,nli->noi", delta, x)
+    flat = b.flatten(1)
+    monkeypatch.setattr(
+        LinearFactors,
+        "_materialize_is_cheaper",
+        lambda self, pairwise: not pairwise_factored,
+    )
+    close(factors.materialize(), b, "materialize")
+    close(factors.materialize(scale=4.0), 4 * b, "materialize scaled")
+    close(factors.sum(), b.sum(0), "sum")
+    close(factors.batch_l2(), (flat**2).sum(1), "batch_l2")
+    close(factors.gram(), flat @ flat.T, "gram")
+    close(factors.sum_grad_squared(), (b**2).sum(0), "sum_grad_squared")
+    direction = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    close(factors.project(direction), flat @ direction.reshape(-1), "project")
+    assert factors.shape == b.shape
+
+
+def test_user_batch_grad_serves_the_cockpit():
+    """A user's own BatchGrad() replaces the cockpit's extension; its output stays."""
+    assert PerSampleGradients.served_by(BatchGrad())
+    assert not PerSampleGradients.served_by(BatchGrad(subsampling=[0]))
+    ours = extensions_for({Need.GRAM})
+    assert [type(e) for e in ours] == [PerSampleGradients]
+    user = BatchGrad()
+    assert merge_extensions([user], ours) == [user]
+    # a quantity asking for BatchGrad itself also replaces ours
+    theirs = BatchGrad()
+    assert merge_extensions([], ours + [theirs]) == [theirs]
+    with pytest.raises(ValueError, match="Conflicting"):
+        merge_extensions([BatchGrad(subsampling=[0])], ours)
+
+    problem = make_problem("cnn", "ce")
+    probe = Probe(linear(1), individual_first=False)
+    cockpit = Cockpit(problem.params, [probe])
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with cockpit(0, BatchGrad(), info={}):
+        assert [type(e) for e in CTX.get_active_exts()] == [BatchGrad]
+        loss.backward()
+    assert all(isinstance(p.grad_batch, torch.Tensor) for p in problem.params)
+    assert set(probe.kinds.values()) == {torch.Tensor}
+    individual = bf.individual_gradients(problem, problem.params, x, y)
+    for i, g in enumerate(individual):
+        close(probe.records[0][i]["gram"], g.flatten(1) @ g.flatten(1).T, f"gram {i}")
