@@ -117,10 +117,14 @@ def _quantities_for(spec: str):
     return [getattr(Q, spec)(every_step)]
 
 
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _sync_step(fn) -> float:
-    start = time.perf_counter()
+    start = _clock()
     fn()
-    return time.perf_counter() - start
+    return _clock() - start
 
 
 def _peak_rss_mib() -> float:
@@ -351,6 +355,8 @@ def child_main(args) -> None:
     """Measure one configuration and print its result as one JSON line."""
     import torch
 
+    global _clock
+    _clock = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.mode == "time":
@@ -388,6 +394,8 @@ def _run_child(problem, spec, mode, args) -> dict:
         str(args.threads),
         "--min-time",
         str(args.min_time),
+        "--clock",
+        args.clock,
     ]
     env = dict(os.environ, **CHILD_ENV)
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
@@ -547,8 +555,8 @@ def render(results: dict, args, machine: dict, notes: list[str], argv) -> str:
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; "
         f"Python {machine['python']}, torch {machine['torch']}, BackPACK "
-        f"{machine['backpack']}; {args.threads} torch threads; commit "
-        f"{machine['commit']}; {machine['date']}; load average at the end "
+        f"{machine['backpack']}; {args.threads} torch threads; {args.clock} clock; "
+        f"commit {machine['commit']}; {machine['date']}; load average at the end "
         f"{machine['load']}.",
         "",
         f"Batch 128 of random float32 data, every step tracked, at least "
@@ -691,6 +699,13 @@ def parse(argv=None):
         help="keep adding timed pairs until they took this many seconds",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--clock",
+        choices=sorted(_CLOCKS),
+        default="wall",
+        help="wall (default; what results.md reports) or cpu: process CPU time, "
+        "steadier on a busy machine, meaningful with --threads 1",
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds/child")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="Markdown output")
     parser.add_argument("--json", default=None, help="also write raw results here")
