@@ -398,6 +398,10 @@ class Cockpit:
                 tracked = [q for q in active if id(q) not in dropped]
                 self._track(global_step, tracked, step_info, tolerant)
             self._last_step = global_step
+        except BaseException:
+            for q in active:
+                q.abort_step(global_step)
+            raise
         finally:
             self._free_all(owned)
             if self.create_graph(global_step):
@@ -505,9 +509,11 @@ class Cockpit:
             names = ", ".join(c.quantity.key for c in plan.consumers)
             raise RuntimeError(
                 f"BackPACK produced no results for parameter(s) {shapes}, which "
-                f"{names} need. Fix: call backpack.extend() on the model and on the "
-                "loss function before the forward pass, and make sure every "
-                "parameter handed to the Cockpit is used in the loss."
+                f"{names} need, although the backward pass computed their "
+                "gradients. Fix: call backpack.extend() on the model and on the "
+                "loss function before the forward pass, and use every parameter "
+                "through the nn.Module that owns it (BackPACK cannot see parameters "
+                "used in functional code, e.g. x @ layer.weight)."
             )
         batch_size = watched.batch_size
         if batch_size is None and step_info.has("batch_size"):
@@ -679,7 +685,7 @@ class Cockpit:
             "last_step": self._last_step,
             "optimizer_name": self.optimizer_name,
             "quantities": {q.key: q.state_dict() for q in self.quantities},
-            "history": self.history.to_dict(),
+            "history": self.history.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -725,7 +731,7 @@ class Cockpit:
         for quantity in self.quantities:
             if quantity.key in saved:
                 quantity.load_state_dict(saved[quantity.key])
-        self.history = History(state.get("history") or {})
+        self.history.load_state_dict(state.get("history") or {})
         self._last_step = state.get("last_step")
         self.optimizer_name = state.get("optimizer_name", self.optimizer_name)
         if self._stream is not None:

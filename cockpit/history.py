@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -209,8 +210,7 @@ class History:
 
     def update(self, other: History | Mapping[int, Mapping[str, Any]]) -> None:
         """Merge another history (or nested dict) into this one."""
-        items = other.items() if isinstance(other, History) else other.items()
-        for step, entries in items:
+        for step, entries in other.items():
             for key, value in entries.items():
                 self.add(int(step), key, value)
 
@@ -251,6 +251,61 @@ class History:
                 steps.append(step)
                 values.append(_expand(entries[key]))
         return steps, values
+
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        """Return the content for a checkpoint, compactly.
+
+        Large numeric arrays become tensors (``torch.save`` stores them as binary
+        blobs, and ``torch.load(..., weights_only=True)`` accepts them); everything
+        else is plain Python.
+
+        Returns:
+            ``{step: {key: value}}``, readable by :meth:`load_state_dict` and by
+            the constructor.
+        """
+        import torch
+
+        def export(value: Any) -> Any:
+            if isinstance(value, np.ndarray):
+                return torch.tensor(value)
+            if isinstance(value, dict):
+                return {k: export(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [export(v) for v in value]
+            return value
+
+        return {step: export(entries) for step, entries in sorted(self._data.items())}
+
+    def load_state_dict(self, state: Mapping[int, Mapping[str, Any]]) -> None:
+        """Replace the content by a :meth:`state_dict` (or a ``{step: {key: value}}``).
+
+        Args:
+            state: The content to load.
+        """
+        self._data = {}
+        self.update(state)
+
+    def memory_bytes(self) -> int:
+        """Estimate the memory the stored values take (containers, numbers, arrays).
+
+        Returns:
+            Bytes, counting every container and number object once per reference
+            (small ints and shared floats are overcounted slightly).
+        """
+        total = sys.getsizeof(self._data)
+        stack: list[Any] = list(self._data.values())
+        while stack:
+            value = stack.pop()
+            if isinstance(value, np.ndarray):
+                total += sys.getsizeof(value)  # includes the data of an owning array
+                continue
+            total += sys.getsizeof(value)
+            if isinstance(value, dict):
+                total += sum(sys.getsizeof(k) for k in value)
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+        return total
 
     def to_dict(self) -> dict[int, dict[str, Any]]:
         """Return ``{step: {key: value}}`` (a copy, steps sorted)."""

@@ -17,7 +17,7 @@ EVERY = linear(1)
 STEPS = 9
 CHECKPOINT = 4  # saved after step 4's optimizer.step()
 DIED_AT = 6  # the first run goes on to step 6, then is killed
-KEYS = ("Distance", "UpdateSize", "Alpha", "Loss", "GradNorm")
+KEYS = ("Distance", "UpdateSize", "Alpha", "Loss", "GradNorm", "GradHist1d")
 
 
 def make_quantities():
@@ -27,6 +27,7 @@ def make_quantities():
         Q.Alpha(EVERY),
         Q.Loss(EVERY),
         Q.GradNorm(linear(3)),
+        Q.GradHist1d(linear(2)),  # large arrays: stored compactly in the checkpoint
     ]
 
 
@@ -74,7 +75,11 @@ class Run:
 
 
 def assert_close(got, want, where):
-    if isinstance(want, list):
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            assert_close(got[key], want[key], where)
+    elif isinstance(want, list):
         assert len(got) == len(want), where
         for g, w in zip(got, want):
             assert_close(g, w, where)

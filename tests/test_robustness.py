@@ -429,3 +429,65 @@ def test_bare_file_name_as_log_path(tmp_path, monkeypatch):
     ]
     for name in ("final", "streamed"):
         assert History.from_json(name).to_dict() == cockpit.get_output()
+
+
+# --- long runs ------------------------------------------------------------------------
+def test_history_stores_large_numeric_values_compactly_and_reads_them_back_exactly():
+    from cockpit.history import History
+
+    history = History()
+    counts = torch.arange(2000, dtype=torch.float32) / 7
+    edges = [torch.linspace(0, 1, 41, dtype=torch.float64), torch.linspace(0, 1, 51)]
+    history.add(0, "Hist", {"hist": counts, "edges": edges})
+    history.add(0, "Counts", list(range(300)))
+    history.add(0, "Mixed", [1, 2.0] * 10)
+    history.add(0, "Small", [1.0, 2.0])
+    history.add(0, "Grid", [[float(i + j) for j in range(8)] for i in range(4)])
+    back = history[0]
+    assert back["Hist"]["hist"] == counts.tolist()  # float32 values, exactly
+    assert back["Hist"]["edges"] == [e.tolist() for e in edges]
+    assert back["Counts"] == list(range(300)) and type(back["Counts"][0]) is int
+    assert back["Mixed"] == [1, 2.0] * 10 and type(back["Mixed"][0]) is int
+    assert back["Small"] == [1.0, 2.0]
+    assert back["Grid"] == [[float(i + j) for j in range(8)] for i in range(4)]
+    back["Counts"].append("changed")  # readers get copies
+    assert len(history[0]["Counts"]) == 300
+
+
+def test_history_memory_per_number_is_about_eight_bytes():
+    import gc
+    import tracemalloc
+
+    from cockpit.history import History
+
+    steps, bins = 50, 2000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        history = History()
+        for step in range(steps):  # as a histogram quantity returning lists would
+            history.add(
+                step, "GradHist1d", {"hist": [float(step + i) for i in range(bins)]}
+            )
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert used < steps * bins * 9, used  # a list of floats would take ~32 bytes each
+    assert history.memory_bytes() < steps * bins * 9
+    assert history.memory_bytes() > steps * bins * 8
+
+
+def test_soak_benchmark_runs(tmp_path):
+    from benchmarks.soak import main
+
+    out = tmp_path / "soak.md"
+    threads = str(torch.get_num_threads())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        args = ["--steps", "12", "--interval", "5", "--sample-every", "5"]
+        args += ["--mmap-threshold", "0"]
+        main(args + ["--batch-size", "4", "--threads", threads, "--out", str(out)])
+    text = out.read_text()
+    for row in ("| first | 2 |", "| middle | 7 |", "| last | 11 |"):
+        assert row in text, text
