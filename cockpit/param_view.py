@@ -22,7 +22,7 @@ tensor, unless that copy exists already.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Iterator, Union
 
 import torch
 from torch import Tensor
@@ -114,6 +114,40 @@ class ParamView:
             return scaled * scaled.shape[0]
 
         return self._cached("individual_gradients", compute)
+
+    def individual_gradient_chunks(
+        self, max_elements: int = 1 << 18
+    ) -> Iterator[Tensor]:
+        """Yield ``g_i`` in blocks of consecutive samples, ``[k, *param.shape]`` each.
+
+        Concatenated along the first axis, the blocks equal
+        :meth:`individual_gradients` (bit for bit). Only one block exists at a time
+        (unless :meth:`individual_gradients` was already built; then its slices are
+        yielded), so a statistic reduced block by block, such as a histogram, needs
+        about ``max_elements`` values of extra memory instead of ``N * D``, and its
+        temporaries stay in the processor's cache. For ``Linear`` weights the blocks
+        are built from the factors and the whole per-sample tensor never exists.
+
+        Args:
+            max_elements: Target size of a block; a block holds at least one sample.
+
+        Yields:
+            Blocks of unscaled per-sample gradients.
+        """
+        if not self.has_individual_gradients:
+            raise self._missing("per-sample gradients")
+        scaled = self._scaled()
+        n = scaled.shape[0]
+        rows = max(1, max_elements // max(1, self.param.numel()))
+        cached = self._cache.get("individual_gradients")
+        for start in range(0, n, rows):
+            samples = slice(start, min(start + rows, n))
+            if cached is not None:
+                yield cached[samples]
+            elif isinstance(scaled, LinearFactors):
+                yield scaled.materialize(scale=n, samples=samples)
+            else:
+                yield scaled[samples] * n
 
     def _flat_individual(self) -> Tensor:
         return self.individual_gradients().flatten(start_dim=1)

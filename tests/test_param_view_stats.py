@@ -45,6 +45,9 @@ class Probe(Quantity):
         stats = {}
         if self.individual_first:
             stats["individual"] = view.individual_gradients().clone()
+        # tiny blocks: several per parameter on every problem
+        blocks = list(view.individual_gradient_chunks(max_elements=7))
+        stats["blocks"] = [b.clone() for b in blocks]
         stats["batch_size"] = view.batch_size
         stats["mean"] = view.mean_gradient().clone()
         stats["batch_l2"] = view.batch_l2().clone()
@@ -90,6 +93,43 @@ def sequence_problem() -> Problem:
     )
 
 
+def conv_variety_problem() -> Problem:
+    """Strided, dilated, padded and grouped convolutions (the last one falls back)."""
+    torch.manual_seed(5)
+    n = 4
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Conv2d(2, 4, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(4, 4, 2, dilation=2, padding=(1, 0), bias=False),
+            torch.nn.Sigmoid(),
+            torch.nn.Conv2d(4, 2, 1, groups=2),
+            torch.nn.Flatten(),
+        ).double()
+    )
+    generator = torch.Generator().manual_seed(6)
+
+    def make_batch(step):
+        x = torch.randn(n, 2, 7, 6, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 8, (n,), generator=generator)
+        return x, y
+
+    return Problem(
+        name="conv-variety-ce",
+        model=model,
+        loss_fn=extend(torch.nn.CrossEntropyLoss()),
+        individual_loss_fn=lambda out, y: torch.nn.functional.cross_entropy(
+            out, y, reduction="none"
+        ),
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        make_batch=make_batch,
+        batch_size=n,
+    )
+
+
+SPECIAL = {"sequence": sequence_problem, "conv-variety": conv_variety_problem}
+
+
 def close(actual, expected, what):
     torch.testing.assert_close(
         actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}"
@@ -108,6 +148,9 @@ def check_against_brute_force(problem, probe, result):
             flat = g.flatten(1)
             assert stats["batch_size"] == n
             close(stats["individual"], g, f"{what} individual")
+            blocks = stats["blocks"]
+            assert len(blocks) == -(-n // max(1, 7 // g[0].numel())), what
+            assert torch.equal(torch.cat(blocks), stats["individual"]), what
             close(stats["mean"], g.mean(0), f"{what} mean")
             close(stats["batch_l2"], (flat**2).sum(1), f"{what} batch_l2")
             close(stats["gram"], flat @ flat.T, f"{what} gram")
@@ -119,10 +162,15 @@ def check_against_brute_force(problem, probe, result):
 
 @pytest.mark.parametrize("individual_first", [False, True], ids=["stats", "indiv"])
 @pytest.mark.parametrize(
-    "setting", PROBLEMS[:3] + [("sequence",)], ids=PROBLEM_IDS[:3] + ["sequence"]
+    "setting",
+    PROBLEMS[:3] + [(name,) for name in SPECIAL],
+    ids=PROBLEM_IDS[:3] + list(SPECIAL),
 )
 def test_view_statistics(setting, individual_first):
-    problem = sequence_problem() if setting == ("sequence",) else make_problem(*setting)
+    if setting[0] in SPECIAL:
+        problem = SPECIAL[setting[0]]()
+    else:
+        problem = make_problem(*setting)
     probe = Probe(linear(1), individual_first)
     result = run(problem, [probe], steps=STEPS)
     assert len(probe.records) == STEPS
@@ -137,7 +185,7 @@ def test_view_statistics(setting, individual_first):
             if type(m).__name__ == "Linear"
         )
     }
-    assert linear_weights
+    assert linear_weights or setting[0] == "conv-variety"
     for i, kind in probe.kinds.items():
         assert (kind is LinearFactors) == (i in linear_weights), (i, kind)
 
