@@ -43,6 +43,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results.md"
 CONFIGURATIONS = ("economy", "business", "full")
 BLOCKS = (
     "BatchGrad",
+    "PerSampleGradients",
     "BatchL2Grad",
     "SumGradSquared",
     "DiagHessian",
@@ -306,7 +307,12 @@ def _block_runner(problem: str, block: str):
 
         return baseline, run_block, run_hvp
 
-    extension = getattr(extensions, block)()
+    if block == "PerSampleGradients":
+        from cockpit.extensions import PerSampleGradients
+
+        extension = PerSampleGradients()
+    else:
+        extension = getattr(extensions, block)()
 
     def run_block():
         x, y = bench.batch(counter["block"])
@@ -642,6 +648,8 @@ def render(results: dict, args, machine: dict, notes: list[str], argv) -> str:
                 label = name
                 if name == "HVP":
                     label = "fwd + create_graph bwd"
+                elif name == "PerSampleGradients":
+                    label = "cockpit PerSampleGradients (Linear factored)"
                 lines.append(
                     f"| {label} | {_ms(t.get('plain_s'))} | {_ms(t.get('tracked_s'))} "
                     f"| {_fmt(t.get('ratio'))} | "
