@@ -64,6 +64,12 @@ NONFINITE_KEY = "nonfinite"
 #: Version of the dictionary returned by :meth:`Cockpit.state_dict`.
 STATE_VERSION = 1
 
+# BackPACK savefields whose results have the parameter's shape (zero for a parameter
+# that received no gradient).
+_PARAM_SHAPED_SAVEFIELDS = frozenset(
+    {"sum_grad_squared", "variance", "diag_h", "diag_ggn_exact", "diag_ggn_mc"}
+)
+
 
 class _GuardedConsumer:
     """Runs a quantity's ``accumulate`` and keeps its first error for later.
@@ -524,7 +530,12 @@ class Cockpit:
     def _show_zero_results(
         self, plan: _StepPlan, index: int, batch_size: int | None
     ) -> None:
-        """Show the quantities zero results for a parameter without gradient."""
+        """Show the quantities zero results for a parameter without gradient.
+
+        Exact: the loss does not depend on the parameter. One parameter at a time;
+        zero per-sample gradients take as much memory as BackPACK's would if the
+        parameter were used, and are freed right after.
+        """
         param = self.params[index]
         savefields = {ext.savefield for ext in plan.requested}
         written = []
@@ -534,10 +545,10 @@ class Cockpit:
                     value = param.new_zeros((batch_size, *param.shape))
                 elif savefield == "batch_l2" and batch_size is not None:
                     value = param.new_zeros((batch_size,))
-                elif savefield in ("grad_batch", "batch_l2"):
-                    continue
-                else:
+                elif savefield in _PARAM_SHAPED_SAVEFIELDS:
                     value = torch.zeros_like(param)
+                else:  # N unknown, or an extension whose results we cannot fake
+                    continue
                 setattr(param, savefield, value)
                 written.append(savefield)
         view = ParamView(param, index)
