@@ -12,7 +12,8 @@ extensions that serves all of them, so a single backward pass feeds everything:
 * otherwise per-sample squared norms come from ``BatchL2Grad`` and the elementwise
   second moment from ``SumGradSquared``, neither of which materialises per-sample
   gradients for linear and convolution layers;
-* curvature diagonals come from ``DiagHessian``, ``DiagGGNExact`` or ``DiagGGNMC``.
+* curvature diagonals come from ``DiagHessian``, ``DiagGGNExact`` or ``DiagGGNMC``
+  (the cockpit's memory-lean variants, see :mod:`cockpit.extensions`).
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ from __future__ import annotations
 from enum import Enum
 from typing import Iterable
 
-from backpack.extensions import (
-    BatchL2Grad,
-    DiagGGNExact,
-    DiagGGNMC,
-    DiagHessian,
-    SumGradSquared,
-)
+from backpack.extensions import BatchL2Grad, SumGradSquared
 from backpack.extensions.backprop_extension import BackpropExtension
 
-from cockpit.extensions import PerSampleGradients
+from cockpit.extensions import (
+    PerSampleGradients,
+    lean_diag_ggn_exact,
+    lean_diag_ggn_mc,
+    lean_diag_hessian,
+)
 
 
 class Need(str, Enum):
@@ -54,9 +54,9 @@ CURVATURES = {
 _NEEDS_GRAD_BATCH = {Need.INDIVIDUAL_GRADIENTS, Need.GRAM}
 
 _CURVATURE_EXTENSIONS = {
-    Need.DIAG_H: DiagHessian,
-    Need.DIAG_GGN_EXACT: DiagGGNExact,
-    Need.DIAG_GGN_MC: DiagGGNMC,
+    Need.DIAG_H: lean_diag_hessian,
+    Need.DIAG_GGN_EXACT: lean_diag_ggn_exact,
+    Need.DIAG_GGN_MC: lean_diag_ggn_mc,
 }
 
 
@@ -99,7 +99,7 @@ def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
             extensions.append(BatchL2Grad())
         if Need.SUM_GRAD_SQUARED in needs:
             extensions.append(SumGradSquared())
-    for need, extension_cls in _CURVATURE_EXTENSIONS.items():
+    for need, make in _CURVATURE_EXTENSIONS.items():
         if need in needs:
-            extensions.append(extension_cls())
+            extensions.append(make())
     return extensions

@@ -1,12 +1,18 @@
-"""ParamView statistics (factored Linear weights included) against brute force."""
+"""ParamView statistics and cockpit's BackPACK extensions against references."""
 
 import pytest
 import torch
-from backpack import CTX, extend
-from backpack.extensions import BatchGrad
+from backpack import CTX, backpack, extend
+from backpack.extensions import BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian
 
 from cockpit import Cockpit
-from cockpit.extensions import LinearFactors, PerSampleGradients
+from cockpit.extensions import (
+    LinearFactors,
+    PerSampleGradients,
+    lean_diag_ggn_exact,
+    lean_diag_ggn_mc,
+    lean_diag_hessian,
+)
 from cockpit.hooks import merge_extensions
 from cockpit.needs import Need, extensions_for
 from cockpit.quantities.base import Quantity
@@ -242,3 +248,38 @@ def test_user_batch_grad_serves_the_cockpit():
     individual = bf.individual_gradients(problem, problem.params, x, y)
     for i, g in enumerate(individual):
         close(probe.records[0][i]["gram"], g.flatten(1) @ g.flatten(1).T, f"gram {i}")
+
+
+@pytest.mark.parametrize(
+    "make_lean,original",
+    [
+        (lean_diag_hessian, DiagHessian),
+        (lean_diag_ggn_exact, DiagGGNExact),
+        (lean_diag_ggn_mc, DiagGGNMC),
+    ],
+    ids=["diag_h", "diag_ggn_exact", "diag_ggn_mc"],
+)
+@pytest.mark.parametrize("setting", ["cnn", "conv-variety"])
+def test_lean_curvature_matches_backpack(make_lean, original, setting):
+    """The memory-lean Conv2d rule gives BackPACK's curvature diagonals."""
+    if setting == "cnn":
+        problem = make_problem("cnn", "ce")
+    else:
+        problem = conv_variety_problem()
+    x, y = problem.make_batch(0)
+    results = []
+    for extension in (make_lean(), original()):
+        assert type(extension) is original
+        torch.manual_seed(7)  # the same Monte-Carlo sample for both
+        loss = problem.loss_fn(problem.model(x), y)
+        with backpack(extension):
+            loss.backward()
+        results.append([getattr(p, extension.savefield) for p in problem.params])
+        for p in problem.params:
+            delattr(p, extension.savefield)
+            p.grad = None
+    for lean, reference in zip(*results):
+        torch.testing.assert_close(lean, reference, rtol=1e-10, atol=1e-12)
+    # a user's own extension of the same kind merges with the lean one
+    user = original()
+    assert merge_extensions([user], [make_lean()]) == [user]
