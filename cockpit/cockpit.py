@@ -45,6 +45,9 @@ from cockpit.quantities.base import Quantity, TrackContext
 
 _LOG = logging.getLogger("cockpit")
 
+#: PyTorch's warning about backward(create_graph=True), silenced on cockpit's steps.
+_CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
+
 #: The keys written by :meth:`Cockpit.log`, in argument order.
 LOG_KEYS = (
     "epoch_count",
@@ -378,9 +381,16 @@ class Cockpit:
             )
 
         for q in active:
-            q.begin_step(global_step)
+            q.begin_step(global_step, step_info)
         try:
             with contextlib.ExitStack() as stack:
+                if self.create_graph(global_step):
+                    # PyTorch warns that create_graph makes a parameter <-> .grad
+                    # cycle; the cockpit breaks it after the step (_release_graph).
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.filterwarnings(
+                        "ignore", message=_CREATE_GRAPH_WARNING, category=UserWarning
+                    )
                 if merged:
                     stack.enter_context(
                         weight_jac_t_save_memory(self.BACKPACK_CONV_SAVE_MEMORY)

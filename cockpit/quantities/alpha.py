@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,6 @@ from cockpit.quantities.optim import (
     ReplayError,
     is_plain_sgd,
     learning_rates,
-    multiple_of,
     replay_update,
 )
 
@@ -73,14 +71,9 @@ class Alpha(TwoStepQuantity):
     * **Any other optimizer** (momentum, Adam, ...): the hook replays the optimizer's
       update for each parameter on copies (same class, group settings and state,
       gradient ``g_p``; :func:`cockpit.quantities.optim.replay_update`), which gives
-      ``d_p`` exactly, and projects the per-sample gradients onto it. This needs the
-      optimizer *before* step ``t``'s backward pass: Alpha remembers
-      ``info["optimizer"]`` from the steps it tracks and from the step before each
-      scheduled start. If it had not seen the optimizer yet (the first step a
-      cockpit runs, or the first step after a restart), only ``g_p`` and
-      ``g_i,p . g_p`` are at hand: enough if the update is a multiple of the
-      gradient (SGD with momentum on its first step, say); otherwise the value of
-      that start is skipped with a warning.
+      ``d_p`` exactly, and projects the per-sample gradients onto it. The
+      optimizer is read from the step's ``info`` before the backward pass, so this
+      works from the very first step and right after a restart.
     * At step ``t + 1`` the hook projects the new per-sample gradients onto the
       stored ``d``.
 
@@ -117,30 +110,17 @@ class Alpha(TwoStepQuantity):
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
-        self._optimizer_ref: weakref.ReferenceType | None = None
+        self._optimizer = None  # the optimizer of the step being tracked
         self._warned: set[str] = set()
-
-    # --- schedule ----------------------------------------------------------------
-    def _works(self, global_step: int) -> bool:
-        # Decided by the schedule (plus a restored start), so the answer for a step
-        # is the same before and after that step is tracked.
-        return (
-            self.should_compute(global_step)
-            or self.should_compute(global_step - 1)
-            or self.is_end(global_step)
-        )
-
-    def is_active(self, global_step: int) -> bool:
-        """Active on starts, ends and the step before each start (to see info)."""
-        return self._works(global_step) or self.should_compute(global_step + 1)
-
-    def required_info(self, global_step: int) -> tuple[str, ...]:
-        """The ``info`` keys needed on start and end steps (none on the step before)."""
-        return self.info_keys if self._works(global_step) else ()
 
     def needs(self, global_step: int):
         """Per-sample gradients on start and end steps."""
-        return {Need.INDIVIDUAL_GRADIENTS} if self._works(global_step) else set()
+        return {Need.INDIVIDUAL_GRADIENTS} if self.is_active(global_step) else set()
+
+    def begin_step(self, global_step: int, info=None) -> None:
+        """Read the step's optimizer before the backward pass (the hook needs it)."""
+        super().begin_step(global_step, info)
+        self._optimizer = None if info is None else info.get("optimizer")
 
     # --- inside the backward pass ------------------------------------------------
     def accumulate(self, global_step: int, view: ParamView) -> None:
@@ -154,9 +134,9 @@ class Alpha(TwoStepQuantity):
             self._acc[view.index] = self._start_entry(view)
 
     def _start_entry(self, view: ParamView) -> _StartEntry:
-        optimizer = self._known_optimizer()
+        optimizer = self._optimizer
         grad = view.mean_gradient().detach()
-        if optimizer is None or is_plain_sgd(optimizer):
+        if is_plain_sgd(optimizer):
             return _StartEntry("sgd", grad, _per_sample_dots(view, grad))
         try:
             update = replay_update(optimizer, view.param, grad)
@@ -168,23 +148,10 @@ class Alpha(TwoStepQuantity):
 
     # --- after the backward pass ---------------------------------------------------
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
-        """Remember the optimizer, finish the previous start, then start anew."""
-        optimizer = ctx.info.get("optimizer")
-        if optimizer is not None:
-            self._remember(optimizer)
-        results = []
-        if self.is_end(global_step):
-            state = self._pending.pop(global_step - 1)
-            results.append(
-                (global_step - 1, self._compute_end(global_step, ctx, state))
-            )
-        for stale in [s for s in self._pending if s < global_step]:
-            del self._pending[stale]
-        if self.should_compute(global_step):
-            state = self._compute_start(global_step, ctx)
-            if state is not None:
-                self._pending[global_step] = state
+        """Finish the previous start, then start anew; drop the step's buffers."""
+        results = super().track(global_step, ctx)
         self._acc = {}  # keep only the pending directions until the next step
+        self._optimizer = None
         return results
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> dict | None:
@@ -208,13 +175,8 @@ class Alpha(TwoStepQuantity):
 
     def _direction(self, global_step, optimizer, entries, ctx):
         kinds = {entry.kind for entry in entries}
-        if kinds == {"sgd"}:
-            if is_plain_sgd(optimizer):
-                factors = [-lr for lr in learning_rates(optimizer, ctx.params)]
-            else:
-                factors = self._gradient_multiples(global_step, optimizer, entries, ctx)
-                if factors is None:
-                    return None
+        if kinds == {"sgd"} and is_plain_sgd(optimizer):
+            factors = [-lr for lr in learning_rates(optimizer, ctx.params)]
             direction = [c * e.vector for c, e in zip(factors, entries)]
             dots = torch.stack([c * e.dots for c, e in zip(factors, entries)])
             return direction, dots.sum(0)
@@ -232,39 +194,6 @@ class Alpha(TwoStepQuantity):
             "in info on every step.",
         )
         return None
-
-    def _gradient_multiples(self, global_step, optimizer, entries, ctx):
-        """Factors ``c_p`` with ``d_p = c_p g_p``, if the update has that form.
-
-        Used when the optimizer was unknown during the backward pass, so only
-        ``g_p`` and ``g_i,p . g_p`` were kept. That suffices whenever this step's
-        update of every parameter is a multiple of its gradient: plain SGD, and
-        e.g. SGD with momentum on its first step (no buffer yet, no weight decay).
-        """
-        factors = []
-        for param, entry in zip(ctx.params, entries):
-            try:
-                update = replay_update(optimizer, param, entry.vector)
-            except ReplayError:
-                factor = None
-            else:
-                factor = multiple_of(update, entry.vector, param)
-            if factor is None:
-                self._warn_once(
-                    "unknown-optimizer",
-                    f"Alpha has no value for step {global_step}: "
-                    f"{type(optimizer).__name__}'s update is not a multiple of the "
-                    "gradient at this step, and Alpha projects per-sample gradients "
-                    "onto such an update only if it saw info['optimizer'] before the "
-                    "step's backward pass (it reads it on every step it tracks and on "
-                    "the step before each scheduled start). That is not the case on "
-                    "the first step a cockpit runs or right after a restart. Fix, if "
-                    "that value matters: start Alpha's schedule one step later, e.g. "
-                    "linear(interval, offset=1).",
-                )
-                return None
-            factors.append(factor)
-        return factors
 
     def _compute_end(self, global_step: int, ctx: TrackContext, state: dict):
         tau = state["tau"]
@@ -307,15 +236,6 @@ class Alpha(TwoStepQuantity):
         return value, float(F.sample_variance(losses.to(torch.float64)))
 
     # --- helpers -------------------------------------------------------------------
-    def _remember(self, optimizer) -> None:
-        try:
-            self._optimizer_ref = weakref.ref(optimizer)
-        except TypeError:  # objects without weak-reference support
-            self._optimizer_ref = lambda: optimizer
-
-    def _known_optimizer(self):
-        return None if self._optimizer_ref is None else self._optimizer_ref()
-
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)

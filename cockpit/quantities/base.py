@@ -119,8 +119,13 @@ class Quantity:
         return self.info_keys if self.is_active(global_step) else ()
 
     # --- per-step work -----------------------------------------------------------
-    def begin_step(self, global_step: int) -> None:
-        """Prepare for a backward pass at ``global_step`` (reset accumulators)."""
+    def begin_step(self, global_step: int, info: StepInfo | None = None) -> None:
+        """Prepare for the backward pass of ``global_step`` (reset accumulators).
+
+        Called before the backward pass with the step's ``info``, so a quantity can
+        validate it (and fail before any work) or read what it needs during the
+        backward pass, such as the optimizer. Overrides must call ``super()``.
+        """
         self._acc: dict[int, Any] = {}
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
@@ -208,7 +213,9 @@ class TwoStepQuantity(Quantity):
         for stale in [s for s in self._pending if s < global_step]:
             del self._pending[stale]
         if self.should_compute(global_step):
-            self._pending[global_step] = self._compute_start(global_step, ctx)
+            state = self._compute_start(global_step, ctx)
+            if state is not None:  # a start without a usable state is dropped
+                self._pending[global_step] = state
         return results
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> Any:

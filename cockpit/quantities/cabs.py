@@ -29,6 +29,13 @@ class CABS(SingleStepQuantity):
 
     info_keys = ("loss", "optimizer")
 
+    def begin_step(self, global_step: int, info=None) -> None:
+        """Fail before the backward pass unless the optimizer is plain SGD."""
+        super().begin_step(global_step, info)
+        if info is not None and self.should_compute(global_step):
+            optimizer = info.require("optimizer", self.key)
+            require_plain_sgd(optimizer, self.key, single_lr=True)
+
     def needs(self, global_step: int):
         """Per-sample squared norms, on scheduled steps."""
         return {Need.BATCH_L2} if self.should_compute(global_step) else set()

@@ -35,6 +35,12 @@ class EarlyStopping(SingleStepQuantity):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self.epsilon = epsilon
 
+    def begin_step(self, global_step: int, info=None) -> None:
+        """Fail before the backward pass unless the optimizer is plain SGD."""
+        super().begin_step(global_step, info)
+        if info is not None and self.should_compute(global_step):
+            require_plain_sgd(info.require("optimizer", self.key), self.key)
+
     def needs(self, global_step: int):
         """Per-sample gradients (their mean and second moment), on scheduled steps."""
         if self.should_compute(global_step):
@@ -46,6 +52,5 @@ class EarlyStopping(SingleStepQuantity):
         self._acc[view.index] = snr_entry(view, self.epsilon, unbiased=True)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        require_plain_sgd(ctx.info.require("optimizer", self.key), self.key)
         snr, dim, n = total_snr(self._acc, len(ctx.params))
         return float(F.early_stopping(snr, n, dim))

@@ -149,29 +149,3 @@ def replay_update(optimizer, param: Tensor, grad: Tensor) -> Tensor:
             f"parameter ({type(error).__name__}: {error})"
         ) from error
     return shadow.detach() - param.detach()
-
-
-def multiple_of(update: Tensor, grad: Tensor, param: Tensor) -> float | None:
-    """Return ``c`` with ``update == c * grad`` up to the rounding of a step, if any.
-
-    A replayed update carries rounding errors of the order of the machine precision
-    times ``|param| + |update|`` (it is a difference of two parameter values); a
-    residual within a small multiple of that counts as zero.
-
-    Args:
-        update: A replayed update of ``param``.
-        grad: The gradient it was computed from.
-        param: The parameter (before the step).
-
-    Returns:
-        The factor ``c``, or ``None`` if ``update`` is not a multiple of ``grad``.
-    """
-    update, grad = update.reshape(-1), grad.reshape(-1)
-    grad_sq = grad @ grad
-    factor = (update @ grad) / grad_sq if grad_sq > 0 else update.new_zeros(())
-    residual = torch.linalg.vector_norm(update - factor * grad)
-    eps = torch.finfo(update.dtype).eps
-    scale = torch.linalg.vector_norm(param.detach()) + torch.linalg.vector_norm(update)
-    if residual > 4 * eps * scale:
-        return None
-    return float(factor)
