@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -226,6 +227,18 @@ class History:
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self._data))
+
+    def view(self, global_step: int) -> Mapping[str, Any]:
+        """Return one step's entries as stored, read-only and without copying.
+
+        Cheaper than ``history[step]`` for large values (histograms): numeric arrays
+        come back as read-only numpy arrays rather than lists. Meant for readers
+        such as the dashboard; the mapping must not be kept across :meth:`add`.
+
+        Raises:
+            KeyError: If nothing was recorded at ``global_step``.
+        """
+        return MappingProxyType(self._data[int(global_step)])
 
     def items(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Iterate over ``(step, {key: value})`` in step order."""

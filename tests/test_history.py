@@ -2,6 +2,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from cockpit.history import History
@@ -68,3 +69,15 @@ def test_dataframe_row_per_step():
     assert frame.loc[2, "GradNorm"] == [1.0, 2.0]
     assert math.isnan(frame.loc[0, "GradNorm"])
     assert h.series("Loss") == ([0, 2], [1.0, 0.5])
+
+
+def test_view_is_read_only_and_uncopied():
+    h = History()
+    h.add(4, "Hist", {"hist": np.arange(10_000)})
+    view = h.view(4)
+    with pytest.raises(TypeError):
+        view["Hist"] = 1  # a read-only mapping
+    assert view["Hist"] is h.view(4)["Hist"]  # no copy per read
+    assert h[4]["Hist"]["hist"][:3] == [0, 1, 2]  # item access still gives lists
+    with pytest.raises(KeyError):
+        h.view(5)

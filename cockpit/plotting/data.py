@@ -74,17 +74,8 @@ def _sum(value: Any) -> float:
 
 
 def _entries(history: History, step: int) -> Mapping[str, Any]:
-    """The entries of one step, for reading only.
-
-    ``history[step]`` returns a fresh plain-Python copy of the whole step, which
-    for histograms costs far more than the dashboard's update; the dashboard only
-    reads, so it looks at the stored values directly (numbers, lists, dicts and
-    read-only numpy arrays) when the history keeps them in ``_data``.
-    """
-    raw = getattr(history, "_data", None)
-    if isinstance(raw, dict):
-        return raw[step]
-    return history[step]
+    """The entries of one step, read-only and uncopied (see ``History.view``)."""
+    return history.view(step)
 
 
 #: How a per-step value becomes one number: ``"scalar"`` (floats), ``"norm"``
