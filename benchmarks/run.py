@@ -40,6 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results.md"
+#: Hand-written analysis appended to the results (floors of the missed targets).
+DEFAULT_ANALYSIS = REPO / "benchmarks" / "analysis.md"
 CONFIGURATIONS = ("economy", "business", "full")
 BLOCKS = (
     "BatchGrad",
@@ -502,15 +504,18 @@ def _machine() -> dict:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("BENCH_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+        except OSError:
+            pass
+    commit = commit or "unknown"
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
@@ -546,6 +551,37 @@ def _verdict(value, target) -> str:
     if value is None or target is None:
         return ""
     return "met" if value <= target else "**missed**"
+
+
+def _members(label: str) -> list[str]:
+    try:
+        from cockpit.utils.configuration import quantities_cls_for_configuration
+    except Exception:  # noqa: BLE001 - configurations missing: nothing to break down
+        return []
+    return [cls.__name__ for cls in quantities_cls_for_configuration(label)]
+
+
+def _breakdown(res: dict, configs: list[str]) -> list[str]:
+    """Lines saying which member quantities cost most when tracked alone."""
+    lines = []
+    for label in configs:
+        solo = []
+        for name in _members(label):
+            ratio = res.get(name, {}).get("time", {}).get("ratio")
+            if ratio is not None:
+                solo.append((ratio - 1, name))
+        if solo:
+            parts = ", ".join(
+                f"{name} +{extra:.2f}" for extra, name in sorted(solo)[::-1]
+            )
+            lines.append(f"- {label}: members alone, overhead (ratio - 1): {parts}")
+    if lines:
+        lines = [
+            "Where the time goes (each member quantity tracked alone):",
+            "",
+        ] + lines
+        lines.append("")
+    return lines
 
 
 def render(results: dict, args, machine: dict, notes: list[str], argv) -> str:
@@ -614,6 +650,7 @@ def render(results: dict, args, machine: dict, notes: list[str], argv) -> str:
                     f"| {_fmt(mem)} | {_fmt(target_mem)} | {_fmt(ref_mem)} |"
                 )
             lines.append("")
+            lines += _breakdown(res, configs)
         singles = [s for s in res if s not in CONFIGURATIONS and s != "plain"]
         singles = [s for s in singles if not s.startswith("block:")]
         if singles:
@@ -672,6 +709,9 @@ def render(results: dict, args, machine: dict, notes: list[str], argv) -> str:
             lines += ["### Failures", ""] + errors + [""]
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    analysis = Path(args.analysis) if args.analysis else None
+    if analysis is not None and analysis.exists():
+        lines += [analysis.read_text().rstrip(), ""]
     return "\n".join(lines)
 
 
@@ -717,6 +757,11 @@ def parse(argv=None):
     parser.add_argument("--timeout", type=float, default=3600, help="seconds/child")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="Markdown output")
     parser.add_argument("--json", default=None, help="also write raw results here")
+    parser.add_argument(
+        "--analysis",
+        default=str(DEFAULT_ANALYSIS),
+        help="Markdown appended to the output if it exists ('' for none)",
+    )
     # child arguments (internal)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--problem", help=argparse.SUPPRESS)
