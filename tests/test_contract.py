@@ -220,3 +220,11 @@ def test_unextended_model_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"backpack.extend\(\)"):
         with cockpit(0, info={"loss": loss}):
             loss.backward()
+
+
+def test_incomplete_quantity_fails_at_construction():
+    class Forgetful(Q.SingleStepQuantity):
+        pass  # no _compute
+
+    with pytest.raises(TypeError, match="abstract method.*_compute"):
+        Forgetful(linear(1))

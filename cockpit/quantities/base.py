@@ -14,6 +14,7 @@ step as well, implement ``_compute_start`` and ``_compute_end``).
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -40,7 +41,7 @@ class TrackContext:
     info: StepInfo
 
 
-class Quantity:
+class Quantity(abc.ABC):
     """A number (or list, or histogram) about the training, tracked on a schedule.
 
     Args:
@@ -128,7 +129,7 @@ class Quantity:
         """
         self._acc: dict[int, Any] = {}
 
-    def accumulate(self, global_step: int, view: ParamView) -> None:
+    def accumulate(self, global_step: int, view: ParamView) -> None:  # noqa: B027
         """Read results for one parameter while BackPACK's buffers are alive.
 
         Called once per parameter, as soon as the module that owns it is done in
@@ -140,20 +141,20 @@ class Quantity:
         """Forget the partial results of a backward pass that raised."""
         self._acc = {}
 
+    @abc.abstractmethod
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Compute the results due at ``global_step``.
 
         Returns:
             A list of ``(step_to_store_under, value)``; ``None`` values are skipped.
         """
-        raise NotImplementedError
 
     # --- checkpointing -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Return the state that must survive a restart (default: none)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
         """Restore the state returned by :meth:`state_dict`."""
 
 
@@ -169,8 +170,9 @@ class SingleStepQuantity(Quantity):
             return []
         return [(global_step, self._compute(global_step, ctx))]
 
+    @abc.abstractmethod
     def _compute(self, global_step: int, ctx: TrackContext) -> Any:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
 
 class ByproductQuantity(SingleStepQuantity):
@@ -218,16 +220,18 @@ class TwoStepQuantity(Quantity):
                 self._pending[global_step] = state
         return results
 
+    @abc.abstractmethod
     def _compute_start(self, global_step: int, ctx: TrackContext) -> Any:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abc.abstractmethod
     def _compute_end(self, global_step: int, ctx: TrackContext, state: Any) -> Any:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def state_dict(self) -> dict[str, Any]:
         """Return the pending starts (parameter snapshots and the like)."""
         return {"pending": dict(self._pending)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
         """Restore pending starts saved by :meth:`state_dict`."""
         self._pending = dict(state.get("pending", {}))

@@ -7,6 +7,8 @@ matrices: sums that could be all-reduced across processes.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from cockpit.needs import Need
@@ -78,8 +80,9 @@ class GramQuantity(SingleStepQuantity):
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         return float(self._statistic(self._acc["gram"]))
 
+    @abc.abstractmethod
     def _statistic(self, gram: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
 
 def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:

@@ -18,6 +18,7 @@ Every policy here maps a maximum absolute value ``m`` to the symmetric range::
 
 from __future__ import annotations
 
+import abc
 import math
 import warnings
 from typing import Callable, Sequence
@@ -37,7 +38,7 @@ def _never(global_step: int) -> bool:
     return False
 
 
-class BinAdaptation:
+class BinAdaptation(abc.ABC):
     """Base class of the bin-range policies.
 
     Args:
@@ -105,8 +106,9 @@ class BinAdaptation:
             )
         return new
 
+    @abc.abstractmethod
     def _compute(self, global_step, ctx, reductions, current) -> Range:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
 
 class NoAdaptation(BinAdaptation):
@@ -161,8 +163,9 @@ class _AbsMax(BinAdaptation):
             f"{type(self).__name__}(padding={self.padding}, min_size={self.min_size})"
         )
 
+    @abc.abstractmethod
     def _abs_max(self, ctx: TrackContext, reductions: Sequence[Tensor]) -> float:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def _compute(self, global_step, ctx, reductions, current) -> Range:
         m = self._abs_max(ctx, reductions)

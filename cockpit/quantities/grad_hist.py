@@ -20,6 +20,7 @@ run in the dtype of the values (edges rounded to it). NaN values are not counted
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Callable, Sequence
 
@@ -223,8 +224,9 @@ class _EdgeCache:
 class _Histogram(SingleStepQuantity):
     """Shared plumbing: counts per parameter, range adaptation on its own schedule."""
 
+    @abc.abstractmethod
     def _policies(self) -> Sequence[BinAdaptation]:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def is_active(self, global_step: int) -> bool:
         """Active on the histogram's steps and on the steps of its range policies."""
@@ -256,8 +258,9 @@ class _Histogram(SingleStepQuantity):
                     if reduced is not None:
                         self._acc.setdefault(("reduced", axis), []).append(reduced)
 
+    @abc.abstractmethod
     def _count(self, global_step: int, view: ParamView) -> Tensor:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def _edges(self, axis: int) -> _EdgeCache:
         key = ("edges", axis)
@@ -266,11 +269,13 @@ class _Histogram(SingleStepQuantity):
             self._acc[key] = _EdgeCache(lo, hi, self._bins()[axis])
         return self._acc[key]
 
+    @abc.abstractmethod
     def _ranges(self) -> list[Range]:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abc.abstractmethod
     def _bins(self) -> list[int]:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Store the histogram (if scheduled), then let the policies move the range."""
@@ -283,8 +288,9 @@ class _Histogram(SingleStepQuantity):
         self._set_ranges(ranges)
         return results
 
+    @abc.abstractmethod
     def _set_ranges(self, ranges: list[Range]) -> None:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def _empty_counts(self) -> Tensor:
         return torch.zeros(math.prod(self._bins()), dtype=torch.int64)

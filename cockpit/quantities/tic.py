@@ -21,6 +21,7 @@ that reads it (e.g. one ``DiagHessian`` run feeds HessTrace, TICDiag and TICTrac
 
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import torch
@@ -80,8 +81,9 @@ class _TIC(SingleStepQuantity):
         if view.has_individual_gradients:
             self._acc["seen_batch_size"] = view.batch_size
 
+    @abc.abstractmethod
     def _reduce(self, scaled, diag):
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     def _batch_size(self, ctx: TrackContext) -> int:
         n = ctx.info.require("batch_size", self.key)
