@@ -34,6 +34,11 @@ root of the loss Hessian with ``V`` columns, ``U_n`` the unfolded input of sampl
 ``n``), is accumulated one column ``v`` at a time instead of from one
 ``[V, N, C_out, C_in*k*k]`` tensor, which on the 3c3d network is up to 570 MB for a
 single layer.
+
+All of these compute without recording an autograd graph: under
+``loss.backward(create_graph=True)`` (which quantities such as ``HessMaxEV`` need),
+BackPACK's results would otherwise carry graphs, and every intermediate tensor of
+every layer's computation would stay alive until the end of the step.
 """
 
 from __future__ import annotations
@@ -49,6 +54,33 @@ from backpack.utils import conv as conv_utils
 from torch import Tensor
 from torch.nn import Conv2d, Linear
 from torch.nn.functional import unfold
+
+
+class _NoGraph:
+    """Wraps a BackPACK module extension so that it runs under ``torch.no_grad``."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def __call__(self, extension, module, g_inp, g_out):
+        with torch.no_grad():
+            return self.wrapped(extension, module, g_inp, g_out)
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+
+def without_graph(extension: BackpropExtension) -> BackpropExtension:
+    """Make every module extension of ``extension`` run under ``torch.no_grad``.
+
+    Values are unchanged; they just carry no autograd graph (see the module
+    docstring). Returns the same object.
+    """
+    table = extension._BackpropExtension__module_extensions
+    for module_type, rule in list(table.items()):
+        if not isinstance(rule, _NoGraph):
+            table[module_type] = _NoGraph(rule)
+    return extension
 
 
 class LinearFactors:
@@ -69,8 +101,8 @@ class LinearFactors:
 
     def __init__(self, inputs: Tensor, grad_output: Tensor):
         n = inputs.shape[0]
-        self.inputs = inputs.reshape(n, -1, inputs.shape[-1])
-        self.grad_output = grad_output.reshape(n, -1, grad_output.shape[-1])
+        self.inputs = inputs.detach().reshape(n, -1, inputs.shape[-1])
+        self.grad_output = grad_output.detach().reshape(n, -1, grad_output.shape[-1])
 
     @property
     def batch_size(self) -> int:
@@ -175,7 +207,7 @@ class _FactoredLinear(FirstOrderModuleExtension):
 
     def bias(self, ext, module: Linear, g_inp, g_out, bp_quantities) -> Tensor:
         """Return the bias's per-sample gradients ``sum_l delta_il``, ``[N, out]``."""
-        grad_output = g_out[0]
+        grad_output = g_out[0].detach()
         if grad_output.dim() == 2:
             return grad_output
         return grad_output.sum(dim=tuple(range(1, grad_output.dim() - 1)))
@@ -236,6 +268,7 @@ class PerSampleGradients(BatchGrad):
         super().__init__()
         self.set_module_extension(Linear, _FactoredLinear(), overwrite=True)
         self.set_module_extension(Conv2d, _UnfoldConv2d(), overwrite=True)
+        without_graph(self)
 
     @staticmethod
     def served_by(other: BackpropExtension) -> bool:
@@ -310,14 +343,14 @@ def lean_diag_hessian() -> DiagHessian:
     """
     extension = DiagHessian()
     extension.set_module_extension(Conv2d, _LeanDiagHConv2d(), overwrite=True)
-    return extension
+    return without_graph(extension)
 
 
 def lean_diag_ggn_exact() -> DiagGGNExact:
     """Return BackPACK's ``DiagGGNExact`` with the memory-lean ``Conv2d`` rule."""
     extension = DiagGGNExact()
     extension.set_module_extension(Conv2d, _LeanDiagGGNConv2d(), overwrite=True)
-    return extension
+    return without_graph(extension)
 
 
 def lean_diag_ggn_mc(mc_samples: int = 1) -> DiagGGNMC:
@@ -328,4 +361,4 @@ def lean_diag_ggn_mc(mc_samples: int = 1) -> DiagGGNMC:
     """
     extension = DiagGGNMC(mc_samples=mc_samples)
     extension.set_module_extension(Conv2d, _LeanDiagGGNConv2d(), overwrite=True)
-    return extension
+    return without_graph(extension)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 from torch.nn import Module
@@ -121,7 +122,15 @@ class ModuleHook:
         self.visited: set[int] = set()
 
     def __call__(self, module: Module) -> None:
-        """Show the module's parameters to the quantities, then free the buffers."""
+        """Show the module's parameters to the quantities, then free the buffers.
+
+        Runs without recording an autograd graph: under ``create_graph=True`` the
+        statistics would otherwise keep their inputs alive until the step ends.
+        """
+        with torch.no_grad():
+            self._visit(module)
+
+    def _visit(self, module: Module) -> None:
         for param in module.parameters(recurse=False):
             index = self._index.get(id(param))
             if index is None or index in self.visited:

@@ -283,3 +283,40 @@ def test_lean_curvature_matches_backpack(make_lean, original, setting):
     # a user's own extension of the same kind merges with the lean one
     user = original()
     assert merge_extensions([user], [make_lean()]) == [user]
+
+
+class GraphProbe(Quantity):
+    """Records whether what the view shows carries an autograd graph."""
+
+    def __init__(self, schedule):
+        super().__init__(schedule)
+        self.seen = []
+
+    def needs(self, global_step):
+        return {Need.INDIVIDUAL_GRADIENTS, Need.DIAG_H}
+
+    def accumulate(self, global_step, view):
+        stats = [view.individual_gradients(), view.gram(), view.batch_l2()]
+        stats.append(view.curvature("diag_h"))
+        stats.append(view.param * 2)  # quantity code reading the parameter
+        self.seen.append([t.requires_grad for t in stats])
+        self._acc[view.index] = view.gram().clone()
+
+    def track(self, global_step, ctx):
+        return []
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_no_graph_through_cockpit_results(create_graph):
+    """Under create_graph=True (HessMaxEV) the statistics record no graph."""
+    problem = make_problem("cnn", "ce")
+    probe = GraphProbe(linear(1))
+    cockpit = Cockpit(problem.params, [probe])
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with cockpit(0, info={}):
+        loss.backward(create_graph=create_graph)
+    assert probe.seen and not any(any(flags) for flags in probe.seen)
+    individual = bf.individual_gradients(problem, problem.params, x, y)
+    for i, g in enumerate(individual):
+        close(probe._acc[i], g.flatten(1) @ g.flatten(1).T, f"gram {i}")
