@@ -758,6 +758,12 @@ def parse(argv=None):
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="Markdown output")
     parser.add_argument("--json", default=None, help="also write raw results here")
     parser.add_argument(
+        "--render",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: rewrite --out from a record written with --json",
+    )
+    parser.add_argument(
         "--analysis",
         default=str(DEFAULT_ANALYSIS),
         help="Markdown appended to the output if it exists ('' for none)",
@@ -787,6 +793,9 @@ def main(argv=None) -> None:
     if args.child:
         child_main(args)
         return
+    if args.render:
+        rerender(args)
+        return
     args.problems = [p.strip() for p in args.problems.split(",") if p.strip()]
     specs, notes = plan(args)
     results: dict = {}
@@ -814,9 +823,38 @@ def main(argv=None) -> None:
     Path(args.out).write_text(render(results, args, machine, notes, argv) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"machine": machine, "results": results}, indent=1)
-        )
+        record = {
+            "machine": machine,
+            "results": results,
+            "notes": notes,
+            "argv": list(argv),
+            "settings": {name: getattr(args, name) for name in _SETTINGS},
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1))
+
+
+#: The arguments the report depends on, saved with ``--json`` for ``--render``.
+_SETTINGS = (
+    "problems",
+    "repeats",
+    "warmup",
+    "min_time",
+    "memory_steps",
+    "threads",
+    "clock",
+)
+
+
+def rerender(args) -> None:
+    """Write the report again from a ``--json`` record (e.g. after editing analysis)."""
+    record = json.loads(Path(args.render).read_text())
+    for name, value in record["settings"].items():
+        setattr(args, name, value)
+    text = render(
+        record["results"], args, record["machine"], record["notes"], record["argv"]
+    )
+    Path(args.out).write_text(text + "\n")
+    print(f"wrote {args.out} from {args.render}", file=sys.stderr)
 
 
 if __name__ == "__main__":
