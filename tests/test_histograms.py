@@ -16,6 +16,7 @@ from backpack.extensions import BatchGrad
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
+from cockpit.quantities import grad_hist
 from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
 from cockpit.quantities.grad_hist import (
     bin_index,
@@ -170,6 +171,41 @@ def test_histogram_2d_matches_numpy_on_edges_and_outliers(bins, ranges):
     x[1, 0] = math.nan
     with_nan = histogram_2d(x, y, xedges, yedges, ranges, clamps)
     assert counts.sum() - with_nan.sum() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("first,span", [(0, 1), (37, 3), (95, 5), (50, 2)])
+def test_concentrated_values_take_the_comparison_path_and_stay_exact(
+    dtype, first, span
+):
+    """Values within a few bins are counted by comparisons; still exact at edges."""
+    bins, lo, hi = 100, -2.0, 2.0
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    inner = edges[first : first + span]  # edges inside the occupied bins
+    gen = torch.Generator().manual_seed(first)
+    width = float(edges[first + span] - edges[first])
+    values = torch.cat(
+        [
+            edges[first] + width * torch.rand(5000, generator=gen, dtype=dtype),
+            inner,
+            torch.nextafter(inner[1:], inner[1:] - 1),
+            torch.nextafter(inner, inner + 1),
+        ]
+    )
+    values = values.clamp(max=edges[first + span])
+    assert grad_hist._span(values, edges, (lo, hi), None) is not None
+    counts = histogram_1d(values, edges, (lo, hi))
+    expected, _ = np_hist_1d(values.numpy(), bins, lo, hi)
+    assert counts.tolist() == expected
+    # 2-D: x concentrated as above, y spread over its range
+    xedges, yedges = edges, histogram_edges(-2.0, 2.0, 50).to(dtype)
+    clamps = ((lo + 0.02, hi - 0.02), (-2.0 + 0.04, 2.0 - 0.04))
+    x = values[: 4 * 1000].reshape(4, 1000)
+    y = 3 * torch.randn(1000, generator=gen, dtype=dtype)
+    assert grad_hist._span(x, xedges, (lo, hi), clamps[0]) is not None
+    got = histogram_2d(x, y, xedges, yedges, ((lo, hi), (-2.0, 2.0)), clamps)
+    want, _ = np_hist_2d([x.numpy()], [y.numpy()], (100, 50), ((lo, hi), (-2, 2)))
+    assert got.tolist() == want
 
 
 # --- GradHist1d -----------------------------------------------------------------------

@@ -94,6 +94,8 @@ def bin_index(
     delta = 16 * eps * bins * (1 + max(abs(lo), abs(hi)) / (hi - lo))
     centred = position.frac_().sub_(0.5).abs_()  # NaN stays NaN
     suspicious = torch.le(centred, 0.5 - delta).logical_not_().reshape(-1)
+    if int(suspicious.sum()) * 8 > suspicious.numel():
+        return _correct(v, index, edges)  # many (e.g. exact zeros): all at once
     where = suspicious.nonzero().squeeze(1)
     if where.numel():
         flat = index.view(-1)
@@ -111,9 +113,58 @@ def _correct(v: Tensor, index: Tensor, edges: Tensor) -> Tensor:
     bins = edges.numel() - 1
     nan = torch.isnan(v)
     index = index.clamp(0, bins - 1).masked_fill_(nan, 0)
-    index.sub_((v < edges[index]).to(index.dtype))
-    index.add_(((v >= edges[index + 1]) & (index < bins - 1)).to(index.dtype))
+    flat = index.reshape(-1).long()
+    below = v < edges.index_select(0, flat).view_as(v)
+    index.sub_(below.to(index.dtype))
+    flat = index.reshape(-1).long() + 1
+    above = v >= edges.index_select(0, flat).view_as(v)
+    index.add_((above & (index < bins - 1)).to(index.dtype))
     return index.masked_fill_(nan, bins)
+
+
+#: A block whose values span at most this many bins is counted by comparisons.
+FEW_BINS = 4
+
+
+def _span(
+    values: Tensor, edges: Tensor, limits: Range, clamp: Range | None
+) -> tuple[int, int] | None:
+    """Bins ``(k_lo, k_hi)`` of the smallest and largest value, ``None`` if too wide.
+
+    Also ``None`` for empty input or NaN (the general path handles those).
+    """
+    if values.numel() == 0:
+        return None
+    bins = edges.numel() - 1
+    extremes = torch.stack(torch.aminmax(values.reshape(-1)))
+    k_lo, k_hi = bin_index(extremes, edges, limits, clamp, correct_all=True).tolist()
+    if k_lo == bins or k_hi == bins or k_hi - k_lo > FEW_BINS:
+        return None
+    return k_lo, k_hi
+
+
+def _counts_by_comparison(
+    values: Tensor, edges: Tensor, k_lo: int, k_hi: int, dim: int | None
+) -> list[Tensor]:
+    """Counts of bins ``k_lo..k_hi`` (summed over ``dim``) when all values lie there.
+
+    Bin ``k`` holds ``#(v >= e_k) - #(v >= e_{k+1})``; below ``e_{k_lo + 1}`` means
+    ``k_lo`` (clamped values included) and at least ``e_{k_hi}`` means ``k_hi``, so
+    the rule ``e_k <= v < e_{k+1}`` is applied exactly, without a bin index.
+    """
+    total = values.shape[dim] if dim is not None else values.numel()
+
+    def at_least(k: int) -> Tensor:
+        above = torch.ge(values, edges[k])
+        return above.sum() if dim is None else above.sum(dim)
+
+    cumulative = [at_least(k) for k in range(k_lo + 1, k_hi + 1)]
+    counts, previous = [], total
+    for above in cumulative:
+        counts.append(previous - above)
+        previous = above
+    counts.append(previous if cumulative else torch.as_tensor(total))
+    return counts
 
 
 def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
@@ -131,6 +182,13 @@ def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
         ``int64`` counts, shape ``[bins]``.
     """
     bins = edges.numel() - 1
+    span = _span(values, edges, limits, None)
+    if span is not None:
+        k_lo, k_hi = span
+        out = torch.zeros(bins, dtype=torch.int64, device=values.device)
+        counts = _counts_by_comparison(values, edges, k_lo, k_hi, dim=None)
+        out[k_lo : k_hi + 1] = torch.stack([torch.as_tensor(c) for c in counts])
+        return out
     index = bin_index(values, edges, limits)
     return torch.bincount(index.reshape(-1), minlength=bins + 1)[:bins]
 
@@ -165,6 +223,18 @@ def histogram_2d(
     xbins, ybins = xedges.numel() - 1, yedges.numel() - 1
     total = xbins * ybins
     itype = _index_dtype(total + 1)
+    span = _span(x, xedges, limits[0], clamps[0])
+    if span is not None:
+        iy = bin_index(y, yedges, limits[1], clamps[1], correct_all=True).long()
+        if not bool((iy == ybins).any()):
+            k_lo, k_hi = span
+            out = torch.zeros(xbins, ybins, dtype=torch.int64, device=x.device)
+            per_column = _counts_by_comparison(x, xedges, k_lo, k_hi, dim=0)
+            for k, column_counts in zip(range(k_lo, k_hi + 1), per_column):
+                column_counts = torch.as_tensor(column_counts, device=x.device)
+                column_counts = column_counts.expand(y.shape).to(torch.int64)
+                out[k].index_add_(0, iy, column_counts)
+            return out
     ix = bin_index(x, xedges, limits[0], clamps[0]).to(itype)
     iy = bin_index(y, yedges, limits[1], clamps[1]).to(itype).unsqueeze(0)
     invalid = (ix == xbins) | (iy == ybins)
@@ -365,8 +435,11 @@ class GradHist1d(_Histogram):
         return [self.bins]
 
     def _count(self, global_step: int, view: ParamView) -> Tensor:
-        values = view.individual_gradients().detach()
-        return histogram_1d(values, self._edges(0).like(values), self.range)
+        edges = self._edges(0).like(view.param)
+        total = torch.zeros(self.bins, dtype=torch.int64, device=view.param.device)
+        for values in view.individual_gradient_chunks():
+            total += histogram_1d(values.detach(), edges, self.range)
+        return total
 
     def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
         return self._result(self._acc.get("counts"))
@@ -443,21 +516,21 @@ class GradHist2d(_Histogram):
         return list(self.bins)
 
     def _count(self, global_step: int, view: ParamView) -> Tensor:
-        grads = view.individual_gradients().detach().flatten(start_dim=1)
         params = view.param.detach().flatten()
         (xlo, xhi), (ylo, yhi) = self.range
-        counts = histogram_2d(
-            grads,
-            params,
-            self._edges(0).like(grads),
-            self._edges(1).like(params),
-            self.range,
-            (
-                _inner_clamp(xlo, xhi, self.bins[0]),
-                _inner_clamp(ylo, yhi, self.bins[1]),
-            ),
+        clamps = (
+            _inner_clamp(xlo, xhi, self.bins[0]),
+            _inner_clamp(ylo, yhi, self.bins[1]),
         )
-        return counts.reshape(-1)
+        xedges, yedges = self._edges(0).like(params), self._edges(1).like(params)
+        total = torch.zeros(
+            math.prod(self.bins), dtype=torch.int64, device=view.param.device
+        )
+        for block in view.individual_gradient_chunks():
+            grads = block.detach().flatten(start_dim=1)
+            counts = histogram_2d(grads, params, xedges, yedges, self.range, clamps)
+            total += counts.reshape(-1)
+        return total
 
     def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
         result = self._result(self._acc.get("counts"))
