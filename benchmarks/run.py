@@ -758,6 +758,21 @@ def parse(argv=None):
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="Markdown output")
     parser.add_argument("--json", default=None, help="also write raw results here")
     parser.add_argument(
+        "--busy-factor",
+        type=float,
+        default=3.0,
+        help="re-measure a configuration whose median plain step is this many times "
+        "the fastest of its problem (another process was running)",
+    )
+    parser.add_argument("--retries", type=int, default=2, help="re-measurements")
+    parser.add_argument(
+        "--fix",
+        default=None,
+        metavar="JSON",
+        help="re-measure the busy configurations of a --json record, update it and "
+        "rewrite --out",
+    )
+    parser.add_argument(
         "--render",
         default=None,
         metavar="JSON",
@@ -796,6 +811,9 @@ def main(argv=None) -> None:
     if args.render:
         rerender(args)
         return
+    if args.fix:
+        fix_busy(args)
+        return
     args.problems = [p.strip() for p in args.problems.split(",") if p.strip()]
     specs, notes = plan(args)
     results: dict = {}
@@ -819,6 +837,7 @@ def main(argv=None) -> None:
                 for mode, out in entry.items()
             )
             print(f"[{problem}] {spec}: {summary}", file=sys.stderr, flush=True)
+    notes += retry_busy(results, args)
     machine = _machine()
     Path(args.out).write_text(render(results, args, machine, notes, argv) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
@@ -843,6 +862,82 @@ _SETTINGS = (
     "threads",
     "clock",
 )
+
+
+def _plain_median(entry: dict) -> float | None:
+    plain = entry.get("time", {}).get("plain_s")
+    return statistics.median(plain) if plain else None
+
+
+def retry_busy(results: dict, args) -> list[str]:
+    """Measure again the configurations whose plain steps ran on a busy machine.
+
+    Another process on a 2-core machine slows a 2-thread step by up to 50 times (its
+    threads wait for each other), so the ratio of such a run means little. A
+    configuration whose median plain step took more than ``args.busy_factor`` times
+    the fastest median plain step of its problem is measured again (at most
+    ``args.retries`` times); the run with the fastest plain steps is kept.
+
+    Returns:
+        Notes on what was measured again, for the report.
+    """
+    notes = []
+    for problem, res in results.items():
+        medians = {}
+        for spec, entry in res.items():
+            median = _plain_median(entry)
+            if median is not None and not spec.startswith("block:"):
+                medians[spec] = median
+        if not medians:
+            continue
+        best = min(medians.values())
+        for spec, median in medians.items():
+            tries = 0
+            while median > args.busy_factor * best and tries < args.retries:
+                tries += 1
+                again = _run_child(problem, spec, "time", args)
+                new = _plain_median({"time": again})
+                if new is not None and new < median:
+                    notes.append(
+                        f"{problem} {spec}: measured again (plain step median "
+                        f"{1000 * median:.1f} ms, {median / best:.1f}x the fastest "
+                        f"of this problem: machine busy); kept {1000 * new:.1f} ms"
+                    )
+                    res[spec]["time"], median = again, new
+                print(
+                    f"[{problem}] {spec}: retry {tries}, plain "
+                    f"{1000 * median:.1f} ms (best {1000 * best:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if median > args.busy_factor * best:
+                notes.append(
+                    f"{problem} {spec}: plain steps still {median / best:.1f}x slower "
+                    "than the fastest of this problem after retries (machine busy); "
+                    "its ratio is unreliable"
+                )
+    return notes
+
+
+def fix_busy(args) -> None:
+    """Re-measure busy configurations of a ``--json`` record, then rewrite both."""
+    record = json.loads(Path(args.fix).read_text())
+    for name, value in record["settings"].items():
+        setattr(args, name, value)
+    notes = list(record["notes"]) + retry_busy(record["results"], args)
+    how = (
+        "configurations marked 'measured again' were re-measured after the run by "
+        f"`python -m benchmarks.run --fix {args.fix}`"
+    )
+    if any("measured again" in n for n in notes) and how not in notes:
+        notes.append(how)
+    record["notes"] = notes
+    Path(args.fix).write_text(json.dumps(record, indent=1))
+    text = render(
+        record["results"], args, record["machine"], record["notes"], record["argv"]
+    )
+    Path(args.out).write_text(text + "\n")
+    print(f"wrote {args.out} and {args.fix}", file=sys.stderr)
 
 
 def rerender(args) -> None:
