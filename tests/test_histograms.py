@@ -36,16 +36,6 @@ SCHEDULES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # The dense float64 twins (double backward through conv) run ~50x slower with two
-    # intra-op threads on a shared, loaded 2-core machine; one thread is plenty here.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tracked_steps(schedule, steps=STEPS):
     return [s for s in range(steps) if schedule(s)]
 
