@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.utils.problems import PROBLEM_IDS, PROBLEMS, SCHEDULES, make_problem
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _single_torch_thread():
@@ -15,3 +17,15 @@ def _single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=PROBLEMS, ids=PROBLEM_IDS)
+def problem(request):
+    """Each brute-force test problem (MLP/CNN, CE/MSE, SGD/momentum/Adam)."""
+    return make_problem(*request.param)
+
+
+@pytest.fixture(params=list(SCHEDULES), ids=list(SCHEDULES))
+def schedule(request):
+    """Each of the shared track schedules (a fresh instance per test)."""
+    return SCHEDULES[request.param]()

@@ -20,22 +20,19 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.quantities.base import Quantity
 from cockpit.quantities.hess_max_ev import lanczos_max_ev, power_max_ev
-from cockpit.utils.schedules import linear, logarithmic
+from cockpit.utils.schedules import linear
 from tests.test_histograms import np_hist_1d, np_hist_2d, per_sample_gradients
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
-from tests.utils.problems import PROBLEM_IDS, PROBLEMS, make_problem
+from tests.utils.problems import (
+    PROBLEM_IDS,
+    PROBLEMS,
+    make_problem,
+    tracked_steps,
+)
 
 STEPS = 5
-SCHEDULES = {
-    "every-step-from-1": lambda: linear(1, offset=1),
-    "log": lambda: logarithmic(0, 1, steps=4, init=False),  # {1, 2, 4}
-}
 EPS = 1e-7
-
-
-def tracked_steps(schedule, steps=STEPS):
-    return [s for s in range(steps) if schedule(s)]
 
 
 def close(actual, expected, rtol, what):
@@ -46,16 +43,6 @@ def close(actual, expected, rtol, what):
         atol=0.0,
         msg=lambda m: f"{what}: {m}",
     )
-
-
-@pytest.fixture(params=PROBLEMS, ids=PROBLEM_IDS)
-def problem(request):
-    return make_problem(*request.param)
-
-
-@pytest.fixture(params=list(SCHEDULES), ids=list(SCHEDULES))
-def schedule(request):
-    return SCHEDULES[request.param]()
 
 
 # --- brute-force twins ----------------------------------------------------------------
@@ -82,8 +69,8 @@ def test_tic(problem, schedule, curvature):
         Q.TICTrace(schedule, curvature=curvature),
     ]
     result = run(problem, quantities, steps=STEPS)
-    assert sorted(result.output) == tracked_steps(schedule)
-    for step in tracked_steps(schedule):
+    assert sorted(result.output) == tracked_steps(schedule, STEPS)
+    for step in tracked_steps(schedule, STEPS):
         diag, trace = tic_twin(problem, result.records[step], curvature)
         out = result.output[step]
         assert isinstance(out["TICDiag"], float) and isinstance(out["TICTrace"], float)
@@ -161,8 +148,8 @@ def test_tic_rejects_a_wrong_batch_size():
 def test_hess_max_ev(problem, schedule, use_power):
     quantity = Q.HessMaxEV(schedule, use_power=use_power, max_iter=1000)
     result = run(problem, [quantity], steps=STEPS)
-    assert sorted(result.output) == tracked_steps(schedule)
-    for step in tracked_steps(schedule):
+    assert sorted(result.output) == tracked_steps(schedule, STEPS)
+    for step in tracked_steps(schedule, STEPS):
         value = result.output[step]["HessMaxEV"]
         assert isinstance(value, float)
         close(value, max_ev_twin(problem, result.records[step]), 1e-3, f"step {step}")
@@ -373,7 +360,7 @@ def test_everything_together(spec, schedule):
     mine = {"GradHist1d", "GradHist2d", "TICDiag", "TICTrace", "HessMaxEV"}
     assert mine <= {q.key for q in quantities}
     result = run(problem, quantities, steps=STEPS)
-    for step in tracked_steps(schedule):
+    for step in tracked_steps(schedule, STEPS):
         out, record = result.output[step], result.records[step]
         grads = per_sample_gradients(problem, record)
         params = [p.reshape(-1).numpy() for p in record.params]

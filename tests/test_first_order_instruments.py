@@ -17,16 +17,12 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import Quantity
-from cockpit.utils.schedules import linear, logarithmic
+from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
 from tests.utils.problems import PROBLEM_IDS, PROBLEMS, make_problem
 
 STEPS = 4
-SCHEDULES = {
-    "every-step-from-1": lambda: linear(1, offset=1),  # {1, 2, 3}
-    "log": lambda: logarithmic(0, 1, steps=4, init=False),  # {1, 2, 4, 10}
-}
 RTOL, ATOL = 1e-6, 1e-10
 EPSILON = 1e-5  # default epsilon of EarlyStopping and MeanGSNR
 
@@ -150,11 +146,6 @@ def exported_quantities(schedule, optimizer, exclude=()):
             continue
         made.append(cls(schedule))
     return made
-
-
-@pytest.fixture(params=list(SCHEDULES), ids=list(SCHEDULES))
-def schedule(request):
-    return SCHEDULES[request.param]()
 
 
 def _problems_for(name):

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from backpack import extend
 
+from cockpit.utils.schedules import linear, logarithmic
+
 DTYPE = torch.float64
 
 
@@ -108,3 +110,14 @@ PROBLEMS = [
     ("mlp", "mse", "sgd"),
 ]
 PROBLEM_IDS = ["-".join(p) for p in PROBLEMS]
+
+#: The two schedules every brute-force test runs with.
+SCHEDULES = {
+    "every-step-from-1": lambda: linear(1, offset=1),
+    "log": lambda: logarithmic(0, 1, steps=4, init=False),  # {1, 2, 4, 10}
+}
+
+
+def tracked_steps(schedule, steps: int) -> list[int]:
+    """The steps below ``steps`` at which ``schedule`` tracks."""
+    return [s for s in range(steps) if schedule(s)]
