@@ -26,6 +26,7 @@ from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cockpit.context import StepInfo
+from cockpit.errors import CockpitWarning  # noqa: F401  (re-exported)
 
 #: Where BackPACK lists the layers each extension supports.
 SUPPORTED_LAYERS_URL = "https://docs.backpack.pt/en/master/supported-layers.html"
@@ -40,10 +41,6 @@ _REDUCTION_SUM = 2
 # per-sample losses (float32 sums of a few thousand terms stay far inside).
 _RTOL = 1e-3
 _ATOL = 1e-7
-
-
-class CockpitWarning(UserWarning):
-    """A problem that cockpit can live with but that you should know about."""
 
 
 # --- before the backward pass ---------------------------------------------------------
@@ -389,25 +386,3 @@ def no_gradient_message(labels: Sequence[str]) -> str:
         "of the parameters handed to the Cockpit; otherwise make sure the loss "
         "depends on them. (Warned once.)"
     )
-
-
-def unwritable_message(path: str, error: OSError) -> str:
-    """The message for a log path that cannot be written."""
-    reason = error.strerror or str(error)
-    return (
-        f"Cannot write the cockpit log to {path!r}: {reason}. Fix: pass a path in a "
-        "writable directory (missing parent directories are created, a bare file "
-        "name writes to the working directory)."
-    )
-
-
-def unwritable_error(path: str, error: OSError) -> OSError:
-    """Return an error of the same kind as ``error`` with :func:`unwritable_message`.
-
-    ``OSError(errno, message)`` picks the matching subclass (``PermissionError``,
-    ``NotADirectoryError``, ...), so ``except PermissionError`` keeps working.
-    """
-    message = unwritable_message(path, error)
-    if error.errno is None:
-        return OSError(message)
-    return OSError(error.errno, message)

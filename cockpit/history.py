@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from cockpit.checks import unwritable_error
+from cockpit.errors import unwritable_error
 
 _FLOAT_TAG = "__float__"
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -33,7 +33,7 @@ import os
 import warnings
 from typing import Any, Iterable, Mapping
 
-from cockpit.checks import CockpitWarning, unwritable_error
+from cockpit.errors import CockpitWarning, unwritable_error
 from cockpit.history import _decode, _encode, to_builtin
 
 #: Name and version in the header line.

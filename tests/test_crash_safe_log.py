@@ -14,7 +14,7 @@ import pytest
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.checks import CockpitWarning
+from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from cockpit.log_stream import is_stream_file, read_stream, stream_path
 from cockpit.utils.schedules import linear

@@ -8,7 +8,7 @@ import torch
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.checks import CockpitWarning
+from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem

@@ -9,8 +9,8 @@ from backpack import extend
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.checks import CockpitWarning
 from cockpit.cockpit import NONFINITE_KEY
+from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import SingleStepQuantity
 from cockpit.utils.schedules import linear
