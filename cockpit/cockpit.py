@@ -424,6 +424,54 @@ class Cockpit:
                 self._release_graph()
             self._flush()
 
+    def begin(
+        self,
+        global_step: int,
+        *extensions: BackpropExtension,
+        info: dict[str, Any] | None = None,
+        debug: bool = False,
+    ) -> None:
+        """Start step ``global_step`` without a ``with`` block (for callbacks).
+
+        ``cockpit.begin(step, info=...)``, ``loss.backward(...)``,
+        ``cockpit.end()`` is the same as the ``with cockpit(step, info=...)``
+        block; arguments as for :meth:`__call__`.
+
+        Raises:
+            RuntimeError: If a step is already open.
+        """
+        if getattr(self, "_open_step", None) is not None:
+            raise RuntimeError(
+                "Cockpit.begin() was called twice without Cockpit.end() in between. "
+                "Fix: call cockpit.end() after the backward pass of each step."
+            )
+        context = self(global_step, *extensions, info=info, debug=debug)
+        context.__enter__()
+        self._open_step = context
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Finish the step opened by :meth:`begin` and track its quantities.
+
+        Args:
+            error: The exception that interrupted the backward pass, if any; the
+                step is then abandoned (nothing tracked, buffers freed) and the
+                error is re-raised.
+
+        Raises:
+            RuntimeError: If no step is open.
+        """
+        context = getattr(self, "_open_step", None)
+        if context is None:
+            raise RuntimeError(
+                "Cockpit.end() was called without Cockpit.begin(). Fix: call "
+                "cockpit.begin(step, info=...) before the backward pass."
+            )
+        self._open_step = None
+        if error is None:
+            context.__exit__(None, None, None)
+        elif not context.__exit__(type(error), error, error.__traceback__):
+            raise error
+
     def _check_info(self, active: Sequence[Quantity], step_info: StepInfo) -> None:
         for q in active:
             for key in q.required_info(step_info.global_step):

@@ -34,3 +34,17 @@ def unwritable_error(path: str, error: OSError) -> OSError:
     if error.errno is None:
         return OSError(message)
     return OSError(error.errno, message)
+
+
+class LogFileError(ValueError):
+    """A log file that cannot be read: missing, empty, truncated or not a cockpit log.
+
+    Args:
+        path: The file.
+        problem: What is wrong with it, and the fix where there is one.
+    """
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
