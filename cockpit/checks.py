@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Sequence
 
 import torch
-from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 from torch.nn import Module
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from cockpit.context import StepInfo
-from cockpit.errors import CockpitWarning  # noqa: F401  (re-exported)
+from cockpit.context import StepInfo, missing_info_message
+from cockpit.engines import backpack as engine
+from cockpit.errors import CockpitWarning
 
 #: Where BackPACK lists the layers each extension supports.
 SUPPORTED_LAYERS_URL = "https://docs.backpack.pt/en/master/supported-layers.html"
@@ -272,38 +271,6 @@ def module_label(module: Module, owned: Sequence[tuple[int, str | None]]) -> str
     return f"{cls} ({module!r})"
 
 
-def is_training_batchnorm(module: Module) -> bool:
-    """Return whether ``module`` is a BatchNorm layer in train mode."""
-    return isinstance(module, _BatchNorm) and module.training
-
-
-def find_backpack_failure(
-    traceback: TracebackType | None,
-) -> tuple[Module | None, BackpropExtension | None]:
-    """Find the module and BackPACK extension that raised inside the backward pass.
-
-    BackPACK's hooks keep the module and the extension as local variables, so the
-    innermost frames of the traceback name both.
-
-    Args:
-        traceback: The exception's ``__traceback__``.
-
-    Returns:
-        ``(module, extension)``; either is ``None`` if it cannot be found.
-    """
-    module, extension = None, None
-    while traceback is not None:
-        local = traceback.tb_frame.f_locals
-        candidate = local.get("module")
-        if isinstance(candidate, Module):
-            module = candidate
-        for name in ("self", "ext", "backpack_extension"):
-            if isinstance(local.get(name), BackpropExtension):
-                extension = local[name]
-        traceback = traceback.tb_next
-    return module, extension
-
-
 def batchnorm_message(label: str, who: str, global_step: int, error: bool) -> str:
     """The message for a BatchNorm layer in train mode during a tracked step."""
     consequence = (
@@ -386,3 +353,192 @@ def no_gradient_message(labels: Sequence[str]) -> str:
         "of the parameters handed to the Cockpit; otherwise make sure the loss "
         "depends on them. (Warned once.)"
     )
+
+
+# --- the checks of one step -----------------------------------------------------------
+#: History key of tracked steps whose loss or gradients were NaN or infinite; the
+#: value lists what was not finite (``["loss"]``, ``["gradients"]`` or both).
+NONFINITE_KEY = "nonfinite"
+
+
+class Diagnostics:
+    """The checks around a tracked step, and the warnings they give (each once).
+
+    Args:
+        params: The cockpit's parameters.
+        names: Their names where known (``named_parameters()``), else ``None``.
+    """
+
+    def __init__(self, params: Sequence[Tensor], names: Sequence[str | None]):
+        self._params = params
+        self._names = names
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._warned: set = set()
+
+    def warn_once(self, key, message: str) -> None:
+        """Warn with ``message`` unless a warning with ``key`` was given already."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        warnings.warn(message, CockpitWarning, stacklevel=4)
+
+    def param_label(self, index: int) -> str:
+        """Describe parameter ``index`` by name, position and shape."""
+        return param_label(index, self._params[index], self._names[index])
+
+    def module_label(self, module: Module) -> str:
+        """Describe ``module`` by class and the names of its parameters."""
+        owned = [
+            (self._index[id(p)], self._names[self._index[id(p)]])
+            for p in module.parameters(recurse=False)
+            if id(p) in self._index
+        ]
+        return module_label(module, owned)
+
+    # --- before the backward pass -------------------------------------------------
+    def before(self, plan, step_info: StepInfo) -> None:
+        """Check ``info`` before any work: types, shapes and the keys the plan needs.
+
+        Raises:
+            KeyError: If an active quantity needs an ``info`` key that is missing.
+            ValueError: If ``info`` values are malformed or the loss is sum-reduced.
+        """
+        check_step_info(step_info)
+        for key, who in plan.required_info():
+            if not step_info.has(key):
+                raise KeyError(missing_info_message(key, who, step_info.global_step))
+
+    # --- after the backward pass --------------------------------------------------
+    def nonfinite(self, step_info: StepInfo) -> list[str]:
+        """Check the loss (reduction, finiteness) and the gradients; one sync.
+
+        Returns:
+            What was not finite (empty for a healthy step); warned once.
+
+        Raises:
+            ValueError: If the loss is the sum of the per-sample losses.
+        """
+        health = step_health(step_info, self._params)
+        self._check_reduction(health, step_info)
+        found = health.nonfinite
+        if found:
+            step = step_info.global_step
+            self.warn_once(NONFINITE_KEY, nonfinite_message(found, step, NONFINITE_KEY))
+        return found
+
+    def _check_reduction(self, health: StepHealth, step_info: StepInfo) -> None:
+        if health.mean_individual is None:
+            return
+        step = step_info.global_step
+        batch_size = step_info.get("individual_losses").shape[0]
+        problem = reduction_problem(health, batch_size)
+        if problem == "sum":
+            where = (
+                f"info['loss'] = {health.loss:.6g} is {batch_size} times the mean "
+                f"of info['individual_losses'] = {health.mean_individual:.6g}"
+            )
+            raise ValueError(sum_reduced_message(step, where))
+        if problem == "mismatch":
+            self.warn_once("loss-mismatch", mismatch_message(health, step))
+
+    def modules(self, plan, hook) -> None:
+        """Warn about BatchNorm in train mode; fail on layers the engine skipped.
+
+        Raises:
+            NotImplementedError: For a layer without the results the quantities
+                need (named, with the quantities and the fix).
+        """
+        step = plan.global_step
+        for module in hook.batchnorms:
+            label = self.module_label(module)
+            who = plan.who_needs(engine.FIRST_ORDER_SAVEFIELDS)
+            self.warn_once(
+                ("batchnorm", label), batchnorm_message(label, who, step, error=False)
+            )
+        if hook.unsupported:
+            first = hook.unsupported[0]
+            names = engine.extension_names(
+                list(plan.requested) + list(plan.legacy), first.missing
+            )
+            raise NotImplementedError(
+                unsupported_message(
+                    self.module_label(first.module),
+                    names or ", ".join(first.missing),
+                    plan.who_needs(first.missing),
+                    step,
+                    first_order=set(first.missing) <= engine.FIRST_ORDER_SAVEFIELDS,
+                )
+            )
+
+    def unreached(self, plan, hook, grads_before) -> list[int]:
+        """Sort parameters the engine did not reach into unused and unextended.
+
+        A parameter whose ``.grad`` this backward pass did not write is unused
+        (warned once): the quantities see zero results for it. One whose ``.grad``
+        was written belongs to a module that is not extended: an error.
+
+        Args:
+            plan: The step's plan.
+            hook: The engine's hook of the step (``visited`` indices).
+            grads_before: ``(grad, version)`` of every parameter before the backward.
+
+        Returns:
+            The indices of unused parameters to show with zero results (only if
+            some quantity reads inside the backward pass).
+
+        Raises:
+            RuntimeError: If an extended quantity lacks results for a parameter
+                whose gradient was computed (model not extended).
+        """
+        unwritten = [
+            i
+            for i, (p, (grad, version)) in enumerate(
+                zip(self._params, grads_before, strict=True)
+            )
+            if p.grad is grad and (grad is None or grad._version == version)
+        ]
+        if unwritten:
+            labels = [self.param_label(i) for i in unwritten]
+            self.warn_once(("no-grad", tuple(unwritten)), no_gradient_message(labels))
+        if not plan.consumers:
+            return []
+        missed = [i for i in range(len(self._params)) if i not in hook.visited]
+        unused = set(unwritten)
+        unextended = [i for i in missed if i not in unused]
+        if unextended:
+            shapes = ", ".join(self.param_label(i) for i in unextended)
+            names = ", ".join(q.key for q in plan.consumers)
+            raise RuntimeError(
+                f"BackPACK produced no results for parameter(s) {shapes}, which "
+                f"{names} need, although the backward pass computed their "
+                "gradients. Fix: call backpack.extend() on the model and on the "
+                "loss function before the forward pass, and use every parameter "
+                "through the nn.Module that owns it (BackPACK cannot see parameters "
+                "used in functional code, e.g. x @ layer.weight)."
+            )
+        return missed
+
+    def explain(self, error: BaseException, plan) -> Exception | None:
+        """Return a clearer error for an engine failure inside the backward pass."""
+        failure = engine.explain_failure(error)
+        if failure is None:
+            return None
+        step = plan.global_step
+        fields = {failure.savefield} if failure.savefield else set()
+        who = plan.who_needs(fields)
+        if failure.kind == "loss_not_extended":
+            return RuntimeError(unextended_loss_message(who, step))
+        module = failure.module
+        label = self.module_label(module) if module is not None else "a layer"
+        if module is not None and engine.is_training_batchnorm(module):
+            return NotImplementedError(batchnorm_message(label, who, step, error=True))
+        return NotImplementedError(
+            unsupported_message(
+                label,
+                failure.extension or "an extension",
+                who,
+                step,
+                first_order=failure.savefield in engine.FIRST_ORDER_SAVEFIELDS,
+                container=module is not None and any(True for _ in module.children()),
+            )
+        )

@@ -1,40 +1,30 @@
-"""What quantities ask for during the backward pass, and which extensions deliver it.
+"""What a quantity can ask for, as data.
 
-Quantities do not name BackPACK extensions directly; they name *needs* (per-sample
-squared norms, a Gram matrix, a curvature diagonal, ...). The cockpit unions the needs
-of every quantity due at a step and :func:`extensions_for` picks the cheapest set of
-extensions that serves all of them, so a single backward pass feeds everything:
+A quantity declares the :class:`Need` members it reads (its ``needs`` attribute); it
+never names an engine's extensions or buffers. At each step the cockpit unions the
+needs of the quantities due and the engine picks the cheapest way to serve them all
+in one backward pass (for BackPACK: :func:`cockpit.engines.backpack.extensions_for`).
 
-* if any quantity needs the per-sample gradients themselves (or their Gram matrix),
-  the cockpit's :class:`~cockpit.extensions.PerSampleGradients` runs (``BatchGrad``
-  that keeps ``Linear`` weights' per-sample gradients as two small factors) and every
-  other first-order statistic is derived from its output while it is alive;
-* otherwise per-sample squared norms come from ``BatchL2Grad`` and the elementwise
-  second moment from ``SumGradSquared``, neither of which materialises per-sample
-  gradients for linear and convolution layers;
-* curvature diagonals come from ``DiagHessian``, ``DiagGGNExact`` or ``DiagGGNMC``
-  (the cockpit's memory-lean variants, see :mod:`cockpit.extensions`).
+:data:`NEEDS` says, for every need, what it is and what it asks of the step: whether
+it is read inside the backward pass (through
+:meth:`Quantity.accumulate <cockpit.quantities.Quantity.accumulate>`, while the
+engine's buffers are alive), whether ``loss.backward`` must keep the graph
+(``create_graph=True``), and whether the quantity runs after the engine's buffers are
+freed, with the engine off (extra Hessian-vector products).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable
-
-from backpack.extensions import BatchL2Grad, SumGradSquared
-from backpack.extensions.backprop_extension import BackpropExtension
-
-from cockpit.extensions import (
-    PerSampleGradients,
-    lean_diag_ggn_exact,
-    lean_diag_ggn_mc,
-    lean_diag_hessian,
-)
+from typing import Mapping
 
 
 class Need(str, Enum):
-    """A per-parameter statistic that a quantity reads inside the backward pass."""
+    """Something a quantity reads at a step."""
 
+    GRADIENT = "gradient"
+    PARAMETERS = "parameters"
     INDIVIDUAL_GRADIENTS = "individual_gradients"
     GRAM = "gram"
     BATCH_L2 = "batch_l2"
@@ -42,21 +32,56 @@ class Need(str, Enum):
     DIAG_H = "diag_h"
     DIAG_GGN_EXACT = "diag_ggn_exact"
     DIAG_GGN_MC = "diag_ggn_mc"
+    HESSIAN_VECTOR_PRODUCTS = "hessian_vector_products"
 
+
+@dataclass(frozen=True)
+class NeedSpec:
+    """What one need is and what it asks of the step.
+
+    Attributes:
+        description: What the quantity reads.
+        in_backward: Read in ``accumulate`` during the backward pass.
+        create_graph: ``loss.backward`` must be called with ``create_graph=True``.
+        after_cleanup: Tracked after the engine's buffers are freed, engine off.
+    """
+
+    description: str
+    in_backward: bool = False
+    create_graph: bool = False
+    after_cleanup: bool = False
+
+
+#: Every need, with what it asks of the step.
+NEEDS: Mapping[Need, NeedSpec] = {
+    Need.GRADIENT: NeedSpec("the mini-batch gradient g in .grad after the backward"),
+    Need.PARAMETERS: NeedSpec("the parameter values when the step is tracked"),
+    Need.INDIVIDUAL_GRADIENTS: NeedSpec(
+        "per-sample gradients g_i (their elements, projections, mean)",
+        in_backward=True,
+    ),
+    Need.GRAM: NeedSpec("inner products g_i . g_j of per-sample gradients", True),
+    Need.BATCH_L2: NeedSpec("squared norms ||g_i||^2 of per-sample gradients", True),
+    Need.SUM_GRAD_SQUARED: NeedSpec(
+        "elementwise second moment sum_i g_i**2 of per-sample gradients", True
+    ),
+    Need.DIAG_H: NeedSpec("the diagonal of the loss Hessian", True),
+    Need.DIAG_GGN_EXACT: NeedSpec("the diagonal of the generalised Gauss-Newton", True),
+    Need.DIAG_GGN_MC: NeedSpec(
+        "a one-sample Monte-Carlo estimate of the GGN diagonal", True
+    ),
+    Need.HESSIAN_VECTOR_PRODUCTS: NeedSpec(
+        "Hessian-vector products of the mini-batch loss",
+        create_graph=True,
+        after_cleanup=True,
+    ),
+}
 
 #: Curvature labels accepted by HessTrace and the TIC quantities.
 CURVATURES = {
     "diag_h": Need.DIAG_H,
     "diag_ggn_exact": Need.DIAG_GGN_EXACT,
     "diag_ggn_mc": Need.DIAG_GGN_MC,
-}
-
-_NEEDS_GRAD_BATCH = {Need.INDIVIDUAL_GRADIENTS, Need.GRAM}
-
-_CURVATURE_EXTENSIONS = {
-    Need.DIAG_H: lean_diag_hessian,
-    Need.DIAG_GGN_EXACT: lean_diag_ggn_exact,
-    Need.DIAG_GGN_MC: lean_diag_ggn_mc,
 }
 
 
@@ -81,25 +106,16 @@ def curvature_need(curvature: str) -> Need:
         ) from None
 
 
-def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
-    """Return the BackPACK extensions that serve all ``needs`` in one backward pass.
+def in_backward(needs) -> bool:
+    """Whether any of ``needs`` is read during the backward pass."""
+    return any(NEEDS[need].in_backward for need in needs)
 
-    Args:
-        needs: The union of the needs of all quantities due at a step.
 
-    Returns:
-        Extension instances, without duplicates; empty if nothing is needed.
-    """
-    needs = set(needs)
-    extensions: list[BackpropExtension] = []
-    if needs & _NEEDS_GRAD_BATCH:
-        extensions.append(PerSampleGradients())
-    else:
-        if Need.BATCH_L2 in needs:
-            extensions.append(BatchL2Grad())
-        if Need.SUM_GRAD_SQUARED in needs:
-            extensions.append(SumGradSquared())
-    for need, make in _CURVATURE_EXTENSIONS.items():
-        if need in needs:
-            extensions.append(make())
-    return extensions
+def create_graph(needs) -> bool:
+    """Whether any of ``needs`` requires ``loss.backward(create_graph=True)``."""
+    return any(NEEDS[need].create_graph for need in needs)
+
+
+def after_cleanup(needs) -> bool:
+    """Whether any of ``needs`` makes the quantity run after the engine's cleanup."""
+    return any(NEEDS[need].after_cleanup for need in needs)

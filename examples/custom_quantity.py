@@ -8,12 +8,15 @@ respect to all observed parameters.
 The recipe for a quantity:
 
 1. Subclass :class:`cockpit.quantities.SingleStepQuantity` (one value per tracked step).
-2. ``needs(step)``: name the per-parameter results you read during the backward pass.
-   ``Need.BATCH_L2`` (per-sample squared norms) lets the cockpit run BackPACK's cheap
-   ``BatchL2Grad`` -- or reuse ``BatchGrad`` if another quantity needs it anyway.
-3. ``accumulate(step, view)``: called once per parameter while BackPACK's buffers are
+2. Declare ``needs``: what you read during the backward pass. ``Need.BATCH_L2``
+   (per-sample squared norms) lets the cockpit run BackPACK's cheap ``BatchL2Grad``
+   -- or reuse ``BatchGrad`` if another quantity needs it anyway. The base class
+   applies the schedule: nothing is computed on steps it does not track.
+3. Declare ``Accumulator``: a dataclass for the step's partial results, fresh each
+   step as ``self.acc`` (``PerParameter`` holds one entry per parameter).
+4. ``accumulate(step, view)``: called once per parameter while BackPACK's buffers are
    alive; keep a small summary (here an ``[N]`` vector), never the buffers.
-4. ``_compute(step, ctx)``: combine the summaries into the value for the history.
+5. ``_compute(step, ctx)``: combine the summaries into the value for the history.
 
 Run: ``python examples/custom_quantity.py`` (prints the tracked values).
 """
@@ -25,23 +28,24 @@ from backpack import extend
 
 from cockpit import Cockpit
 from cockpit.needs import Need
-from cockpit.quantities import SingleStepQuantity
+from cockpit.quantities import PerParameter, SingleStepQuantity
 from cockpit.utils.schedules import linear
 
 
 class MaxSampleGradNorm(SingleStepQuantity):
     """``max_i ||g_i||_2``: the largest per-sample gradient norm of the mini-batch."""
 
-    def needs(self, global_step):
-        """Per-sample squared norms, on scheduled steps only."""
-        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+    #: What it reads: per-sample squared norms (the base applies the schedule).
+    needs = frozenset({Need.BATCH_L2})
+    #: Its partial results per step: one entry per parameter.
+    Accumulator = PerParameter
 
     def accumulate(self, global_step, view):
-        """Add this parameter's per-sample squared norms (shape ``[N]``)."""
-        self._acc[view.index] = view.batch_l2()
+        """Keep this parameter's per-sample squared norms (shape ``[N]``)."""
+        self.acc.entries[view.index] = view.batch_l2()
 
     def _compute(self, global_step, ctx):
-        squared_norms = sum(self._acc.values())  # sum over parameters -> [N]
+        squared_norms = sum(self.acc.entries.values())  # sum over parameters -> [N]
         return squared_norms.max().sqrt().item()
 
 

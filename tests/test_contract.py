@@ -11,6 +11,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.history import History
+from cockpit.needs import in_backward
 from cockpit.quantities.base import Quantity
 from cockpit.utils.schedules import linear
 from tests.utils.harness import run
@@ -67,7 +68,9 @@ def test_contract_all_quantities(arch, loss):
             "loss": loss_value,
             "optimizer": opt,
         }
-        wanted = any(q.needs(step) or q.extensions(step) for q in quantities)
+        wanted = any(
+            in_backward(q.needs_at(step)) or q.extensions(step) for q in quantities
+        )
         with cockpit(step, info=info):
             active = [type(e) for e in CTX.get_active_exts()]
             loss_value.backward(create_graph=cockpit.create_graph(step))
@@ -125,7 +128,7 @@ def test_exception_in_backward_surfaces_and_tracks_nothing():
 
 def test_hess_trace_holds_one_module_of_curvature_at_a_time(monkeypatch):
     """While BackPACK runs, curvature diagonals never exist for two modules at once."""
-    from cockpit import hooks
+    from cockpit.engines import backpack as engine
 
     problem = make_problem("cnn", "mse")
     params = problem.params
@@ -134,7 +137,7 @@ def test_hess_trace_holds_one_module_of_curvature_at_a_time(monkeypatch):
         for p in module.parameters(recurse=False):
             owner[id(p)] = module
     seen_alive = []
-    original = hooks.ModuleHook.__call__
+    original = engine.ExtensionHook.__call__
 
     def spying_call(self, module):
         alive = {id(owner[id(p)]) for p in params if hasattr(p, "diag_h")}
@@ -143,7 +146,7 @@ def test_hess_trace_holds_one_module_of_curvature_at_a_time(monkeypatch):
         original(self, module)
         assert not any(hasattr(p, "diag_h") for p in params)
 
-    monkeypatch.setattr(hooks.ModuleHook, "__call__", spying_call)
+    monkeypatch.setattr(engine.ExtensionHook, "__call__", spying_call)
     result = run(problem, [Q.HessTrace(linear(1))], steps=2)
     assert max(seen_alive) == 1  # the check really saw buffers
     assert len(result.output) == 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cockpit import quantities as Q
+from cockpit.needs import Need
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
@@ -144,15 +145,11 @@ def test_variance_with_batch_grad_source(problem):
 class _NeedsGradBatch(Q.SingleStepQuantity):
     """A quantity that forces BatchGrad (to test statistic sharing)."""
 
-    def needs(self, global_step):
-        from cockpit.needs import Need
-
-        return (
-            {Need.INDIVIDUAL_GRADIENTS} if self.should_compute(global_step) else set()
-        )
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = Q.PerParameter
 
     def accumulate(self, global_step, view):
-        self._acc[view.index] = view.individual_gradients().shape[0]
+        self.acc.entries[view.index] = view.individual_gradients().shape[0]
 
     def _compute(self, global_step, ctx):
-        return [self._acc[i] for i in range(len(ctx.params))]
+        return self.acc.ordered(len(ctx.params))

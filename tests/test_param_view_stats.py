@@ -6,15 +6,20 @@ from backpack import CTX, backpack, extend
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian
 
 from cockpit import Cockpit
-from cockpit.extensions import (
-    LinearFactors,
+from cockpit.engines.backpack import extensions_for, merge_extensions
+from cockpit.engines.backpack_rules import (
     PerSampleGradients,
     lean_diag_ggn_exact,
     lean_diag_ggn_mc,
     lean_diag_hessian,
 )
-from cockpit.hooks import merge_extensions
-from cockpit.needs import Need, extensions_for
+from cockpit.needs import Need
+from cockpit.per_sample import (
+    DenseGradients,
+    FactoredLinearGradients,
+    LinearFactors,
+)
+from cockpit.quantities import PerParameter
 from cockpit.quantities.base import Quantity
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
@@ -35,13 +40,10 @@ class Probe(Quantity):
         self.directions = {}
         self.kinds = {}
 
-    def needs(self, global_step):
-        return (
-            {Need.INDIVIDUAL_GRADIENTS} if self.should_compute(global_step) else set()
-        )
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
 
     def accumulate(self, global_step, view):
-        self.kinds[view.index] = type(view._scaled())
+        self.kinds[view.index] = type(view._results.individual)
         direction = torch.randn(
             view.param.shape,
             dtype=view.param.dtype,
@@ -193,7 +195,7 @@ def test_view_statistics(setting, individual_first):
     }
     assert linear_weights or setting[0] == "conv-variety"
     for i, kind in probe.kinds.items():
-        assert (kind is LinearFactors) == (i in linear_weights), (i, kind)
+        assert (kind is FactoredLinearGradients) == (i in linear_weights), (i, kind)
 
 
 @pytest.mark.parametrize("pairwise_factored", [False, True])
@@ -244,7 +246,7 @@ def test_user_batch_grad_serves_the_cockpit():
         assert [type(e) for e in CTX.get_active_exts()] == [BatchGrad]
         loss.backward()
     assert all(isinstance(p.grad_batch, torch.Tensor) for p in problem.params)
-    assert set(probe.kinds.values()) == {torch.Tensor}
+    assert set(probe.kinds.values()) == {DenseGradients}
     individual = bf.individual_gradients(problem, problem.params, x, y)
     for i, g in enumerate(individual):
         close(probe.records[0][i]["gram"], g.flatten(1) @ g.flatten(1).T, f"gram {i}")
@@ -291,16 +293,18 @@ class GraphProbe(Quantity):
     def __init__(self, schedule):
         super().__init__(schedule)
         self.seen = []
+        self.grams = {}
 
-    def needs(self, global_step):
-        return {Need.INDIVIDUAL_GRADIENTS, Need.DIAG_H}
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.DIAG_H})
+    Accumulator = PerParameter
 
     def accumulate(self, global_step, view):
         stats = [view.individual_gradients(), view.gram(), view.batch_l2()]
         stats.append(view.curvature("diag_h"))
         stats.append(view.param * 2)  # quantity code reading the parameter
         self.seen.append([t.requires_grad for t in stats])
-        self._acc[view.index] = view.gram().clone()
+        self.acc.entries[view.index] = view.gram().clone()
+        self.grams[view.index] = self.acc.entries[view.index]
 
     def track(self, global_step, ctx):
         return []
@@ -319,4 +323,4 @@ def test_no_graph_through_cockpit_results(create_graph):
     assert probe.seen and not any(any(flags) for flags in probe.seen)
     individual = bf.individual_gradients(problem, problem.params, x, y)
     for i, g in enumerate(individual):
-        close(probe._acc[i], g.flatten(1) @ g.flatten(1).T, f"gram {i}")
+        close(probe.grams[i], g.flatten(1) @ g.flatten(1).T, f"gram {i}")

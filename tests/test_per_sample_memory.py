@@ -22,8 +22,8 @@ import pytest
 import torch
 from backpack.extensions import BatchGrad
 
-from cockpit import hooks
 from cockpit import quantities as Q
+from cockpit.engines import backpack as engine
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.utils.schedules import linear
@@ -53,7 +53,7 @@ def stored_tensors(obj, found=None):
 
 
 def quantity_state(quantity):
-    return [getattr(quantity, "_acc", {}), getattr(quantity, "_pending", {})]
+    return [getattr(quantity, "acc", None), getattr(quantity, "_pending", {})]
 
 
 class MemorySpy:
@@ -73,7 +73,7 @@ class MemorySpy:
         self.buffers_seen = 0
         self.calls = 0
         spy = self
-        original_call = hooks.ModuleHook.__call__
+        original_call = engine.ExtensionHook.__call__
         original_materialise = ParamView.individual_gradients
 
         def spying_call(hook, module):
@@ -96,7 +96,7 @@ class MemorySpy:
             spy.per_sample_refs.append(weakref.ref(tensor))
             return tensor
 
-        monkeypatch.setattr(hooks.ModuleHook, "__call__", spying_call)
+        monkeypatch.setattr(engine.ExtensionHook, "__call__", spying_call)
         monkeypatch.setattr(ParamView, "individual_gradients", recording_materialise)
 
     def check_buffers(self, module):
@@ -164,18 +164,18 @@ def test_per_sample_gradients_live_one_module_at_a_time(monkeypatch, spec):
 class _KeepsPerSampleInAcc(Q.SingleStepQuantity):
     """Leaky: keeps every parameter's per-sample gradients until track."""
 
-    def needs(self, global_step):
-        return {Need.INDIVIDUAL_GRADIENTS}
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = Q.PerParameter
 
     def accumulate(self, global_step, view):
-        self._acc[view.index] = view.individual_gradients()
+        self.acc.entries[view.index] = view.individual_gradients()
 
     def _compute(self, global_step, ctx):
-        return len(self._acc)
+        return len(self.acc.entries)
 
 
 class _KeepsPerSampleElsewhere(_KeepsPerSampleInAcc):
-    """Leaky: hides the per-sample gradients outside ``_acc``."""
+    """Leaky: hides the per-sample gradients outside ``acc``."""
 
     def accumulate(self, global_step, view):
         self.stash = getattr(self, "stash", []) + [view.individual_gradients()]
@@ -238,13 +238,13 @@ def test_alpha_keeps_one_copy_of_the_parameters(monkeypatch, optimizer):
     n, num_tensors = problem.batch_size, len(problem.params)
     alpha = Q.Alpha(linear(1, offset=1))
     during = []
-    original = hooks.ModuleHook.__call__
+    original = engine.ExtensionHook.__call__
 
     def measuring_call(hook, module):
         original(hook, module)
         during.append(held_numbers(alpha))
 
-    monkeypatch.setattr(hooks.ModuleHook, "__call__", measuring_call)
+    monkeypatch.setattr(engine.ExtensionHook, "__call__", measuring_call)
     result = run(problem, [alpha], steps=4)
     assert sorted(result.output) == [1, 2]  # every start got its value
     assert held_numbers(alpha) == dim  # the pending start of step 3: d only

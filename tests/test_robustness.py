@@ -23,32 +23,31 @@ EVERY = linear(1)
 class _NeedsIndividual(SingleStepQuantity):
     """Reads per-sample gradients (forces BatchGrad); reports their mean norm."""
 
-    def needs(self, global_step):
-        return (
-            {Need.INDIVIDUAL_GRADIENTS} if self.should_compute(global_step) else set()
-        )
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = Q.PerParameter
 
     def accumulate(self, global_step, view):
-        self._acc[view.index] = view.individual_gradients().flatten(1).norm(dim=1)
+        norms = view.individual_gradients().flatten(1).norm(dim=1)
+        self.acc.entries[view.index] = norms
 
     def _compute(self, global_step, ctx):
-        return [float(self._acc[i].mean()) for i in sorted(self._acc)]
+        return [float(e.mean()) for e in self.acc.ordered(len(ctx.params))]
 
 
 class _FragileOnNaN(SingleStepQuantity):
     """Raises on non-finite values, in accumulate and in track (like a histogram)."""
 
-    def needs(self, global_step):
-        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+    needs = frozenset({Need.BATCH_L2})
+    Accumulator = Q.PerParameter
 
     def accumulate(self, global_step, view):
         value = view.batch_l2().sum()
         if not torch.isfinite(value):
             raise ValueError("cannot bin NaN")
-        self._acc[view.index] = value
+        self.acc.entries[view.index] = value
 
     def _compute(self, global_step, ctx):
-        total = sum(float(v) for v in self._acc.values())
+        total = sum(float(v) for v in self.acc.entries.values())
         if not math.isfinite(total):
             raise ValueError("range is not finite")
         return total

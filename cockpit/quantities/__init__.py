@@ -8,6 +8,7 @@ from cockpit.quantities.base import (
     TrackContext,
     TwoStepQuantity,
 )
+from cockpit.quantities.batch_statistics import PerParameter
 from cockpit.quantities.cabs import CABS
 from cockpit.quantities.distance import Distance
 from cockpit.quantities.early_stopping import EarlyStopping
@@ -43,6 +44,7 @@ __all__ = [
     "NormTest",
     "OrthoTest",
     "Parameters",
+    "PerParameter",
     "Quantity",
     "SingleStepQuantity",
     "TICDiag",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
@@ -19,6 +20,19 @@ from cockpit.quantities.optim import (
     learning_rates,
     replay_update,
 )
+
+
+@dataclass
+class _StepParts:
+    """What the backward pass of one step keeps (Alpha's accumulator).
+
+    ``starts``: per parameter index, the entry of a start step; ``end_dots``: the
+    per-sample projections onto the pending step's direction, summed over
+    parameters (end steps).
+    """
+
+    starts: dict[int, _StartEntry] = field(default_factory=dict)
+    end_dots: Tensor | None = None
 
 
 @dataclass
@@ -106,20 +120,17 @@ class Alpha(TwoStepQuantity):
             sample of the backward pass.
     """
 
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
     info_keys = ("loss", "individual_losses", "optimizer")
+    Accumulator = _StepParts
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self._optimizer = None  # the optimizer of the step being tracked
         self._warned: set[str] = set()
 
-    def needs(self, global_step: int):
-        """Per-sample gradients on start and end steps."""
-        return {Need.INDIVIDUAL_GRADIENTS} if self.is_active(global_step) else set()
-
-    def begin_step(self, global_step: int, info=None) -> None:
+    def prepare(self, global_step: int, info) -> None:
         """Read the step's optimizer before the backward pass (the hook needs it)."""
-        super().begin_step(global_step, info)
         self._optimizer = None if info is None else info.get("optimizer")
 
     # --- inside the backward pass ------------------------------------------------
@@ -128,10 +139,10 @@ class Alpha(TwoStepQuantity):
         if self.is_end(global_step):
             direction = self._pending[global_step - 1]["direction"][view.index]
             dots = _per_sample_dots(view, direction)
-            previous = self._acc.get("end")
-            self._acc["end"] = dots if previous is None else previous + dots
+            previous = self.acc.end_dots
+            self.acc.end_dots = dots if previous is None else previous + dots
         if self.should_compute(global_step):
-            self._acc[view.index] = self._start_entry(view)
+            self.acc.starts[view.index] = self._start_entry(view)
 
     def _start_entry(self, view: ParamView) -> _StartEntry:
         optimizer = self._optimizer
@@ -149,14 +160,13 @@ class Alpha(TwoStepQuantity):
     # --- after the backward pass ---------------------------------------------------
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the previous start, then start anew; drop the step's buffers."""
-        results = super().track(global_step, ctx)
-        self._acc = {}  # keep only the pending directions until the next step
+        results = super().track(global_step, ctx)  # drops the step's accumulator
         self._optimizer = None
         return results
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> dict | None:
         optimizer = ctx.info.require("optimizer", self.key)
-        entries = [self._acc[index] for index in range(len(ctx.params))]
+        entries = [self.acc.starts[index] for index in range(len(ctx.params))]
         direction_and_dots = self._direction(global_step, optimizer, entries, ctx)
         if direction_and_dots is None:
             return None
@@ -199,7 +209,7 @@ class Alpha(TwoStepQuantity):
         tau = state["tau"]
         if tau == 0:
             return -1.0
-        dots = self._acc["end"]
+        dots = self.acc.end_dots
         value, value_var = self._loss_observation(ctx, dots.shape[0])
         slope, slope_var = _slope_observation(dots, tau)
         variances, replaced = F.floor_variances(
@@ -239,7 +249,7 @@ class Alpha(TwoStepQuantity):
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, CockpitWarning, stacklevel=2)
 
 
 def _slope_observation(dots: Tensor, tau: float) -> tuple[float, float]:

@@ -1,26 +1,44 @@
 """Base classes for quantities.
 
-A quantity declares, for each global step, whether it is tracked, which per-parameter
-results it needs during the backward pass (:class:`~cockpit.needs.Need`), which
-``info`` keys it reads and whether it needs ``create_graph``. The cockpit merges these
-declarations over all quantities, runs one backward pass, shows every parameter to
-:meth:`Quantity.accumulate` as soon as BackPACK is done with its module, and finally
-calls :meth:`Quantity.track`, whose results go into the history.
+A quantity *declares* what it reads, as data:
 
-Subclasses usually derive from :class:`SingleStepQuantity` (one value per tracked
-step, implement ``_compute``) or :class:`TwoStepQuantity` (a value that needs the next
-step as well, implement ``_compute_start`` and ``_compute_end``).
+* ``needs``: the :class:`~cockpit.needs.Need` members it reads (per-sample
+  gradients, their Gram matrix, a curvature diagonal, Hessian-vector products, ...);
+* ``info_keys``: the ``info`` keys it reads;
+* ``Accumulator``: a dataclass for the partial results it collects during the
+  backward pass (a fresh one per step, as ``self.acc``).
+
+and *writes* the maths:
+
+* ``accumulate(global_step, view)``, if a need is read during the backward pass:
+  called once per parameter with a :class:`~cockpit.param_view.ParamView`, as soon
+  as the engine is done with the module that owns it;
+* ``_compute(global_step, ctx)`` (:class:`SingleStepQuantity`), or
+  ``_compute_start`` and ``_compute_end`` (:class:`TwoStepQuantity`);
+* optionally ``prepare(global_step, info)`` to check or read ``info`` before the
+  backward pass, and ``state_dict``/``load_state_dict`` for state kept across steps.
+
+The base class applies the ``track_schedule`` (no subclass repeats the check), tells
+the cockpit what the quantity needs at a step (:meth:`Quantity.needs_at`,
+:meth:`Quantity.create_graph`) and resets the accumulator.
+
+Quantities written for cockpit-for-pytorch 1.0.2 run unchanged: a subclass whose
+``_compute`` (or ``_compute_start``/``_compute_end``) takes ``(global_step, params,
+batch_loss)`` is called that way, and the BackPACK extensions it returns from
+``extensions(global_step)`` run in the same backward pass, their results left on the
+parameters until it has been computed.
 """
 
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
-from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
+from cockpit import needs as _needs
 from cockpit.context import StepInfo
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
@@ -41,6 +59,18 @@ class TrackContext:
     info: StepInfo
 
 
+def _takes_params_and_loss(function) -> bool:
+    """Whether ``function(self, global_step, params, batch_loss)`` (1.0.2's form)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) == 4 and positional[2].name != "ctx"
+
+
 class Quantity(abc.ABC):
     """A number (or list, or histogram) about the training, tracked on a schedule.
 
@@ -57,11 +87,22 @@ class Quantity(abc.ABC):
         TypeError: If ``track_schedule`` is not callable.
     """
 
+    #: What the quantity reads (see :data:`cockpit.needs.NEEDS`).
+    needs: ClassVar[frozenset[Need]] = frozenset()
     #: ``info`` keys read on every step at which the quantity is active.
-    info_keys: tuple[str, ...] = ()
-    #: Track after BackPACK buffers are freed and with BackPACK disabled (e.g. for
-    #: extra Hessian-vector products).
-    after_cleanup: bool = False
+    info_keys: ClassVar[tuple[str, ...]] = ()
+    #: Dataclass of the partial results of one step (``None``: nothing to collect).
+    Accumulator: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if callable(cls.__dict__.get("needs")):
+            raise TypeError(
+                f"{cls.__name__}.needs must be data, not a method: declare "
+                "`needs = frozenset({Need.BATCH_L2, ...})` (the base class applies "
+                "the schedule). A quantity whose needs depend on its arguments sets "
+                "`self.needs` in __init__."
+            )
 
     def __init__(
         self,
@@ -80,6 +121,9 @@ class Quantity(abc.ABC):
         self.track_schedule = track_schedule
         self.verbose = verbose
         self._key = key
+        #: The partial results of the step being tracked (an ``Accumulator``).
+        self.acc: Any = None
+        self._history = None
 
     @property
     def key(self) -> str:
@@ -89,7 +133,7 @@ class Quantity(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self.key!r})"
 
-    # --- declarations ------------------------------------------------------------
+    # --- what the quantity needs at a step (applied by the base class) ------------
     def should_compute(self, global_step: int) -> bool:
         """Return whether the schedule asks for a value at ``global_step``."""
         return bool(self.track_schedule(global_step))
@@ -98,48 +142,59 @@ class Quantity(abc.ABC):
         """Return whether the quantity does any work at ``global_step``."""
         return self.should_compute(global_step)
 
-    def needs(self, global_step: int) -> set[Need]:
-        """Return the per-parameter results read in :meth:`accumulate` at this step."""
-        return set()
-
-    def extensions(self, global_step: int) -> list[BackpropExtension]:
-        """Return extra BackPACK extensions to run at this step (rarely needed).
-
-        Prefer :meth:`needs`: the cockpit then picks the cheapest extensions.
-        Results of extensions listed here are readable in :meth:`accumulate` via
-        ``view.param.<savefield>`` and are freed right after.
-        """
-        return []
+    def needs_at(self, global_step: int) -> frozenset[Need]:
+        """Return what the quantity reads at ``global_step`` (nothing if inactive)."""
+        return frozenset(self.needs) if self.is_active(global_step) else frozenset()
 
     def create_graph(self, global_step: int) -> bool:
         """Return whether ``backward`` must keep the graph (``create_graph=True``)."""
-        return False
+        return _needs.create_graph(self.needs_at(global_step))
 
     def required_info(self, global_step: int) -> tuple[str, ...]:
         """Return the ``info`` keys this quantity reads at ``global_step``."""
         return self.info_keys if self.is_active(global_step) else ()
 
-    # --- per-step work -----------------------------------------------------------
-    def begin_step(self, global_step: int, info: StepInfo | None = None) -> None:
-        """Prepare for the backward pass of ``global_step`` (reset accumulators).
+    @property
+    def after_cleanup(self) -> bool:
+        """Whether it is tracked after the engine's buffers are freed, engine off."""
+        return _needs.after_cleanup(self.needs)
 
-        Called before the backward pass with the step's ``info``, so a quantity can
-        validate it (and fail before any work) or read what it needs during the
-        backward pass, such as the optimizer. Overrides must call ``super()``.
+    def extensions(self, global_step: int) -> list:
+        """Return extra BackPACK extensions to run at this step (1.0.2's API).
+
+        Quantities of this package declare ``needs`` instead. A quantity written
+        for cockpit-for-pytorch 1.0.2 returns extensions here and reads their
+        results from the parameters in ``_compute(global_step, params,
+        batch_loss)``; the cockpit keeps those results until then.
         """
-        self._acc: dict[int, Any] = {}
+        return []
+
+    # --- per-step work (called by the cockpit) ------------------------------------
+    def begin_step(self, global_step: int, info: StepInfo | None = None) -> None:
+        """Start the step: a fresh accumulator, then :meth:`prepare`."""
+        accumulator = type(self).Accumulator
+        self.acc = accumulator() if accumulator is not None else None
+        self.prepare(global_step, info)
+
+    def prepare(self, global_step: int, info: StepInfo | None) -> None:  # noqa: B027
+        """Check or read the step's ``info`` before the backward pass (optional).
+
+        A quantity can fail here, before any work, or keep what it needs during
+        the backward pass (such as the optimizer).
+        """
 
     def accumulate(self, global_step: int, view: ParamView) -> None:  # noqa: B027
-        """Read results for one parameter while BackPACK's buffers are alive.
+        """Read results for one parameter while the engine's buffers are alive.
 
         Called once per parameter, as soon as the module that owns it is done in
         the backward pass; the buffers are freed right after. Store small
-        per-parameter summaries (sums that could be all-reduced), not the buffers.
+        per-parameter summaries in ``self.acc`` (sums that could be all-reduced),
+        not the buffers.
         """
 
     def abort_step(self, global_step: int) -> None:
-        """Forget the partial results of a backward pass that raised."""
-        self._acc = {}
+        """Forget the partial results of a step that failed."""
+        self.acc = None
 
     @abc.abstractmethod
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
@@ -149,13 +204,30 @@ class Quantity(abc.ABC):
             A list of ``(step_to_store_under, value)``; ``None`` values are skipped.
         """
 
-    # --- checkpointing -----------------------------------------------------------
+    # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Return the state that must survive a restart (default: none)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
         """Restore the state returned by :meth:`state_dict`."""
+
+    # --- results (1.0.2's API) -----------------------------------------------------
+    def bind(self, history) -> None:
+        """Let :attr:`output` read this quantity's results from ``history``."""
+        self._history = history
+
+    @property
+    def output(self) -> dict[int, Any]:
+        """``{step: value}`` of everything recorded under this quantity's key."""
+        if self._history is None:
+            return {}
+        steps, values = self._history.series(self.key)
+        return dict(zip(steps, values))
+
+    def get_output(self) -> dict[int, Any]:
+        """Return :attr:`output` (cockpit-for-pytorch 1.0.2's accessor)."""
+        return self.output
 
 
 class SingleStepQuantity(Quantity):
@@ -164,11 +236,22 @@ class SingleStepQuantity(Quantity):
     Subclasses implement ``_compute(global_step, ctx) -> value``.
     """
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._legacy = _takes_params_and_loss(cls._compute)
+
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Compute and return the value for ``global_step`` if it is scheduled."""
-        if not self.should_compute(global_step):
-            return []
-        return [(global_step, self._compute(global_step, ctx))]
+        try:
+            if not self.should_compute(global_step):
+                return []
+            if self._legacy:
+                value = self._compute(global_step, ctx.params, ctx.info.get("loss"))
+            else:
+                value = self._compute(global_step, ctx)
+            return [(global_step, value)]
+        finally:
+            self.acc = None
 
     @abc.abstractmethod
     def _compute(self, global_step: int, ctx: TrackContext) -> Any:
@@ -176,7 +259,7 @@ class SingleStepQuantity(Quantity):
 
 
 class ByproductQuantity(SingleStepQuantity):
-    """A single-step quantity that needs no BackPACK extension.
+    """A single-step quantity that needs nothing from the backward pass.
 
     The name is kept for compatibility with cockpit-for-pytorch.
     """
@@ -206,19 +289,22 @@ class TwoStepQuantity(Quantity):
 
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the pending start of the previous step, then start anew."""
-        results = []
-        if self.is_end(global_step):
-            state = self._pending.pop(global_step - 1)
-            results.append(
-                (global_step - 1, self._compute_end(global_step, ctx, state))
-            )
-        for stale in [s for s in self._pending if s < global_step]:
-            del self._pending[stale]
-        if self.should_compute(global_step):
-            state = self._compute_start(global_step, ctx)
-            if state is not None:  # a start without a usable state is dropped
-                self._pending[global_step] = state
-        return results
+        try:
+            results = []
+            if self.is_end(global_step):
+                state = self._pending.pop(global_step - 1)
+                results.append(
+                    (global_step - 1, self._compute_end(global_step, ctx, state))
+                )
+            for stale in [s for s in self._pending if s < global_step]:
+                del self._pending[stale]
+            if self.should_compute(global_step):
+                state = self._compute_start(global_step, ctx)
+                if state is not None:  # a start without a usable state is dropped
+                    self._pending[global_step] = state
+            return results
+        finally:
+            self.acc = None
 
     @abc.abstractmethod
     def _compute_start(self, global_step: int, ctx: TrackContext) -> Any:
@@ -232,6 +318,6 @@ class TwoStepQuantity(Quantity):
         """Return the pending starts (parameter snapshots and the like)."""
         return {"pending": dict(self._pending)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore pending starts saved by :meth:`state_dict`."""
         self._pending = dict(state.get("pending", {}))

@@ -8,6 +8,7 @@ matrices: sums that could be all-reduced across processes.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +17,17 @@ from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.utils_params import gradients
+
+
+@dataclass
+class PerParameter:
+    """A step's partial results: one entry per parameter index."""
+
+    entries: dict[int, tuple] = field(default_factory=dict)
+
+    def ordered(self, num_params: int) -> list:
+        """Return the entries in parameter order (all must be present)."""
+        return [self.entries[index] for index in range(num_params)]
 
 
 def squared_norm_entry(view: ParamView) -> tuple:
@@ -32,11 +44,13 @@ def squared_norm_entry(view: ParamView) -> tuple:
     return batch_l2.sum(), grad_sq, batch_l2.shape[0]
 
 
-def total_squared_norms(acc: dict, params) -> tuple[torch.Tensor, torch.Tensor, int]:
+def total_squared_norms(
+    acc: PerParameter, params
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sum the entries of :func:`squared_norm_entry` over all parameters.
 
     Args:
-        acc: Parameter index -> entry.
+        acc: The entries of every parameter.
         params: The cockpit's parameters (``.grad`` is final at this point).
 
     Returns:
@@ -47,8 +61,7 @@ def total_squared_norms(acc: dict, params) -> tuple[torch.Tensor, torch.Tensor, 
     """
     grads = gradients(params)
     per_sample, mean, sizes = [], [], set()
-    for index in range(len(params)):
-        sum_sq, grad_sq, n = acc[index]
+    for index, (sum_sq, grad_sq, n) in enumerate(acc.ordered(len(params))):
         per_sample.append(sum_sq)
         mean.append(grad_sq if grad_sq is not None else (grads[index] ** 2).sum())
         sizes.add(n)
@@ -68,17 +81,21 @@ class GramQuantity(SingleStepQuantity):
     Subclasses implement ``_statistic(gram) -> scalar tensor``.
     """
 
-    def needs(self, global_step: int):
-        """The per-sample Gram matrix, on scheduled steps."""
-        return {Need.GRAM} if self.should_compute(global_step) else set()
+    @dataclass
+    class Accumulator:
+        """The running sum of the parameters' Gram matrices."""
+
+        gram: torch.Tensor | None = None
+
+    needs = frozenset({Need.GRAM, Need.GRADIENT})
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Add the parameter's Gram matrix to the running sum."""
         gram = view.gram().detach()
-        self._acc["gram"] = gram + self._acc["gram"] if "gram" in self._acc else gram
+        self.acc.gram = gram if self.acc.gram is None else gram + self.acc.gram
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        return float(self._statistic(self._acc["gram"]))
+        return float(self._statistic(self.acc.gram))
 
     @abc.abstractmethod
     def _statistic(self, gram: torch.Tensor) -> torch.Tensor:
@@ -102,9 +119,9 @@ def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
     return snr, view.param.numel(), n
 
 
-def total_snr(acc: dict, num_params: int) -> tuple[torch.Tensor, int, int]:
+def total_snr(acc: PerParameter, num_params: int) -> tuple[torch.Tensor, int, int]:
     """Sum the entries of :func:`snr_entry`; return the sum, ``D`` and ``N``."""
-    entries = [acc[index] for index in range(num_params)]
+    entries = acc.ordered(num_params)
     sizes = {n for _, _, n in entries}
     if len(sizes) != 1:
         raise RuntimeError(

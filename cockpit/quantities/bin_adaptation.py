@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import TrackContext
@@ -67,9 +68,8 @@ class BinAdaptation(abc.ABC):
         """Return whether the range is recomputed after ``global_step``."""
         return bool(self.track_schedule(global_step))
 
-    def needs(self, global_step: int) -> set[Need]:
-        """Return the per-parameter results :meth:`reduce` reads at this step."""
-        return set()
+    #: What :meth:`reduce` reads on the policy's steps.
+    needs: frozenset[Need] = frozenset()
 
     def reduce(self, view: ParamView) -> Tensor | None:
         """Reduce one parameter's results to a small tensor inside the backward pass.
@@ -102,6 +102,7 @@ class BinAdaptation(abc.ABC):
             warnings.warn(
                 f"{type(self).__name__} at step {global_step}: histogram range "
                 f"{current} -> {new}.",
+                CockpitWarning,
                 stacklevel=2,
             )
         return new
@@ -174,6 +175,7 @@ class _AbsMax(BinAdaptation):
                 f"{type(self).__name__} at step {global_step}: the maximum absolute "
                 f"value is {m}; keeping the histogram range {current}. Check the "
                 "training for NaN or infinite values.",
+                CockpitWarning,
                 stacklevel=3,
             )
             return current
@@ -204,11 +206,7 @@ class GradAbsMax(_AbsMax):
         min_size: The smallest width the range can shrink to.
     """
 
-    def needs(self, global_step: int) -> set[Need]:
-        """Per-sample gradients, on the policy's steps."""
-        if self.should_compute(global_step):
-            return {Need.INDIVIDUAL_GRADIENTS}
-        return set()
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
 
     def reduce(self, view: ParamView) -> Tensor:
         """Return ``max_{i,d} |g_{i,d}|`` of this parameter (a scalar)."""

@@ -6,7 +6,11 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import squared_norm_entry, total_squared_norms
+from cockpit.quantities.batch_statistics import (
+    PerParameter,
+    squared_norm_entry,
+    total_squared_norms,
+)
 from cockpit.quantities.optim import require_plain_sgd
 
 
@@ -27,26 +31,23 @@ class CABS(SingleStepQuantity):
             rate for all groups; the message names the setting at fault.
     """
 
+    needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
     info_keys = ("loss", "optimizer")
+    Accumulator = PerParameter
 
-    def begin_step(self, global_step: int, info=None) -> None:
+    def prepare(self, global_step: int, info) -> None:
         """Fail before the backward pass unless the optimizer is plain SGD."""
-        super().begin_step(global_step, info)
         if info is not None and self.should_compute(global_step):
             optimizer = info.require("optimizer", self.key)
             require_plain_sgd(optimizer, self.key, single_lr=True)
 
-    def needs(self, global_step: int):
-        """Per-sample squared norms, on scheduled steps."""
-        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
-
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce the parameter to ``sum_i ||g_i,p||^2`` and ``||g_p||^2``."""
-        self._acc[view.index] = squared_norm_entry(view)
+        self.acc.entries[view.index] = squared_norm_entry(view)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         optimizer = ctx.info.require("optimizer", self.key)
         lr = require_plain_sgd(optimizer, self.key, single_lr=True)
         loss = ctx.info.require("loss", self.key)
-        per_sample, mean, n = total_squared_norms(self._acc, ctx.params)
+        per_sample, mean, n = total_squared_norms(self.acc, ctx.params)
         return float(F.cabs_batch_size(lr, per_sample, mean, n, loss.detach()))

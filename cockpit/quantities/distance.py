@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cockpit.needs import Need
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.utils_params import norms, snapshot
 
@@ -15,6 +16,8 @@ class Distance(SingleStepQuantity):
     schedule; cockpit-for-pytorch required that to be step 0). The snapshot costs one
     copy of the parameters and is kept for the whole run.
     """
+
+    needs = frozenset({Need.PARAMETERS})
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)

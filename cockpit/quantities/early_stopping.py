@@ -6,7 +6,7 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import snr_entry, total_snr
+from cockpit.quantities.batch_statistics import PerParameter, snr_entry, total_snr
 from cockpit.quantities.optim import require_plain_sgd
 
 
@@ -31,26 +31,22 @@ class EarlyStopping(SingleStepQuantity):
 
     info_keys = ("optimizer",)
 
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = PerParameter
+
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self.epsilon = epsilon
 
-    def begin_step(self, global_step: int, info=None) -> None:
+    def prepare(self, global_step: int, info) -> None:
         """Fail before the backward pass unless the optimizer is plain SGD."""
-        super().begin_step(global_step, info)
         if info is not None and self.should_compute(global_step):
             require_plain_sgd(info.require("optimizer", self.key), self.key)
 
-    def needs(self, global_step: int):
-        """Per-sample gradients (their mean and second moment), on scheduled steps."""
-        if self.should_compute(global_step):
-            return {Need.INDIVIDUAL_GRADIENTS}
-        return set()
-
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (s_d^2 + epsilon)`` over the parameter's coordinates."""
-        self._acc[view.index] = snr_entry(view, self.epsilon, unbiased=True)
+        self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=True)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        snr, dim, n = total_snr(self._acc, len(ctx.params))
+        snr, dim, n = total_snr(self.acc, len(ctx.params))
         return float(F.early_stopping(snr, n, dim))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -290,6 +291,23 @@ class _EdgeCache:
         return self._on[key]
 
 
+@dataclass
+class _Counts:
+    """What a histogram collects during one backward pass.
+
+    Attributes:
+        counts: The counts summed over parameters (flattened bins).
+        per_param: Counts of each parameter (GradHist2d with ``keep_individual``).
+        reduced: Per range axis, the policy's per-parameter reductions.
+        edges: Per range axis, the step's bin edges.
+    """
+
+    counts: Tensor | None = None
+    per_param: dict[int, Tensor] = field(default_factory=dict)
+    reduced: dict[int, list[Tensor]] = field(default_factory=dict)
+    edges: dict[int, _EdgeCache] = field(default_factory=dict)
+
+
 # --- quantities ----------------------------------------------------------------------
 class _Histogram(SingleStepQuantity):
     """Shared plumbing: counts per parameter, range adaptation on its own schedule."""
@@ -304,40 +322,47 @@ class _Histogram(SingleStepQuantity):
             policy.should_compute(global_step) for policy in self._policies()
         )
 
-    def needs(self, global_step: int) -> set[Need]:
-        """Per-sample gradients when counting, plus what the policies read."""
-        needs = set()
-        if self.should_compute(global_step):
-            needs.add(Need.INDIVIDUAL_GRADIENTS)
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = _Counts
+
+    def needs_at(self, global_step: int) -> frozenset[Need]:
+        """Per-sample gradients when counting, plus what the due policies read.
+
+        The range policies run on schedules of their own, so this is the one
+        quantity whose needs differ between the steps it is active at.
+        """
+        needs = set(self.needs) if self.should_compute(global_step) else set()
         for policy in self._policies():
-            needs |= policy.needs(global_step)
-        return needs
+            if policy.should_compute(global_step):
+                needs |= policy.needs
+        return frozenset(needs)
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Count this parameter's values and collect the policies' reductions."""
         with torch.no_grad():
             if self.should_compute(global_step):
                 counts = self._count(global_step, view)
-                total = self._acc.get("counts")
-                self._acc["counts"] = counts if total is None else total + counts
-                if getattr(self, "keep_individual", False):
-                    self._acc.setdefault("per_param", {})[view.index] = counts
+                total = self.acc.counts
+                self.acc.counts = counts if total is None else total + counts
+                self._keep(view.index, counts)
             for axis, policy in enumerate(self._policies()):
                 if policy.should_compute(global_step):
                     reduced = policy.reduce(view)
                     if reduced is not None:
-                        self._acc.setdefault(("reduced", axis), []).append(reduced)
+                        self.acc.reduced.setdefault(axis, []).append(reduced)
+
+    def _keep(self, index: int, counts: Tensor) -> None:  # noqa: B027
+        """Keep one parameter's counts as well (GradHist2d's ``keep_individual``)."""
 
     @abc.abstractmethod
     def _count(self, global_step: int, view: ParamView) -> Tensor:
         """Implemented by each subclass."""
 
     def _edges(self, axis: int) -> _EdgeCache:
-        key = ("edges", axis)
-        if key not in self._acc:
+        if axis not in self.acc.edges:
             lo, hi = self._ranges()[axis]
-            self._acc[key] = _EdgeCache(lo, hi, self._bins()[axis])
-        return self._acc[key]
+            self.acc.edges[axis] = _EdgeCache(lo, hi, self._bins()[axis])
+        return self.acc.edges[axis]
 
     @abc.abstractmethod
     def _ranges(self) -> list[Range]:
@@ -349,11 +374,12 @@ class _Histogram(SingleStepQuantity):
 
     def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Store the histogram (if scheduled), then let the policies move the range."""
+        acc = self.acc
         results = super().track(global_step, ctx)
         ranges = self._ranges()
         for axis, policy in enumerate(self._policies()):
             if policy.should_compute(global_step):
-                reduced = self._acc.get(("reduced", axis), [])
+                reduced = acc.reduced.get(axis, [])
                 ranges[axis] = policy.compute(global_step, ctx, reduced, ranges[axis])
         self._set_ranges(ranges)
         return results
@@ -442,7 +468,7 @@ class GradHist1d(_Histogram):
         return total
 
     def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
-        return self._result(self._acc.get("counts"))
+        return self._result(self.acc.counts)
 
 
 class GradHist2d(_Histogram):
@@ -500,6 +526,11 @@ class GradHist2d(_Histogram):
         self.adapt = (as_policy(xadapt, "adapt[0]"), as_policy(yadapt, "adapt[1]"))
         self.keep_individual = bool(keep_individual)
 
+    def _keep(self, index: int, counts: Tensor) -> None:
+        """With ``keep_individual``, keep this parameter's own counts too."""
+        if self.keep_individual:
+            self.acc.per_param[index] = counts
+
     def _policies(self) -> Sequence[BinAdaptation]:
         return self.adapt
 
@@ -533,9 +564,9 @@ class GradHist2d(_Histogram):
         return total
 
     def _compute(self, global_step: int, ctx: TrackContext) -> dict[str, Any]:
-        result = self._result(self._acc.get("counts"))
+        result = self._result(self.acc.counts)
         if self.keep_individual:
-            per_param = self._acc.get("per_param", {})
+            per_param = self.acc.per_param
             result["param_groups"] = len(ctx.params)
             for k in range(len(ctx.params)):
                 single = self._result(per_param.get(k))

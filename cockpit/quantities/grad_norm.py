@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cockpit.needs import Need
 from cockpit.quantities.base import ByproductQuantity, TrackContext
 from cockpit.quantities.utils_params import gradients, norms
 
@@ -11,6 +12,8 @@ class GradNorm(ByproductQuantity):
 
     The total gradient norm is ``sqrt(sum_p ||g_p||^2)``.
     """
+
+    needs = frozenset({Need.GRADIENT})
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
         return norms(gradients(ctx.params))

@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.errors import CockpitWarning
+from cockpit.needs import Need
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 
 HVP = Callable[[Tensor], Tensor]
@@ -216,7 +218,7 @@ class HessMaxEV(SingleStepQuantity):
         ValueError: For non-positive tolerances or budget.
     """
 
-    after_cleanup = True
+    needs = frozenset({Need.HESSIAN_VECTOR_PRODUCTS, Need.PARAMETERS})
 
     #: Weight of the random direction added to a warm start.
     WARM_START_NOISE = 0.1
@@ -254,10 +256,6 @@ class HessMaxEV(SingleStepQuantity):
         #: Hessian-vector products spent at the last computation.
         self.last_num_hvps = 0
 
-    def create_graph(self, global_step: int) -> bool:
-        """True on scheduled steps: the products need the graph of ``.grad``."""
-        return self.should_compute(global_step)
-
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         params = list(ctx.params)
         grads = _graph_gradients(params, self.key, global_step)
@@ -278,12 +276,14 @@ class HessMaxEV(SingleStepQuantity):
                 f"{result.num_hvps} Hessian-vector products (residual "
                 f"{result.residual:.3g}); returning the last estimate. Raise max_iter "
                 "or loosen rtol/atol.",
+                CockpitWarning,
                 stacklevel=2,
             )
         elif self.verbose:
             warnings.warn(
                 f"{self.key} at step {global_step}: {result.eigenvalue:.6g} after "
                 f"{result.num_hvps} Hessian-vector products.",
+                CockpitWarning,
                 stacklevel=2,
             )
         return float(result.eigenvalue)

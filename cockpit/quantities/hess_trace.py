@@ -7,6 +7,7 @@ import torch
 from cockpit.needs import curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import PerParameter
 
 
 class HessTrace(SingleStepQuantity):
@@ -27,18 +28,16 @@ class HessTrace(SingleStepQuantity):
         ValueError: For an unknown ``curvature``, listing the valid ones.
     """
 
+    Accumulator = PerParameter
+
     def __init__(self, track_schedule, verbose=False, curvature="diag_h", key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
-        self._need = curvature_need(curvature)
+        self.needs = frozenset({curvature_need(curvature)})
         self.curvature = curvature
-
-    def needs(self, global_step: int):
-        """The curvature diagonal, on scheduled steps."""
-        return {self._need} if self.should_compute(global_step) else set()
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum the parameter's curvature diagonal."""
-        self._acc[view.index] = view.curvature(self.curvature).sum()
+        self.acc.entries[view.index] = view.curvature(self.curvature).sum()
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
-        return torch.stack([self._acc[i] for i in range(len(ctx.params))]).tolist()
+        return torch.stack(self.acc.ordered(len(ctx.params))).tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import snr_entry, total_snr
+from cockpit.quantities.batch_statistics import PerParameter, snr_entry, total_snr
 
 
 class MeanGSNR(SingleStepQuantity):
@@ -23,20 +23,17 @@ class MeanGSNR(SingleStepQuantity):
         key: History key (default ``"MeanGSNR"``).
     """
 
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = PerParameter
+
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self.epsilon = epsilon
 
-    def needs(self, global_step: int):
-        """Per-sample gradients (their mean and second moment), on scheduled steps."""
-        if self.should_compute(global_step):
-            return {Need.INDIVIDUAL_GRADIENTS}
-        return set()
-
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (v_d + epsilon)`` over the parameter's coordinates."""
-        self._acc[view.index] = snr_entry(view, self.epsilon, unbiased=False)
+        self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=False)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        snr, dim, _ = total_snr(self._acc, len(ctx.params))
+        snr, dim, _ = total_snr(self.acc, len(ctx.params))
         return float(snr / dim)

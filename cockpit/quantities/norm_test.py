@@ -6,7 +6,11 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import squared_norm_entry, total_squared_norms
+from cockpit.quantities.batch_statistics import (
+    PerParameter,
+    squared_norm_entry,
+    total_squared_norms,
+)
 
 
 class NormTest(SingleStepQuantity):
@@ -22,14 +26,13 @@ class NormTest(SingleStepQuantity):
     otherwise from ``.grad``. Each parameter contributes two scalars.
     """
 
-    def needs(self, global_step: int):
-        """Per-sample squared norms, on scheduled steps."""
-        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+    needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
+    Accumulator = PerParameter
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce the parameter to ``sum_i ||g_i,p||^2`` and ``||g_p||^2``."""
-        self._acc[view.index] = squared_norm_entry(view)
+        self.acc.entries[view.index] = squared_norm_entry(view)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        per_sample, mean, n = total_squared_norms(self._acc, ctx.params)
+        per_sample, mean, n = total_squared_norms(self.acc, ctx.params)
         return float(F.norm_test(per_sample, mean, n))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cockpit.needs import Need
 from cockpit.quantities.base import ByproductQuantity, TrackContext
 
 
@@ -10,6 +11,8 @@ class Parameters(ByproductQuantity):
 
     The log grows by the model size at every tracked step; use a sparse schedule.
     """
+
+    needs = frozenset({Need.PARAMETERS})
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list:
         return [p.detach().cpu().tolist() for p in ctx.params]

@@ -22,6 +22,7 @@ that reads it (e.g. one ``DiagHessian`` run feeds HessTrace, TICDiag and TICTrac
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,6 +50,13 @@ class _TIC(SingleStepQuantity):
 
     info_keys = ("batch_size",)
 
+    @dataclass
+    class Accumulator:
+        """Per-parameter reductions and the batch size the gradients showed."""
+
+        parts: dict[int, torch.Tensor] = field(default_factory=dict)
+        seen_batch_size: int | None = None
+
     def __init__(
         self,
         track_schedule: Callable[[int], bool],
@@ -58,7 +66,7 @@ class _TIC(SingleStepQuantity):
         key: str | None = None,
     ):
         super().__init__(track_schedule, verbose=verbose, key=key)
-        self._need = curvature_need(curvature)
+        self.needs = frozenset({Need.SUM_GRAD_SQUARED, curvature_need(curvature)})
         self.curvature = curvature
         if not epsilon >= 0:
             raise ValueError(
@@ -66,20 +74,14 @@ class _TIC(SingleStepQuantity):
             )
         self.epsilon = float(epsilon)
 
-    def needs(self, global_step: int) -> set[Need]:
-        """The second moment and the curvature diagonal, on scheduled steps."""
-        if self.should_compute(global_step):
-            return {Need.SUM_GRAD_SQUARED, self._need}
-        return set()
-
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce this parameter's second moment and curvature to scalars."""
         with torch.no_grad():
             scaled = view.scaled_sum_grad_squared().detach()
             diag = view.curvature(self.curvature).detach()
-            self._acc[view.index] = self._reduce(scaled, diag)
+            self.acc.parts[view.index] = self._reduce(scaled, diag)
         if view.has_individual_gradients:
-            self._acc["seen_batch_size"] = view.batch_size
+            self.acc.seen_batch_size = view.batch_size
 
     @abc.abstractmethod
     def _reduce(self, scaled, diag):
@@ -87,7 +89,7 @@ class _TIC(SingleStepQuantity):
 
     def _batch_size(self, ctx: TrackContext) -> int:
         n = ctx.info.require("batch_size", self.key)
-        seen = self._acc.get("seen_batch_size")
+        seen = self.acc.seen_batch_size
         if seen is not None and int(n) != seen:
             raise ValueError(
                 f"{self.key}: info['batch_size'] is {n} but the per-sample gradients "
@@ -97,7 +99,7 @@ class _TIC(SingleStepQuantity):
         return int(n)
 
     def _parts(self, ctx: TrackContext) -> torch.Tensor:
-        return torch.stack([self._acc[i] for i in range(len(ctx.params))])
+        return torch.stack([self.acc.parts[i] for i in range(len(ctx.params))])
 
 
 class TICDiag(_TIC):

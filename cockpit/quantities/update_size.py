@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from cockpit.needs import Need
 from cockpit.quantities.base import TrackContext, TwoStepQuantity
 from cockpit.quantities.utils_params import norms, snapshot
 
@@ -15,6 +16,8 @@ class UpdateSize(TwoStepQuantity):
     backward, before ``optimizer.step()``), so the value is the size of the step the
     optimizer took at ``t``. It needs step ``t + 1`` to pass through the cockpit.
     """
+
+    needs = frozenset({Need.PARAMETERS})
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> list[Tensor]:
         return snapshot(ctx.params)

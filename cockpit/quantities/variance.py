@@ -7,6 +7,7 @@ import torch
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import PerParameter
 from cockpit.quantities.utils_params import gradients
 
 
@@ -23,18 +24,17 @@ class Variance(SingleStepQuantity):
     from ``BatchGrad``; ``g`` is read from ``.grad``. Not part of cockpit-for-pytorch.
     """
 
-    def needs(self, global_step: int):
-        """Per-sample squared norms, on scheduled steps."""
-        return {Need.BATCH_L2} if self.should_compute(global_step) else set()
+    needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
+    Accumulator = PerParameter
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum the per-sample squared norms of the parameter."""
         batch_l2 = view.batch_l2()
-        self._acc[view.index] = (batch_l2.sum(), batch_l2.shape[0])
+        self.acc.entries[view.index] = (batch_l2.sum(), batch_l2.shape[0])
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
         values = []
-        for i, grad in enumerate(gradients(ctx.params)):
-            sum_sq, n = self._acc[i]
+        entries = self.acc.ordered(len(ctx.params))
+        for (sum_sq, n), grad in zip(entries, gradients(ctx.params), strict=True):
             values.append(sum_sq / n - (grad**2).sum())
         return torch.stack(values).tolist()

@@ -1,4 +1,6 @@
-"""Cockpit's own BackPACK extension for per-sample gradients.
+"""Cockpit's own BackPACK rules: per-sample gradients and lean curvature diagonals.
+
+Part of the BackPACK engine (:mod:`cockpit.engines.backpack` is its only user).
 
 BackPACK's ``BatchGrad`` writes every layer's per-sample gradients ``b_i`` as one
 ``[N, *shape]`` tensor. For a ``torch.nn.Linear`` weight that tensor is a sum of outer
@@ -25,7 +27,8 @@ CPUs is faster than BackPACK's convolution-based rule. Every other layer (other
 convolutions, batch norm, ...) uses BackPACK's own rule.
 The savefield is ``grad_batch`` as for ``BatchGrad``; the cockpit deletes it in its
 extension hook, so users never see a factor object. Read the results through
-:class:`~cockpit.param_view.ParamView`, which understands both forms.
+:mod:`cockpit.engines.backpack`, which wraps both forms in the
+:class:`~cockpit.per_sample.IndividualGradients` protocol.
 
 The curvature diagonals (:func:`lean_diag_hessian`, :func:`lean_diag_ggn_exact`,
 :func:`lean_diag_ggn_mc`) are BackPACK's extensions with one change: the diagonal of
@@ -55,6 +58,8 @@ from torch import Tensor
 from torch.nn import Conv2d, Linear
 from torch.nn.functional import unfold
 
+from cockpit.per_sample import LinearFactors
+
 
 class _NoGraph:
     """Wraps a BackPACK module extension so that it runs under ``torch.no_grad``."""
@@ -70,129 +75,26 @@ class _NoGraph:
         return getattr(self.wrapped, name)
 
 
+def module_extension_table(extension: BackpropExtension) -> dict:
+    """Return BackPACK's private module-type -> rule table of ``extension``.
+
+    ``set_module_extension`` can add or replace a rule but not wrap every rule,
+    which :func:`without_graph` needs; this is the one place that reads the table.
+    """
+    return extension._BackpropExtension__module_extensions
+
+
 def without_graph(extension: BackpropExtension) -> BackpropExtension:
     """Make every module extension of ``extension`` run under ``torch.no_grad``.
 
     Values are unchanged; they just carry no autograd graph (see the module
     docstring). Returns the same object.
     """
-    table = extension._BackpropExtension__module_extensions
+    table = module_extension_table(extension)
     for module_type, rule in list(table.items()):
         if not isinstance(rule, _NoGraph):
             table[module_type] = _NoGraph(rule)
     return extension
-
-
-class LinearFactors:
-    """The per-sample gradients of a ``Linear`` weight, kept as two factors.
-
-    ``b_i = sum_l grad_output[i, l]^T input[i, l]`` with ``input`` of shape
-    ``[N, L, in]`` and ``grad_output`` of shape ``[N, L, out]`` (``L = 1`` when the
-    layer sees plain ``[N, in]`` inputs). The values carry BackPACK's scaling: under a
-    mean-reduced loss ``b_i = g_i / N``.
-
-    Args:
-        inputs: The layer input, shape ``[N, *, in]``.
-        grad_output: The gradient of the loss with respect to the layer output, shape
-            ``[N, *, out]``.
-    """
-
-    __slots__ = ("inputs", "grad_output")
-
-    def __init__(self, inputs: Tensor, grad_output: Tensor):
-        n = inputs.shape[0]
-        self.inputs = inputs.detach().reshape(n, -1, inputs.shape[-1])
-        self.grad_output = grad_output.detach().reshape(n, -1, grad_output.shape[-1])
-
-    @property
-    def batch_size(self) -> int:
-        """N, the number of samples."""
-        return self.inputs.shape[0]
-
-    @property
-    def positions(self) -> int:
-        """L, the number of positions summed over per sample (1 for 2-D inputs)."""
-        return self.inputs.shape[1]
-
-    @property
-    def shape(self) -> torch.Size:
-        """The shape of the materialised per-sample gradients, ``[N, out, in]``."""
-        return torch.Size(
-            (self.batch_size, self.grad_output.shape[-1], self.inputs.shape[-1])
-        )
-
-    def materialize(self, scale: float = 1.0, samples: slice | None = None) -> Tensor:
-        """Return ``scale * b_i``, shape ``[N, out, in]``.
-
-        Args:
-            scale: Factor applied to the result (``N`` gives unscaled ``g_i``).
-            samples: Only these samples (a slice of the batch axis); all by default.
-        """
-        delta, x = self.grad_output, self.inputs
-        if samples is not None:
-            delta, x = delta[samples], x[samples]
-        # [N, out, L] @ [N, L, in]
-        out = torch.bmm(delta.transpose(1, 2), x)
-        if scale != 1.0:
-            out.mul_(scale)
-        return out
-
-    def sum(self) -> Tensor:
-        """Return ``sum_i b_i``, shape ``[out, in]`` (the mini-batch gradient)."""
-        delta = self.grad_output.reshape(-1, self.grad_output.shape[-1])
-        return delta.T @ self.inputs.reshape(-1, self.inputs.shape[-1])
-
-    def _materialize_is_cheaper(self, pairwise: bool) -> bool:
-        """Whether contracting the factors costs more than materialising ``b_i``."""
-        n, positions = self.batch_size, self.positions
-        out, inp = self.grad_output.shape[-1], self.inputs.shape[-1]
-        pairs = n if pairwise else 1
-        factored = n * pairs * positions**2 * (out + inp)
-        materialised = n * positions * out * inp + n * pairs * out * inp
-        return materialised < factored
-
-    def batch_l2(self) -> Tensor:
-        """Return ``||b_i||^2`` for every sample, shape ``[N]``."""
-        if self.positions == 1:
-            delta, x = self.grad_output[:, 0], self.inputs[:, 0]
-            return delta.square().sum(1) * x.square().sum(1)
-        if self._materialize_is_cheaper(pairwise=False):
-            b = self.materialize().flatten(start_dim=1)
-            return torch.linalg.vector_norm(b, dim=1).square()
-        # ||b_i||^2 = sum_{l,k} (delta_il . delta_ik) (x_il . x_ik)
-        dd = torch.bmm(self.grad_output, self.grad_output.transpose(1, 2))
-        xx = torch.bmm(self.inputs, self.inputs.transpose(1, 2))
-        return (dd * xx).sum(dim=(1, 2))
-
-    def gram(self) -> Tensor:
-        """Return ``G_ij = b_i . b_j``, shape ``[N, N]``."""
-        if self.positions == 1:
-            delta, x = self.grad_output[:, 0], self.inputs[:, 0]
-            return (delta @ delta.T) * (x @ x.T)
-        if self._materialize_is_cheaper(pairwise=True):
-            b = self.materialize().flatten(start_dim=1)
-            return b @ b.T
-        # G_ij = sum_{l,k} (delta_il . delta_jk) (x_il . x_jk)
-        dd = torch.einsum("nlo,mko->nmlk", self.grad_output, self.grad_output)
-        xx = torch.einsum("nli,mki->nmlk", self.inputs, self.inputs)
-        return (dd * xx).sum(dim=(2, 3))
-
-    def sum_grad_squared(self) -> Tensor:
-        """Return ``sum_i b_i**2`` elementwise, shape ``[out, in]``."""
-        if self.positions == 1:
-            delta, x = self.grad_output[:, 0], self.inputs[:, 0]
-            return delta.square().T @ x.square()
-        return self.materialize().square_().sum(0)
-
-    def project(self, direction: Tensor) -> Tensor:
-        """Return ``b_i . direction`` for every sample, shape ``[N]``.
-
-        Args:
-            direction: A tensor of shape ``[out, in]``.
-        """
-        # b_i . D = sum_l delta_il^T D x_il
-        mapped = self.inputs @ direction.T  # [N, L, out]
-        return (mapped * self.grad_output).sum(dim=(1, 2))
 
 
 class _FactoredLinear(FirstOrderModuleExtension):

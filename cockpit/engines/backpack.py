@@ -1,0 +1,471 @@
+"""The BackPACK engine: the one place that knows BackPACK's savefields and internals.
+
+The hub asks this module which extensions serve a step's needs
+(:func:`extensions_for`, :func:`merge_extensions`), enters BackPACK's context for the
+backward pass (:func:`backward_context`) with an :class:`ExtensionHook` that shows
+each parameter to the quantities as a :class:`~cockpit.param_view.ParamView` and frees
+BackPACK's buffers right away, and asks it to explain BackPACK failures
+(:func:`explain_failure`). Quantities never read a savefield.
+
+What this module and :mod:`cockpit.engines.backpack_rules` rely on beyond BackPACK's
+documented API is listed in :data:`REQUIRED_API`; :func:`check_backpack_api` reports
+what an installed BackPACK no longer provides (a test runs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from backpack import backpack, disable
+from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.extensions import BatchL2Grad, SumGradSquared
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor
+from torch.nn import Module
+
+from cockpit.engines.backpack_rules import (
+    PerSampleGradients,
+    lean_diag_ggn_exact,
+    lean_diag_ggn_mc,
+    lean_diag_hessian,
+)
+from cockpit.needs import Need
+from cockpit.param_view import ParamResults, ParamView
+from cockpit.per_sample import (
+    DenseGradients,
+    FactoredLinearGradients,
+    LinearFactors,
+)
+
+#: BackPACK's savefield for per-sample gradients (``BatchGrad``).
+GRAD_BATCH = "grad_batch"
+#: BackPACK's savefield for per-sample squared norms (``BatchL2Grad``).
+BATCH_L2 = "batch_l2"
+#: BackPACK's savefield for the sum of squared per-sample gradients.
+SUM_GRAD_SQUARED = "sum_grad_squared"
+#: Curvature labels (the quantities' ``curvature=`` argument) are savefields too.
+CURVATURE_SAVEFIELDS = ("diag_h", "diag_ggn_exact", "diag_ggn_mc")
+
+#: Savefields of first-order (per-sample gradient) extensions.
+FIRST_ORDER_SAVEFIELDS = frozenset({GRAD_BATCH, BATCH_L2, SUM_GRAD_SQUARED})
+
+#: Which needs each savefield serves (for messages naming who needs what).
+SAVEFIELD_NEEDS: Mapping[str, frozenset[Need]] = {
+    GRAD_BATCH: frozenset(
+        {
+            Need.INDIVIDUAL_GRADIENTS,
+            Need.GRAM,
+            Need.BATCH_L2,
+            Need.SUM_GRAD_SQUARED,
+        }
+    ),
+    BATCH_L2: frozenset({Need.BATCH_L2}),
+    SUM_GRAD_SQUARED: frozenset({Need.SUM_GRAD_SQUARED}),
+    "diag_h": frozenset({Need.DIAG_H}),
+    "diag_ggn_exact": frozenset({Need.DIAG_GGN_EXACT}),
+    "diag_ggn_mc": frozenset({Need.DIAG_GGN_MC}),
+}
+
+_CURVATURE_EXTENSIONS = {
+    Need.DIAG_H: lean_diag_hessian,
+    Need.DIAG_GGN_EXACT: lean_diag_ggn_exact,
+    Need.DIAG_GGN_MC: lean_diag_ggn_mc,
+}
+
+# Attributes of BackPACK extensions that are bookkeeping, not hyper-parameters.
+_NOT_HYPERPARAMETERS = {"saved_quantities"}
+
+#: What cockpit uses of BackPACK beyond its documented API: ``(module, attribute)``.
+REQUIRED_API: tuple[tuple[str, str], ...] = (
+    ("backpack.core.derivatives.convnd", "weight_jac_t_save_memory"),
+    ("backpack.extensions.backprop_extension", "BackpropExtension"),
+    ("backpack.extensions.firstorder.base", "FirstOrderModuleExtension"),
+    ("backpack.extensions.firstorder.batch_grad.conv2d", "BatchGradConv2d"),
+    ("backpack.extensions.secondorder.diag_ggn.conv2d", "DiagGGNConv2d"),
+    ("backpack.extensions.secondorder.diag_hessian.conv2d", "DiagHConv2d"),
+    ("backpack.utils.conv", "unfold_input"),
+    # name-mangled table of module rules (cockpit wraps every rule in no_grad)
+    ("backpack.extensions", "BatchGrad()._BackpropExtension__module_extensions"),
+    # savefields BackPACK's extensions write, which cockpit reads
+    ("backpack.extensions", "BatchGrad().savefield == 'grad_batch'"),
+    ("backpack.extensions", "BatchL2Grad().savefield == 'batch_l2'"),
+    ("backpack.extensions", "SumGradSquared().savefield == 'sum_grad_squared'"),
+    ("backpack.extensions", "DiagHessian().savefield == 'diag_h'"),
+    ("backpack.extensions", "DiagGGNExact().savefield == 'diag_ggn_exact'"),
+    ("backpack.extensions", "DiagGGNMC().savefield == 'diag_ggn_mc'"),
+)
+
+
+def check_backpack_api() -> list[str]:
+    """Return what the installed BackPACK lacks of :data:`REQUIRED_API` (empty: ok)."""
+    problems = []
+    for module_name, expression in REQUIRED_API:
+        try:
+            module = importlib.import_module(module_name)
+            if "(" in expression or "==" in expression:
+                ok = eval(expression, vars(module))  # noqa: S307 (our own constants)
+            else:
+                ok = hasattr(module, expression)
+        except Exception as error:  # an import or attribute that moved
+            problems.append(f"{module_name}: {expression} ({error})")
+            continue
+        if ok is False:
+            problems.append(f"{module_name}: {expression} is false")
+    return problems
+
+
+# --- extensions -----------------------------------------------------------------------
+def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
+    """Return the cheapest BackPACK extensions that serve all ``needs`` at once.
+
+    Per-sample gradients (cockpit's :class:`PerSampleGradients`) serve every
+    first-order need when any need asks for them; otherwise ``BatchL2Grad`` and
+    ``SumGradSquared`` give squared norms and second moments without materialising
+    per-sample gradients. Curvature diagonals come from BackPACK's extensions with
+    cockpit's memory-lean ``Conv2d`` rules.
+
+    Args:
+        needs: The union of the needs of all quantities due at a step.
+
+    Returns:
+        Extension instances, without duplicates; empty if nothing is needed.
+    """
+    needs = set(needs)
+    extensions: list[BackpropExtension] = []
+    if needs & {Need.INDIVIDUAL_GRADIENTS, Need.GRAM}:
+        extensions.append(PerSampleGradients())
+    else:
+        if Need.BATCH_L2 in needs:
+            extensions.append(BatchL2Grad())
+        if Need.SUM_GRAD_SQUARED in needs:
+            extensions.append(SumGradSquared())
+    for need, make in _CURVATURE_EXTENSIONS.items():
+        if need in needs:
+            extensions.append(make())
+    return extensions
+
+
+def is_extension(obj) -> bool:
+    """Return whether ``obj`` is a BackPACK extension instance."""
+    return isinstance(obj, BackpropExtension)
+
+
+def extension_signature(extension: BackpropExtension) -> tuple:
+    """Return a hashable description of an extension: its type and hyper-parameters.
+
+    Two extensions with equal signatures compute the same thing and can be merged.
+    """
+    params = []
+    for name, value in sorted(vars(extension).items()):
+        if name in _NOT_HYPERPARAMETERS or name.endswith("__module_extensions"):
+            continue
+        if isinstance(value, (list, tuple)):
+            value = tuple(value)
+        if isinstance(value, (int, float, str, bool, type(None), tuple)):
+            params.append((name, value))
+    return (type(extension), tuple(params))
+
+
+def merge_extensions(
+    user: Sequence[BackpropExtension], requested: Sequence[BackpropExtension]
+) -> list[BackpropExtension]:
+    """Merge the user's extra extensions with those the quantities requested.
+
+    Extensions are de-duplicated by type *and* hyper-parameters. Two different
+    extensions that write the same savefield (for instance ``BatchGrad()`` and
+    ``BatchGrad(subsampling=[0])``) cannot run together; that is an error, never a
+    silent pick. The one exception is an extension that declares, through a
+    ``served_by(other)`` method, that ``other`` provides everything it does
+    (:class:`PerSampleGradients` and a plain ``BatchGrad()``): only ``other`` runs.
+
+    Args:
+        user: Extra extensions handed to ``cockpit(step, *extensions)``.
+        requested: Extensions the quantities due at this step need.
+
+    Returns:
+        The merged list, user extensions first.
+
+    Raises:
+        TypeError: If a user extension is not a BackPACK extension instance.
+        ValueError: On a conflict.
+    """
+    merged: list[BackpropExtension] = []
+    by_savefield: dict[str, tuple] = {}
+    for origin, extensions in (("your extra", user), ("a quantity's", requested)):
+        for ext in extensions:
+            if not isinstance(ext, BackpropExtension):
+                raise TypeError(
+                    f"Extra BackPACK extensions must be BackpropExtension instances, "
+                    f"got {ext!r}. Pass e.g. backpack.extensions.BatchGrad()."
+                )
+            signature = extension_signature(ext)
+            seen = by_savefield.get(ext.savefield)
+            if seen is None:
+                by_savefield[ext.savefield] = (signature, ext)
+                merged.append(ext)
+            elif seen[0] == signature or _served_by(ext, seen[1]):
+                continue
+            elif _served_by(seen[1], ext):
+                merged[merged.index(seen[1])] = ext
+                by_savefield[ext.savefield] = (signature, ext)
+            else:
+                raise ValueError(
+                    f"Conflicting BackPACK extensions for savefield {ext.savefield!r}: "
+                    f"{seen[1]!r} {dict(seen[0][1])} and {origin} {ext!r} "
+                    f"{dict(signature[1])}. They cannot run in one backward pass; "
+                    "drop your extra extension or make its settings match."
+                )
+    return merged
+
+
+def _served_by(extension: BackpropExtension, other: BackpropExtension) -> bool:
+    """Whether ``other`` provides everything ``extension`` does."""
+    served_by = getattr(extension, "served_by", None)
+    return served_by is not None and bool(served_by(other))
+
+
+def savefields(extensions: Iterable[BackpropExtension]) -> list[str]:
+    """Return the savefields the extensions write, in order, without duplicates."""
+    return list(dict.fromkeys(ext.savefield for ext in extensions))
+
+
+def extension_names(extensions: Iterable[BackpropExtension], fields) -> str:
+    """Name the extensions that write any of ``fields`` (for messages)."""
+    return ", ".join(type(e).__name__ for e in extensions if e.savefield in fields)
+
+
+# --- the backward pass ----------------------------------------------------------------
+@contextlib.contextmanager
+def backward_context(
+    extensions: Sequence[BackpropExtension],
+    hook: ExtensionHook,
+    save_memory: bool,
+    debug: bool = False,
+) -> Iterator[None]:
+    """Run the enclosed backward pass with ``extensions`` and ``hook``.
+
+    Args:
+        extensions: The merged extensions (nothing is entered if empty).
+        hook: Called by BackPACK after each module.
+        save_memory: Use BackPACK's low-memory convolution weight Jacobians.
+        debug: Turn on BackPACK's debug output.
+    """
+    if not extensions:
+        yield
+        return
+    with weight_jac_t_save_memory(save_memory):
+        with backpack(*extensions, extension_hook=hook, debug=debug):
+            yield
+
+
+def disabled() -> contextlib.AbstractContextManager:
+    """Return a context in which BackPACK's hooks do nothing (extra backward passes)."""
+    return disable()
+
+
+def param_results(param: Tensor) -> ParamResults:
+    """Wrap what BackPACK wrote onto ``param`` for the quantities to read."""
+    individual = None
+    batch_l2 = None
+    grad_batch = getattr(param, GRAD_BATCH, None)
+    if isinstance(grad_batch, LinearFactors):
+        individual = FactoredLinearGradients(grad_batch)
+    elif grad_batch is not None:
+        individual = DenseGradients(grad_batch)
+    scaled_l2 = getattr(param, BATCH_L2, None)
+    if scaled_l2 is not None:
+        batch_l2 = scaled_l2 * scaled_l2.shape[0] ** 2
+    curvatures = {
+        name: getattr(param, name)
+        for name in CURVATURE_SAVEFIELDS
+        if hasattr(param, name)
+    }
+    return ParamResults(
+        individual=individual,
+        batch_l2=batch_l2,
+        scaled_sum_grad_squared=getattr(param, SUM_GRAD_SQUARED, None),
+        curvatures=curvatures,
+    )
+
+
+def zero_results(
+    param: Tensor, fields: Iterable[str], batch_size: int | None
+) -> ParamResults:
+    """Results for a parameter the loss does not depend on: all zero, exact.
+
+    Per-sample results need ``batch_size``; without it they are left out.
+    """
+    fields = set(fields)
+    individual = batch_l2 = second_moment = None
+    if GRAD_BATCH in fields and batch_size is not None:
+        individual = DenseGradients(param.new_zeros((batch_size, *param.shape)))
+    if BATCH_L2 in fields and batch_size is not None:
+        batch_l2 = param.new_zeros((batch_size,))
+    if SUM_GRAD_SQUARED in fields:
+        second_moment = torch.zeros_like(param)
+    curvatures = {
+        name: torch.zeros_like(param) for name in CURVATURE_SAVEFIELDS if name in fields
+    }
+    return ParamResults(individual, batch_l2, second_moment, curvatures)
+
+
+def free_buffers(param: Tensor, fields: Iterable[str]) -> None:
+    """Delete the given BackPACK savefields from ``param`` where present."""
+    for name in fields:
+        if hasattr(param, name):
+            delattr(param, name)
+
+
+def is_training_batchnorm(module: Module) -> bool:
+    """Return whether ``module`` is a BatchNorm layer in train mode."""
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+
+
+@dataclass
+class Unsupported:
+    """A module whose parameters lack results the quantities need.
+
+    Attributes:
+        module: The module BackPACK skipped.
+        missing: The savefields it did not write.
+        indices: The cockpit indices of its parameters.
+    """
+
+    module: Module
+    missing: list[str]
+    indices: list[int]
+
+
+@dataclass
+class ExtensionHook:
+    """BackPACK's extension hook for one backward pass.
+
+    After BackPACK has run the extensions on a module, the hook shows each of the
+    module's cockpit parameters to every consumer (``accumulate(step, view)``) and
+    deletes the savefields in ``free``, so large per-sample or curvature tensors
+    exist for one module at a time. It also notes modules whose parameters lack a
+    needed savefield (BackPACK skips modules it has no rule for) and BatchNorm
+    layers in train mode; their parameters are not shown to the quantities.
+
+    Attributes:
+        index: ``id(param)`` -> cockpit index.
+        consumers: Objects with ``accumulate(global_step, view)``.
+        global_step: The step.
+        needed: Savefields the quantities read.
+        free: Savefields to delete once a parameter is done.
+    """
+
+    index: Mapping[int, int]
+    consumers: Sequence
+    global_step: int
+    needed: Sequence[str]
+    free: Sequence[str]
+    visited: set[int] = field(default_factory=set)
+    unsupported: list[Unsupported] = field(default_factory=list)
+    batchnorms: list[Module] = field(default_factory=list)
+    batch_size: int | None = None
+
+    def __call__(self, module: Module) -> None:
+        """Show the module's parameters to the consumers, then free the buffers.
+
+        Runs without recording an autograd graph: under ``create_graph=True`` the
+        statistics would otherwise keep their inputs alive until the step ends.
+        """
+        mine = [
+            (self.index[id(p)], p)
+            for p in module.parameters(recurse=False)
+            if id(p) in self.index
+        ]
+        if not mine:
+            return
+        if self.needed:
+            if is_training_batchnorm(module):
+                self.batchnorms.append(module)
+            missing = [
+                f for f in self.needed if not all(hasattr(p, f) for _, p in mine)
+            ]
+            if missing:
+                self.unsupported.append(
+                    Unsupported(module, missing, [i for i, _ in mine])
+                )
+                for _, p in mine:
+                    free_buffers(p, self.free)
+                return
+        with torch.no_grad():
+            for index, param in mine:
+                if index in self.visited:
+                    continue
+                self.visited.add(index)
+                self.show(param, index, param_results(param))
+                free_buffers(param, self.free)
+
+    def show(self, param: Tensor, index: int, results: ParamResults) -> None:
+        """Show one parameter's results to every consumer."""
+        view = ParamView(param, index, results)
+        if self.batch_size is None and self.needed:
+            with contextlib.suppress(RuntimeError):
+                self.batch_size = view.batch_size
+        for consumer in self.consumers:
+            consumer.accumulate(self.global_step, view)
+        view.release()
+
+
+# --- explaining failures --------------------------------------------------------------
+@dataclass(frozen=True)
+class Failure:
+    """What BackPACK was doing when the backward pass raised.
+
+    Attributes:
+        kind: ``"unsupported"`` (no rule for a module) or ``"loss_not_extended"``
+            (second-order extensions got nothing from the loss).
+        module: The module being processed, if known.
+        savefield: The savefield of the extension that failed, if known.
+        extension: The name of that extension, if known.
+    """
+
+    kind: str
+    module: Module | None
+    savefield: str | None
+    extension: str | None
+
+
+def explain_failure(error: BaseException) -> Failure | None:
+    """Recognise a BackPACK failure inside the backward pass, or return ``None``."""
+    if isinstance(error, NotImplementedError):
+        module, extension = _find_in_traceback(error.__traceback__)
+        if extension is None:
+            return None
+        return Failure(
+            "unsupported", module, extension.savefield, type(extension).__name__
+        )
+    if isinstance(error, AssertionError) and "backpropagation quantity" in str(error):
+        _, extension = _find_in_traceback(error.__traceback__)
+        return Failure(
+            "loss_not_extended",
+            None,
+            extension.savefield if extension is not None else None,
+            type(extension).__name__ if extension is not None else None,
+        )
+    return None
+
+
+def _find_in_traceback(
+    traceback: TracebackType | None,
+) -> tuple[Module | None, BackpropExtension | None]:
+    """Find the module and extension in BackPACK's frames (its hooks' locals)."""
+    module, extension = None, None
+    while traceback is not None:
+        local = traceback.tb_frame.f_locals
+        candidate = local.get("module")
+        if isinstance(candidate, Module):
+            module = candidate
+        for name in ("self", "ext", "backpack_extension"):
+            if isinstance(local.get(name), BackpropExtension):
+                extension = local[name]
+        traceback = traceback.tb_next
+    return module, extension

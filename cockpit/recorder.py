@@ -1,0 +1,88 @@
+"""Where tracked values go: a recorder that hands each step's values to subscribers.
+
+The cockpit records values as quantities produce them; once a step is done it
+flushes, and every subscriber gets each step's new values once, in step order:
+the in-memory history, the streamed log, and whatever else subscribes (a live
+diagnosis, an exporter). The hub never calls any of them directly.
+
+A subscriber is any object with ``on_record(global_step, values)``; ``close()`` is
+called when the cockpit closes, if the subscriber has it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+
+class Subscriber(Protocol):
+    """Receives each tracked step's values once they are complete."""
+
+    def on_record(self, global_step: int, values: Mapping[str, Any]) -> None:
+        """Take the values recorded for ``global_step`` since the last flush."""
+
+
+class HistoryWriter:
+    """Subscriber that adds values to a :class:`~cockpit.history.History`."""
+
+    def __init__(self, history):
+        self.history = history
+
+    def on_record(self, global_step: int, values: Mapping[str, Any]) -> None:
+        """Add every value to the history."""
+        for key, value in values.items():
+            self.history.add(global_step, key, value)
+
+
+class StreamWriter:
+    """Subscriber that appends values to a streamed log (:mod:`cockpit.log_stream`)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def on_record(self, global_step: int, values: Mapping[str, Any]) -> None:
+        """Write one record for the step, flushed to disk."""
+        self.stream.write({global_step: dict(values)})
+
+    def close(self) -> None:
+        """Close the file."""
+        self.stream.close()
+
+
+class Recorder:
+    """Collects the values of a step and hands them to the subscribers."""
+
+    def __init__(self):
+        self._subscribers: list = []
+        self._fresh: dict[int, dict[str, Any]] = {}
+
+    def subscribe(self, subscriber) -> None:
+        """Add a subscriber (order is kept: the history first, then the log, ...)."""
+        self._subscribers.append(subscriber)
+
+    def unsubscribe(self, subscriber) -> None:
+        """Remove a subscriber."""
+        self._subscribers.remove(subscriber)
+
+    @property
+    def subscribers(self) -> tuple:
+        """The subscribers, in order."""
+        return tuple(self._subscribers)
+
+    def record(self, global_step: int, key: str, value: Any) -> None:
+        """Note ``value`` for ``key`` at ``global_step`` (sent on by :meth:`flush`)."""
+        self._fresh.setdefault(int(global_step), {})[key] = value
+
+    def flush(self) -> None:
+        """Hand every step recorded since the last flush to every subscriber."""
+        fresh, self._fresh = self._fresh, {}
+        for step in sorted(fresh):
+            for subscriber in self._subscribers:
+                subscriber.on_record(step, fresh[step])
+
+    def close(self) -> None:
+        """Flush, then close every subscriber that can be closed."""
+        self.flush()
+        for subscriber in self._subscribers:
+            close = getattr(subscriber, "close", None)
+            if close is not None:
+                close()

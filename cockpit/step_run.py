@@ -1,0 +1,230 @@
+"""Running one planned step: the backward context, the checks after it, tracking.
+
+:class:`StepRun` is what :meth:`Cockpit.begin <cockpit.Cockpit.begin>` opens and
+:meth:`Cockpit.end <cockpit.Cockpit.end>` closes. Opening prepares the quantities
+and enters the engine's context around the user's ``loss.backward()``; closing
+checks the step (:class:`~cockpit.checks.Diagnostics`), shows parameters the engine
+did not reach with exact zero results, tracks the quantities and hands their
+values to the recorder. Buffers are freed whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+from torch import Tensor
+
+from cockpit.checks import NONFINITE_KEY, Diagnostics
+from cockpit.context import StepInfo
+from cockpit.engines import backpack as engine
+from cockpit.planner import StepPlan
+from cockpit.quantities.base import Quantity, TrackContext
+from cockpit.recorder import Recorder
+
+#: PyTorch's warning about backward(create_graph=True), silenced on cockpit's steps.
+_CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
+
+
+class _Guarded:
+    """Runs a quantity's ``accumulate`` and keeps its first error for later.
+
+    An error inside the backward pass would otherwise abort the user's
+    ``loss.backward()``; after the backward the step decides whether to raise it
+    (finite step: it is a bug) or to drop the quantity for the step (non-finite
+    values, e.g. a histogram of NaNs).
+    """
+
+    __slots__ = ("quantity", "error")
+
+    def __init__(self, quantity: Quantity):
+        self.quantity = quantity
+        self.error: Exception | None = None
+
+    def accumulate(self, global_step: int, view) -> None:
+        if self.error is not None:
+            return
+        try:
+            self.quantity.accumulate(global_step, view)
+        except Exception as error:  # re-raised after the backward
+            self.error = error
+
+
+class StepRun:
+    """One tracked step, from before ``loss.backward()`` to the recorded values.
+
+    Args:
+        plan: What the quantities ask of the step.
+        info: The step's ``info``.
+        params: The cockpit's parameters.
+        extensions: The user's extra BackPACK extensions.
+        diagnostics: The cockpit's checks (and warn-once memory).
+        recorder: Where values go.
+        save_memory: BackPACK's low-memory convolution setting.
+        debug: Print the step's plan and turn on BackPACK's debug output.
+    """
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        info: StepInfo,
+        params: list[Tensor],
+        extensions: tuple,
+        diagnostics: Diagnostics,
+        recorder: Recorder,
+        save_memory: bool,
+        debug: bool = False,
+    ):
+        self.plan, self.info, self.params = plan, info, params
+        self.diagnostics, self.recorder = diagnostics, recorder
+        diagnostics.before(plan, info)
+        self.setup = plan.backward_setup(extensions)
+        self.guards = [_Guarded(q) for q in plan.consumers]
+        self.hook = engine.ExtensionHook(
+            index={id(p): i for i, p in enumerate(params)},
+            consumers=self.guards,
+            global_step=plan.global_step,
+            needed=self.setup.needed,
+            free=self.setup.free_in_hook,
+        )
+        self.grads_before = [
+            (p.grad, p.grad._version if p.grad is not None else None) for p in params
+        ]
+        if debug:  # cockpit-for-pytorch 1.0.2 prints the plan with debug=True
+            print(
+                f"[cockpit] step {plan.global_step}: quantities "
+                f"{[q.key for q in plan.active]}, extensions "
+                f"{list(self.setup.extensions)}, create_graph {plan.create_graph}, "
+                f"protected {sorted(engine.savefields(extensions))}"
+            )
+        self._stack = contextlib.ExitStack()
+        self._save_memory = save_memory
+        self._debug = debug
+
+    # --- opening and closing -------------------------------------------------------
+    def open(self) -> None:
+        """Prepare the quantities and enter the backward context."""
+        for q in self.plan.active:
+            q.begin_step(self.plan.global_step, self.info)
+        stack = self._stack
+        if self.plan.create_graph:
+            # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
+            # the step breaks it when it closes (_release_graph).
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings(
+                "ignore", message=_CREATE_GRAPH_WARNING, category=UserWarning
+            )
+        stack.enter_context(
+            engine.backward_context(
+                self.setup.extensions, self.hook, self._save_memory, self._debug
+            )
+        )
+
+    def fail(self, error: BaseException) -> Exception | None:
+        """Abandon the step after ``error`` in the backward pass.
+
+        Returns:
+            A clearer error to raise instead, or ``None`` to re-raise ``error``.
+        """
+        try:
+            self._stack.__exit__(type(error), error, error.__traceback__)
+        finally:
+            self._abort()
+            self._free(self.setup.free_after)
+        return self.diagnostics.explain(error, self.plan)
+
+    def close(self) -> None:
+        """Leave the backward context, check the step, track and record."""
+        self._stack.close()
+        try:
+            if self.plan.active:
+                self._after_backward()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._free(self.setup.free_after)
+            if self.plan.create_graph:
+                self._release_graph()
+            self.recorder.flush()
+
+    # --- after the backward pass ---------------------------------------------------
+    def _after_backward(self) -> None:
+        step = self.plan.global_step
+        nonfinite = self.diagnostics.nonfinite(self.info)
+        if nonfinite:
+            self.recorder.record(step, NONFINITE_KEY, nonfinite)
+        self.diagnostics.modules(self.plan, self.hook)
+        unused = self.diagnostics.unreached(self.plan, self.hook, self.grads_before)
+        batch_size = self.hook.batch_size
+        if batch_size is None and self.info.has("batch_size"):
+            batch_size = int(self.info.get("batch_size"))
+        for index in unused:
+            param = self.params[index]
+            fields = engine.savefields(self.plan.requested)
+            self.hook.show(param, index, engine.zero_results(param, fields, batch_size))
+        failed = [g for g in self.guards if g.error is not None]
+        if failed and not nonfinite:
+            raise failed[0].error
+        for guard in failed:
+            self._drop(guard.quantity, guard.error)
+        dropped = {id(g.quantity) for g in failed}
+        ctx = TrackContext(step, self.params, self.info)
+        tolerant = bool(nonfinite)
+        for q in self.plan.first:
+            if id(q) not in dropped:
+                self._track(q, ctx, tolerant)
+        self._free(self.setup.free_after)
+        last = [q for q in self.plan.last if id(q) not in dropped]
+        if last:
+            with engine.disabled():
+                for q in last:
+                    self._track(q, ctx, tolerant)
+
+    def _track(self, quantity: Quantity, ctx: TrackContext, tolerant: bool) -> None:
+        try:
+            results = quantity.track(ctx.global_step, ctx)
+        except Exception as error:
+            if not tolerant:
+                raise
+            self._drop(quantity, error)  # a non-finite step must not crash
+            return
+        for save_step, value in results:
+            if value is not None:
+                self.recorder.record(save_step, quantity.key, value)
+
+    def _drop(self, quantity: Quantity, error: Exception) -> None:
+        """Skip a quantity that failed on a non-finite step (warned once per key)."""
+        step = self.plan.global_step
+        quantity.abort_step(step)
+        self.diagnostics.warn_once(
+            ("dropped", quantity.key),
+            f"{quantity.key} failed on the non-finite step {step} "
+            f"({type(error).__name__}: {error}) and has no value there; training "
+            "goes on. Fix: see the warning about non-finite values. (Warned once.)",
+        )
+
+    # --- cleanup -------------------------------------------------------------------
+    def _abort(self) -> None:
+        for q in self.plan.active:
+            q.abort_step(self.plan.global_step)
+
+    def _free(self, fields) -> None:
+        for p in self.params:
+            engine.free_buffers(p, fields)
+
+    def _release_graph(self) -> None:
+        """Detach ``.grad`` after a ``create_graph`` backward.
+
+        This breaks the parameter -> grad -> graph -> parameter cycle that would
+        otherwise keep the double-backward graph alive; the values are unchanged.
+        """
+        for p in self.params:
+            if p.grad is not None and p.grad.grad_fn is not None:
+                p.grad = p.grad.detach()
+
+
+def as_info(global_step: int, info: dict[str, Any] | None) -> StepInfo:
+    """Wrap the user's ``info`` for one step."""
+    return StepInfo(global_step, dict(info or {}))
