@@ -30,8 +30,6 @@ from cockpit.errors import CockpitWarning
 #: Where BackPACK lists the layers each extension supports.
 SUPPORTED_LAYERS_URL = "https://docs.backpack.pt/en/master/supported-layers.html"
 
-#: BackPACK savefields of first-order (per-sample gradient) extensions.
-FIRST_ORDER_SAVEFIELDS = frozenset({"grad_batch", "batch_l2", "sum_grad_squared"})
 
 # ATen's reduction enum as saved on loss nodes of the autograd graph.
 _REDUCTION_SUM = 2
