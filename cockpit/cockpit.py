@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import Tensor
 
+from cockpit.checkpoint import STATE_VERSION, cockpit_state, load_cockpit_state
 from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.history import History, json_path
 from cockpit.log_stream import LogStream
@@ -41,9 +42,6 @@ LOG_KEYS = (
     "test_accuracy",
     "learning_rate",
 )
-
-#: Version of the dictionary returned by :meth:`Cockpit.state_dict`.
-STATE_VERSION = 1
 
 
 class Cockpit:
@@ -130,7 +128,7 @@ class Cockpit:
         self._diagnostics = Diagnostics(self.params, self.param_names)
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
-        self._last_step: int | None = None
+        self.last_step: int | None = None
         for quantity in quantities or []:
             self.add(quantity)
 
@@ -280,7 +278,7 @@ class Cockpit:
                 raise clearer from error
             return
         run.close()
-        self._last_step = run.plan.global_step
+        self.last_step = run.plan.global_step
 
     def track(self, global_step: int, protected_savefields=()) -> None:
         """cockpit-for-pytorch 1.0.2's tracking entry point, kept for old scripts.
@@ -358,66 +356,18 @@ class Cockpit:
     def state_dict(self) -> dict[str, Any]:
         """Return what a restarted run needs to continue exactly where this one is.
 
-        Holds every quantity's state (keyed by quantity key), the history so far
-        and the last step seen. Save it with ``torch.save`` together with the model
-        and optimizer state, after ``optimizer.step()``.
+        See :func:`cockpit.checkpoint.cockpit_state`; save it with ``torch.save``
+        with the model and optimizer state, after ``optimizer.step()``.
         """
-        return {
-            "version": STATE_VERSION,
-            "last_step": self._last_step,
-            "optimizer_name": self.optimizer_name,
-            "quantities": {q.key: q.state_dict() for q in self.quantities},
-            "history": self.history.state_dict(),
-        }
+        return cockpit_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore a state from :meth:`state_dict`; the run continues after it.
 
-        Create the Cockpit with the same quantities (and ``logpath``, to append to
-        the same streamed log). Records that the interrupted run streamed for steps
-        after the checkpoint are superseded by those of the resumed run.
-
-        Args:
-            state: The dictionary returned by :meth:`state_dict`.
-            strict: Require the same quantity keys in ``state`` and this cockpit.
-
-        Raises:
-            ValueError: If ``state`` is not a cockpit state, or (with ``strict``)
-                the quantity keys differ.
+        See :func:`cockpit.checkpoint.load_cockpit_state`.
         """
-        if not isinstance(state, Mapping) or "quantities" not in state:
-            keys = f" with keys {sorted(state)}" if isinstance(state, Mapping) else ""
-            raise ValueError(
-                f"Expected a dictionary from Cockpit.state_dict(), got "
-                f"{type(state).__name__}{keys}. Fix: save cockpit.state_dict() and "
-                "pass that dictionary."
-            )
-        version = state.get("version", STATE_VERSION)
-        if version > STATE_VERSION:
-            raise ValueError(
-                f"The cockpit state has version {version}, newer than this cockpit "
-                f"reads ({STATE_VERSION}). Fix: upgrade cockpit."
-            )
-        saved = state["quantities"]
-        keys = [q.key for q in self.quantities]
-        missing = sorted(set(keys) - set(saved))
-        unexpected = sorted(set(saved) - set(keys))
-        if strict and (missing or unexpected):
-            raise ValueError(
-                f"The cockpit state does not match the quantities: missing "
-                f"{missing}, unexpected {unexpected}. Fix: create the Cockpit with "
-                "the quantities (and keys) of the saved run, or pass strict=False "
-                "to start the missing ones afresh and ignore the unexpected ones."
-            )
-        for quantity in self.quantities:
-            if quantity.key in saved:
-                quantity.load_state_dict(saved[quantity.key])
-        self.history.load_state_dict(state.get("history") or {})
-        self._last_step = state.get("last_step")
-        self.optimizer_name = state.get("optimizer_name", self.optimizer_name)
+        load_cockpit_state(self, state, strict)
         self._plan = None
-        if self._stream is not None:
-            self._stream.resume(self._last_step)
 
 
 def _as_step(global_step) -> int:
