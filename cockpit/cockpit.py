@@ -129,6 +129,15 @@ class Cockpit:
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
         self.last_step: int | None = None
+        if quantities is not None:
+            quantities = list(quantities)
+            if not quantities:
+                raise ValueError(
+                    "The Cockpit got an empty list of quantities, so it would track "
+                    "nothing. Fix: pass some, e.g. quantities=configuration('economy') "
+                    "(from cockpit.utils.configuration), or leave quantities out and "
+                    "call cockpit.add(quantity) later."
+                )
         for quantity in quantities or []:
             self.add(quantity)
 

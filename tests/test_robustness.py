@@ -490,3 +490,29 @@ def test_soak_benchmark_runs(tmp_path):
     text = out.read_text()
     for row in ("| first | 2 |", "| middle | 7 |", "| last | 11 |"):
         assert row in text, text
+
+
+def test_a_cockpit_that_can_never_track_anything_fails_at_construction():
+    param = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match="no parameters.*model.parameters"):
+        Cockpit([], [Q.Loss(EVERY)])
+    with pytest.raises(ValueError, match="empty list of quantities.*configuration"):
+        Cockpit([param], [])
+    with pytest.raises(ValueError, match="Quantity instances.*instantiate it"):
+        Cockpit([param], [Q.Loss])
+    with pytest.raises(ValueError, match="Quantity instances"):
+        Cockpit([param], ["Loss"])
+    with pytest.raises(TypeError, match="single quantity.*quantities=\\[...\\]"):
+        Cockpit([param], Q.Loss(EVERY))
+    Cockpit([param]).add(Q.Loss(EVERY))  # no quantities yet: 1.0.2 adds them later
+
+
+def test_old_style_needs_method_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match="needs must be data.*frozenset"):
+
+        class _Old(SingleStepQuantity):
+            def needs(self, global_step):
+                return {Need.BATCH_L2}
+
+            def _compute(self, global_step, ctx):
+                return 0.0
