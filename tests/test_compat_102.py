@@ -445,6 +445,47 @@ def test_debug_flag_runs(capsys):
     assert "NormTest" in cockpit.get_output()[0]
 
 
+def test_user_extensions_results_stay_on_params():
+    """``cockpit(step, *exts)``: the user's BackPACK results survive the step."""
+    from backpack import extensions
+
+    model = extend(utils102.mlp())
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    inputs, labels = next(iter(utils102.digits_data()))
+    outputs = model(inputs)
+    loss = loss_fn(outputs, labels)
+    losses = torch.nn.functional.cross_entropy(outputs, labels, reduction="none")
+    info = {
+        "batch_size": 16,
+        "individual_losses": losses.detach(),
+        "loss": loss,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+    }
+    with cockpit(0, extensions.BatchGrad(), extensions.SumGradSquared(), info=info):
+        loss.backward()
+    for p in model.parameters():
+        assert p.grad_batch.shape == (16, *p.shape)
+        assert p.sum_grad_squared.shape == p.shape
+    assert "NormTest" in cockpit.get_output()[0]
+
+
+def test_custom_quantity_create_graph():
+    """A 1.0.2 quantity asks for ``create_graph`` through ``create_graph(step)``."""
+    from cockpit.quantities.quantity import ByproductQuantity
+
+    class NeedsGraph(ByproductQuantity):
+        def create_graph(self, global_step):
+            return global_step == 1
+
+        def _compute(self, global_step, params, batch_loss):
+            return 0.0
+
+    model = extend(utils102.mlp())
+    cockpit = Cockpit(model.parameters(), quantities=[NeedsGraph(schedules.linear(1))])
+    assert [cockpit.create_graph(s) for s in range(3)] == [False, True, False]
+
+
 # --- writing and plotting logs ---
 def test_write_appends_json(tmp_path, full_run):
     logpath = str(tmp_path / "deeper" / "run")
