@@ -17,6 +17,7 @@ import collections
 import collections.abc
 import copy
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -24,19 +25,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
 from backpack import extend
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-
-from cockpit import Cockpit, CockpitPlotter, quantities  # noqa: E402
-from cockpit.utils import schedules  # noqa: E402
-from cockpit.utils.configuration import configuration  # noqa: E402
+from cockpit import Cockpit, CockpitPlotter, quantities
+from cockpit.utils import schedules
+from cockpit.utils.configuration import configuration
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "compat102"
@@ -51,7 +48,16 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 def _script(name):
-    return importlib.import_module(name)
+    """Import ``tests/compat102/<name>.py`` (once) as ``compat102_<name>``."""
+    module_name = f"compat102_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            module_name, SCRIPTS / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    return sys.modules[module_name]
 
 
 def _run_script(name, tmp_path, steps):
