@@ -14,12 +14,14 @@ import collections
 import contextlib
 import logging
 import operator
+import warnings
 from typing import Any, Iterable, Mapping
 
 from torch import Tensor
 
 from cockpit.checkpoint import STATE_VERSION, cockpit_state, load_cockpit_state
 from cockpit.checks import NONFINITE_KEY, Diagnostics
+from cockpit.errors import CockpitWarning
 from cockpit.history import History, json_path
 from cockpit.log_stream import LogStream
 from cockpit.planner import StepPlan, plan_step
@@ -99,18 +101,38 @@ class Cockpit:
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []
+        frozen: list[str] = []
         for i, item in enumerate(params):
             name = None
             if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
                 name, item = item
-            self._check_param(i, item, name)
-            self.params.append(item)
-            self.param_names.append(name)
+            label = f"Parameter #{i}" + (f" ({name!r})" if name else "")
+            if self._check_param(label, item):
+                self.params.append(item)
+                self.param_names.append(name)
+            else:
+                frozen.append(f"{label} (shape {tuple(item.shape)})")
         if not self.params:
+            what = (
+                f"none of its {len(frozen)} parameters requires gradients (e.g. "
+                f"{frozen[0]} does not require gradients)"
+                if frozen
+                else "no parameters"
+            )
             raise ValueError(
-                "The Cockpit got no parameters, so it can never track anything. "
-                "Fix: pass the model's trainable parameters, e.g. "
+                f"The Cockpit got {what}, so it can never track anything. Fix: pass "
+                "the model's trainable parameters, e.g. "
                 "Cockpit(model.parameters(), quantities=...)."
+            )
+        if frozen:
+            warnings.warn(
+                f"The Cockpit skips {len(frozen)} frozen parameter(s) (they do not "
+                f"require gradients): {', '.join(frozen[:3])}"
+                f"{', ...' if len(frozen) > 3 else ''}. It tracks the "
+                f"{len(self.params)} trainable one(s). Nothing to fix if that is "
+                "intended.",
+                CockpitWarning,
+                stacklevel=2,
             )
         if isinstance(quantities, Quantity):
             raise TypeError(
@@ -141,18 +163,12 @@ class Cockpit:
         for quantity in quantities or []:
             self.add(quantity)
 
-    def _check_param(self, i: int, param, name: str | None) -> None:
-        label = f"Parameter #{i}" + (f" ({name!r})" if name else "")
+    def _check_param(self, label: str, param) -> bool:
+        """Return whether ``param`` is trainable; raise if it cannot be tracked."""
         if not isinstance(param, Tensor):
             raise TypeError(
                 f"{label} is a {type(param).__name__}, not a tensor. Fix: pass "
                 "model.parameters() or model.named_parameters()."
-            )
-        if not param.requires_grad:
-            raise ValueError(
-                f"{label} (shape {tuple(param.shape)}) does not require "
-                "gradients. Pass only trainable parameters, e.g. "
-                "[p for p in model.parameters() if p.requires_grad]."
             )
         seen = [j for j, other in enumerate(self.params) if other is param]
         if seen:
@@ -160,6 +176,7 @@ class Cockpit:
                 f"{label} is the same tensor as parameter #{seen[0]}. Fix: pass each "
                 "parameter once (model.parameters() already skips tied weights)."
             )
+        return param.requires_grad
 
     # --- configuration -------------------------------------------------------------
     def add(self, quantity: Quantity) -> None:

@@ -184,7 +184,7 @@ class StepRun:
 
     def _track(self, quantity: Quantity, ctx: TrackContext, tolerant: bool) -> None:
         try:
-            results = quantity.track(ctx.global_step, ctx)
+            results = quantity.track_step(ctx.global_step, ctx)
         except Exception as error:
             if not tolerant:
                 raise

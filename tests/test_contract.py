@@ -182,7 +182,7 @@ def test_user_extension_kept_and_conflict_is_an_error():
         def extensions(self, global_step):
             return [BatchGrad(subsampling=[0, 1])]
 
-        def track(self, global_step, ctx):
+        def track_step(self, global_step, ctx):
             return []
 
     cockpit2 = Cockpit(problem.params, [_Sub(linear(1))])

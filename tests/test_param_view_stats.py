@@ -67,7 +67,7 @@ class Probe(Quantity):
             stats["individual"] = view.individual_gradients().clone()
         self.records.setdefault(global_step, {})[view.index] = stats
 
-    def track(self, global_step, ctx):
+    def track_step(self, global_step, ctx):
         return []
 
 
@@ -306,7 +306,7 @@ class GraphProbe(Quantity):
         self.acc.entries[view.index] = view.gram().clone()
         self.grams[view.index] = self.acc.entries[view.index]
 
-    def track(self, global_step, ctx):
+    def track_step(self, global_step, ctx):
         return []
 
 

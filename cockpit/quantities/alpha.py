@@ -158,9 +158,9 @@ class Alpha(TwoStepQuantity):
         )
 
     # --- after the backward pass ---------------------------------------------------
-    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the previous start, then start anew; drop the step's buffers."""
-        results = super().track(global_step, ctx)  # drops the step's accumulator
+        results = super().track_step(global_step, ctx)  # drops the step's accumulator
         self._optimizer = None
         return results
 

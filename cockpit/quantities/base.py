@@ -32,6 +32,7 @@ parameters until it has been computed.
 from __future__ import annotations
 
 import abc
+import collections
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -68,7 +69,7 @@ def _takes_params_and_loss(function) -> bool:
     positional = [
         p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    return len(positional) == 4 and positional[2].name != "ctx"
+    return len(positional) == 4
 
 
 class Quantity(abc.ABC):
@@ -159,6 +160,24 @@ class Quantity(abc.ABC):
         """Whether it is tracked after the engine's buffers are freed, engine off."""
         return _needs.after_cleanup(self.needs)
 
+    @property
+    def _track_schedule(self) -> Callable[[int], bool]:
+        """The schedule under 1.0.2's attribute name (read by 1.0.2 subclasses)."""
+        return self.track_schedule
+
+    @property
+    def _verbose(self) -> bool:
+        """``verbose`` under 1.0.2's attribute name."""
+        return self.verbose
+
+    def extension_hooks(self, global_step: int) -> list:
+        """1.0.2's per-module hooks; cockpit's quantities use ``accumulate``."""
+        return []
+
+    def protected_savefields(self, global_step: int) -> set[str]:
+        """1.0.2's buffers to keep; results of ``extensions()`` are kept anyway."""
+        return set()
+
     def extensions(self, global_step: int) -> list:
         """Return extra BackPACK extensions to run at this step (1.0.2's API).
 
@@ -197,12 +216,37 @@ class Quantity(abc.ABC):
         self.acc = None
 
     @abc.abstractmethod
-    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
-        """Compute the results due at ``global_step``.
+    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+        """Compute the results due at ``global_step`` (called by the cockpit).
 
         Returns:
             A list of ``(step_to_store_under, value)``; ``None`` values are skipped.
         """
+
+    def compute(self, global_step: int, params, batch_loss) -> list[tuple[int, Any]]:
+        """Return the results due at ``global_step`` (1.0.2's signature).
+
+        Args:
+            global_step: The step.
+            params: The parameters (with whatever BackPACK left on them).
+            batch_loss: The mini-batch loss.
+
+        Returns:
+            ``(step_to_store_under, value)`` pairs.
+        """
+        info = StepInfo(global_step, {} if batch_loss is None else {"loss": batch_loss})
+        return self.track_step(global_step, TrackContext(global_step, params, info))
+
+    def track(self, global_step: int, params, batch_loss) -> None:
+        """Compute the results due at ``global_step`` and record them (1.0.2's API).
+
+        The cockpit calls :meth:`track_step` itself; this is for code written for
+        cockpit-for-pytorch 1.0.2 that tracks a quantity by hand. Results go into
+        the history of the cockpit the quantity belongs to (see :attr:`output`).
+        """
+        for step, value in self.compute(global_step, list(params), batch_loss):
+            if value is not None and self._history is not None:
+                self._history.add(step, self.key, value)
 
     # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -218,12 +262,18 @@ class Quantity(abc.ABC):
         self._history = history
 
     @property
-    def output(self) -> dict[int, Any]:
-        """``{step: value}`` of everything recorded under this quantity's key."""
-        if self._history is None:
-            return {}
-        steps, values = self._history.series(self.key)
-        return dict(zip(steps, values))
+    def output(self) -> collections.defaultdict:
+        """``{step: value}`` of everything recorded under this quantity's key.
+
+        One ``defaultdict(dict)`` object per quantity, refreshed from the history
+        on every access (as 1.0.2's ``output``, which ``get_output`` returns).
+        """
+        output = self.__dict__.setdefault("_output", collections.defaultdict(dict))
+        output.clear()
+        if self._history is not None:
+            steps, values = self._history.series(self.key)
+            output.update(zip(steps, values))
+        return output
 
     def get_output(self) -> dict[int, Any]:
         """Return :attr:`output` (cockpit-for-pytorch 1.0.2's accessor)."""
@@ -240,7 +290,7 @@ class SingleStepQuantity(Quantity):
         super().__init_subclass__(**kwargs)
         cls._legacy = _takes_params_and_loss(cls._compute)
 
-    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Compute and return the value for ``global_step`` if it is scheduled."""
         try:
             if not self.should_compute(global_step):
@@ -275,20 +325,82 @@ class TwoStepQuantity(Quantity):
     never comes through the cockpit is dropped.
     """
 
+    #: 1.0.2's API: results of ``_compute_end`` at step ``t`` are stored under
+    #: ``t - SAVE_SHIFT`` (only for subclasses written for 1.0.2, see below).
+    SAVE_SHIFT = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._legacy = _takes_params_and_loss(cls._compute_start)
+
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self._pending: dict[int, Any] = {}
+        self._cache: dict[int, dict[str, tuple[Any, Callable[[int], bool]]]] = {}
+
+    def is_start(self, global_step: int) -> bool:
+        """Return whether a value starts at ``global_step`` (its schedule)."""
+        return self.should_compute(global_step)
 
     def is_end(self, global_step: int) -> bool:
         """Return whether ``global_step`` completes a pending start."""
         return global_step - 1 in self._pending
 
     def is_active(self, global_step: int) -> bool:
-        """Active on scheduled steps and on the step after each of them."""
-        return self.should_compute(global_step) or self.is_end(global_step)
+        """Active on start steps and on the step after each of them."""
+        return self.is_start(global_step) or self.is_end(global_step)
 
-    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+    # --- 1.0.2's cache, for subclasses written against it ---------------------------
+    def save_to_cache(
+        self, global_step: int, key: str, value: Any, block_fn: Callable[[int], bool]
+    ) -> None:
+        """Keep ``value`` while ``block_fn(step)`` is true for the coming steps."""
+        self._cache.setdefault(global_step, {})[key] = (value, block_fn)
+
+    def load_from_cache(self, global_step: int, key: str) -> Any:
+        """Return a value stored by :meth:`save_to_cache`.
+
+        Raises:
+            KeyError: If nothing is cached under ``(global_step, key)``.
+        """
+        try:
+            return self._cache[global_step][key][0]
+        except KeyError:
+            raise KeyError(
+                f"{self.key}: nothing cached for step {global_step} and key {key!r}. "
+                "Fix: save it with save_to_cache in _compute_start, with a block_fn "
+                "that stays true until the step that loads it."
+            ) from None
+
+    def _evict(self, global_step: int) -> None:
+        """Drop cached values whose ``block_fn`` is false for the next step."""
+        for step in list(self._cache):
+            entries = self._cache[step]
+            for key in [
+                k for k, (_, keep) in entries.items() if not keep(global_step + 1)
+            ]:
+                del entries[key]
+            if not entries:
+                del self._cache[step]
+
+    def _track_legacy(self, global_step: int, ctx: TrackContext) -> list:
+        params, loss = ctx.params, ctx.info.get("loss")
+        results = []
+        if self.is_end(global_step):
+            value = self._compute_end(global_step, params, loss)
+            results.append((global_step - self.SAVE_SHIFT, value))
+        if self.is_start(global_step):
+            self._compute_start(global_step, params, loss)
+        self._evict(global_step)
+        return results
+
+    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the pending start of the previous step, then start anew."""
+        if self._legacy:
+            try:
+                return self._track_legacy(global_step, ctx)
+            finally:
+                self.acc = None
         try:
             results = []
             if self.is_end(global_step):
@@ -316,6 +428,8 @@ class TwoStepQuantity(Quantity):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the pending starts (parameter snapshots and the like)."""
+        if self._legacy:  # 1.0.2 caches hold callables: not resumable
+            return {}
         return {"pending": dict(self._pending)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -27,11 +27,11 @@ class Distance(SingleStepQuantity):
         """Active on scheduled steps and on the very first step (for the snapshot)."""
         return self._initial is None or self.should_compute(global_step)
 
-    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Snapshot on first sight, then report the distance on scheduled steps."""
         if self._initial is None:
             self._initial = snapshot(ctx.params)
-        return super().track(global_step, ctx)
+        return super().track_step(global_step, ctx)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
         return norms(

@@ -372,10 +372,10 @@ class _Histogram(SingleStepQuantity):
     def _bins(self) -> list[int]:
         """Implemented by each subclass."""
 
-    def track(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
+    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Store the histogram (if scheduled), then let the policies move the range."""
         acc = self.acc
-        results = super().track(global_step, ctx)
+        results = super().track_step(global_step, ctx)
         ranges = self._ranges()
         for axis, policy in enumerate(self._policies()):
             if policy.should_compute(global_step):
