@@ -15,6 +15,9 @@ classes), ``cockpit.quantities.base.Quantity``, ``cockpit.utils.schedules.linear
 ``cockpit.extensions.PerSampleGradients``. Used on a cockpit: ``create_graph(step)``,
 ``__call__(step, info=...)``, ``get_output()``, ``history.memory_bytes()``,
 ``logpath`` and ``close()``.
+
+``python -m benchmarks.internals [DISTRIBUTION]`` prints :func:`describe` as JSON
+(``--reference`` asks its interpreter this way which cockpit it imports).
 """
 
 from __future__ import annotations
@@ -124,3 +127,30 @@ def discover_configurations() -> tuple[list[str], list[str]]:
         else:
             found.append(label)
     return found, notes
+
+
+def describe(distribution: str | None = None) -> dict:
+    """Say which cockpit this interpreter imports and which quantities it exports.
+
+    Args:
+        distribution: Also give this installed distribution's version.
+    """
+    from importlib import metadata
+
+    import cockpit
+    from cockpit import quantities
+
+    found = {
+        "file": cockpit.__file__,
+        "quantities": sorted(getattr(quantities, "__all__", [])),
+    }
+    if distribution:
+        found["version"] = metadata.version(distribution)
+    return found
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(describe(*sys.argv[1:2])))

@@ -7,14 +7,16 @@ repository. Its children start from a folder that holds only a link to
 ``import benchmarks`` this checkout's harness. The environment sees this
 interpreter's packages through a path file, so torch, BackPACK and numpy are the very
 ones our children use (torch pinned by ``-c constraints.txt`` all the same) and
-nothing large is downloaded; pip adds what 1.0.2 needs beyond them (``setuptools<81``
-for ``pkg_resources``, seaborn, json-tricks) into the environment, where those copies
-come first.
+nothing large is downloaded. pip installs the package without its dependencies, then
+those of its direct requirements that no shared package provides (for 1.0.2: seaborn
+and json-tricks), and ``setuptools<81`` (1.0.2 imports ``pkg_resources``); these
+copies come first on the path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -29,10 +31,17 @@ from benchmarks.measure import REPO, Interpreter
 PACKAGE = "cockpit-for-pytorch==1.0.2"
 CONSTRAINTS = REPO / "constraints.txt"
 _ENV_PYTHON = Path("bin") / "python"
-_WHERE = (
-    "import cockpit, importlib.metadata as m; "
-    "print(cockpit.__file__); print(m.version({!r}))"
-)
+#: Prints the requirements of a distribution whose package is not installed at all.
+_MISSING = """
+import importlib.metadata as m, re, sys
+for r in m.requires(sys.argv[1]) or []:
+    if "extra ==" in r:
+        continue
+    try:
+        m.distribution(re.split(r"[<>=!~ ;(\\[]", r.strip(), maxsplit=1)[0])
+    except m.PackageNotFoundError:
+        print(r)
+"""
 
 
 def _say(text: str) -> None:
@@ -62,35 +71,59 @@ def build(folder: Path, requirement: str = PACKAGE) -> Path:
     shared = sysconfig.get_paths()["purelib"]
     Path(site, "_benchmarks_shared.pth").write_text(shared + "\n")
     _say(f"installing {requirement} (torch constrained by {CONSTRAINTS.name})")
-    command = [str(python), "-m", "pip", "install", "--quiet"]
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
     if CONSTRAINTS.exists():
-        command += ["-c", str(CONSTRAINTS)]
-    subprocess.run(command + [requirement, "setuptools<81"], check=True)
+        pip += ["-c", str(CONSTRAINTS)]
+    # Without its dependencies first: pip would otherwise also install what the
+    # shared packages lack (BackPACK's torchvision, built for another torch).
+    subprocess.run(pip + ["--no-deps", requirement, "setuptools<81"], check=True)
+    missing = subprocess.run(
+        [str(python), "-c", _MISSING, _distribution(requirement)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    missing = [line for line in missing if line.strip()]
+    if missing:
+        _say(f"installing what it needs beyond the shared packages: {missing}")
+        subprocess.run(pip + missing, check=True)
     return python
 
 
-def _check(interpreter: Interpreter, venv: Path, requirement: str) -> str:
-    """Make sure the children import the installed package; return its version."""
-    name = re.split(r"[<>=!~ \[]", requirement, maxsplit=1)[0]
+def _distribution(requirement: str) -> str:
+    """The distribution name of a requirement (``cockpit-for-pytorch==1.0.2``)."""
+    return re.split(r"[<>=!~ \[;]", requirement.strip(), maxsplit=1)[0]
+
+
+def _describe(interpreter: Interpreter, venv: Path, requirement: str) -> dict:
+    """Ask the children's interpreter which cockpit it imports; check it is ours.
+
+    Returns:
+        :func:`benchmarks.internals.describe` of that interpreter.
+    """
     proc = subprocess.run(
-        [interpreter.python, "-c", _WHERE.format(name)],
+        [interpreter.python, "-m", "benchmarks.internals", _distribution(requirement)],
         cwd=interpreter.cwd,
         env={k: v for k, v in os.environ.items() if k not in interpreter.drop_env},
         capture_output=True,
         text=True,
         check=True,
     )
-    where, version = proc.stdout.split()
-    if not Path(where).resolve().is_relative_to(venv.resolve()):
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not Path(found["file"]).resolve().is_relative_to(venv.resolve()):
         raise RuntimeError(
-            f"the reference children import cockpit from {where}, not from {venv}"
+            f"the reference children import cockpit from {found['file']}, not from "
+            f"the environment in {venv}"
         )
-    return version
+    return found
 
 
 @contextlib.contextmanager
 def interpreter(venv=None, requirement: str = PACKAGE):
-    """Yield ``(Interpreter, label)`` for children that run the reference package.
+    """Yield ``(Interpreter, name, about)`` for children of the reference package.
+
+    ``name`` is the distribution and version (``cockpit-for-pytorch 1.0.2``),
+    ``about`` :func:`benchmarks.internals.describe` run by that interpreter.
 
     Args:
         venv: Folder of the environment, kept for the next run; None: a temporary
@@ -104,6 +137,6 @@ def interpreter(venv=None, requirement: str = PACKAGE):
         start.mkdir()
         (start / "benchmarks").symlink_to(REPO / "benchmarks", target_is_directory=True)
         found = Interpreter(python=str(python), cwd=start, drop_env=("PYTHONPATH",))
-        version = _check(found, folder, requirement)
-        _say(f"children run cockpit {version} from {folder}")
-        yield found, f"cockpit-for-pytorch {version}"
+        about = _describe(found, folder, requirement)
+        _say(f"children run {requirement} from {about['file']}")
+        yield found, f"{_distribution(requirement)} {about['version']}", about

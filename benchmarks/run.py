@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import blocks, internals, measure, record, reference, report, retry
@@ -167,41 +168,73 @@ def parse(argv=None):
     return args
 
 
-def measure_all(problem, specs, args, variants) -> None:
+@dataclass
+class Variant:
+    """One cockpit to measure: where its children run and where results go.
+
+    Attributes:
+        results: problem -> spec -> mode -> result, filled in by :func:`measure_all`.
+        interpreter: How its children start.
+        label: Put before specs in progress lines and notes ('' for ours).
+        offers: The specs it can measure (None: all).
+    """
+
+    results: dict = field(default_factory=dict)
+    interpreter: measure.Interpreter = measure.OURS
+    label: str = ""
+    offers: set | None = None
+
+    def measures(self, spec: str) -> bool:
+        """Whether this variant measures ``spec``."""
+        return self.offers is None or spec in self.offers
+
+
+def measure_all(problem: str, specs: list[str], args, variants: list) -> None:
     """Measure every spec on one problem with every variant, alternating their order.
 
-    Args:
-        problem: ``mlp`` or ``3c3d``.
-        specs: What to measure (:func:`plan`).
-        args: The run's settings.
-        variants: ``(results, interpreter, label)`` triples: ours first, then the
-            reference package's (which measures no building blocks).
+    Each spec is measured by all variants one after the other (time, then memory),
+    ours first for even specs and last for odd ones, so that drift in the machine's
+    speed does not favour one of them.
     """
+    for variant in variants:
+        variant.results.setdefault(problem, {})
     if not args.no_memory:
-        for res, interpreter, _ in variants:
-            res["plain"] = {
+        for variant in variants:
+            variant.results[problem]["plain"] = {
                 "memory": measure.run_child(
-                    problem, "plain", "memory", args, interpreter
+                    problem, "plain", "memory", args, variant.interpreter
                 )
             }
     for index, spec in enumerate(specs):
-        for res, interpreter, label in variants if index % 2 == 0 else variants[::-1]:
-            if label and blocks.is_block(spec):
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            if not variant.measures(spec):
                 continue
-            entry = res.setdefault(spec, {})
+            entry = variant.results[problem].setdefault(spec, {})
             if not args.no_time:
                 entry["time"] = measure.run_child(
-                    problem, spec, "time", args, interpreter
+                    problem, spec, "time", args, variant.interpreter
                 )
             if not args.no_memory and not blocks.is_block(spec):
                 entry["memory"] = measure.run_child(
-                    problem, spec, "memory", args, interpreter
+                    problem, spec, "memory", args, variant.interpreter
                 )
             print(
-                f"[{problem}] {label}{spec}: {measure.summary(entry)}",
+                f"[{problem}] {variant.label}{spec}: {measure.summary(entry)}",
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _reference_variant(args, stack, specs: list[str], notes: list[str]) -> Variant:
+    """Set up the reference package's environment (closed by ``stack``)."""
+    interpreter, name, about = stack.enter_context(
+        reference.interpreter(args.reference_venv, args.reference_package)
+    )
+    offers = set(internals.CONFIGURATIONS) | set(about["quantities"])
+    missing = [s for s in specs if s not in offers and not blocks.is_block(s)]
+    if missing:
+        notes.append(f"{name} has no {', '.join(missing)}: not measured with it")
+    return Variant(interpreter=interpreter, label=name + " ", offers=offers)
 
 
 def main(argv=None) -> None:
@@ -218,23 +251,24 @@ def main(argv=None) -> None:
         return
     args.problems = [p.strip() for p in args.problems.split(",") if p.strip()]
     specs, notes = plan(args)
-    results: dict = {}
-    variants = [(results, measure.OURS, "")]
-    theirs = None
+    variants = [Variant()]
     with contextlib.ExitStack() as stack:
         if args.reference:
-            interpreter, name = stack.enter_context(
-                reference.interpreter(args.reference_venv, args.reference_package)
-            )
-            theirs = {"package": name, "requirement": args.reference_package}
-            theirs["results"] = {}
-            variants.append((theirs["results"], interpreter, name + " "))
+            variants.append(_reference_variant(args, stack, specs, notes))
         for problem in args.problems:
-            per_problem = [(r.setdefault(problem, {}), i, n) for r, i, n in variants]
-            measure_all(problem, specs, args, per_problem)
-        for res, interpreter, label in variants:
-            notes += retry.retry_busy(res, args, interpreter, label)
-    saved = record.new(results, notes, argv, args, theirs)
+            measure_all(problem, specs, args, variants)
+        for variant in variants:
+            notes += retry.retry_busy(
+                variant.results, args, variant.interpreter, variant.label
+            )
+    theirs = None
+    if args.reference:
+        theirs = {
+            "package": variants[1].label.strip(),
+            "requirement": args.reference_package,
+            "results": variants[1].results,
+        }
+    saved = record.new(variants[0].results, notes, argv, args, theirs)
     Path(args.out).write_text(report.render(saved, args.analysis) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
