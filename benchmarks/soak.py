@@ -11,7 +11,7 @@ trained with SGD while the ``full`` configuration is tracked: its cheap quantiti
 others (per-sample gradients, curvature, HessMaxEV with ``create_graph``, 1-D and 2-D
 histograms) every ``--interval`` steps. The history is streamed to a log file as in a
 real run. Every ``--sample-every`` steps the resident set size (``/proc/self/statm``)
-and the size of the in-memory history (:meth:`cockpit.history.History.memory_bytes`)
+and the size of the in-memory history (``History.memory_bytes()``)
 are recorded. Memory is flat if the RSS grows by no more than the history does.
 By default the run is repeated in a child process with a fixed glibc mmap threshold
 (``--mmap-threshold``), to tell allocator retention from memory in use.
@@ -34,12 +34,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import internals
+from benchmarks.measure import REPO, tracked_step
 from benchmarks.problems import make
-from cockpit import Cockpit
-from cockpit.utils.configuration import quantities_cls_for_configuration
-from cockpit.utils.schedules import linear
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "soak_results.md"
 CHEAP = ("Loss", "GradNorm", "Distance", "UpdateSize")
 MIB = 2**20
@@ -69,9 +67,9 @@ def settled_rss_bytes() -> int:
 def quantities(interval: int):
     """The ``full`` configuration: cheap quantities every step, others sparser."""
     made = []
-    for cls in quantities_cls_for_configuration("full"):
+    for cls in internals.configuration_classes("full"):
         every = 1 if cls.__name__ in CHEAP else interval
-        made.append(cls(linear(every)))
+        made.append(cls(internals.schedule_every(every)))
     return made
 
 
@@ -84,10 +82,9 @@ def soak(
     after the last step.
     """
     bench = make("mlp", batch_size=batch_size, need_plain=False)
-    model, loss_fn = bench.extended, bench.loss_fn
-    individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    model = bench.extended
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    cockpit = Cockpit(
+    cockpit = internals.make_cockpit(
         model.named_parameters(),
         quantities(interval),
         logpath=os.path.join(logdir, "soak"),
@@ -95,20 +92,7 @@ def soak(
     samples = []
     start = time.perf_counter()
     for step in range(steps):
-        x, y = bench.batch(step)
-        optimizer.zero_grad()
-        outputs = model(x)
-        loss = loss_fn(outputs, y)
-        info = {
-            "batch_size": x.shape[0],
-            "individual_losses": individual_loss_fn(outputs, y),
-            "loss": loss,
-            "optimizer": optimizer,
-        }
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
-        optimizer.step()
-        del outputs, loss, info
+        tracked_step(cockpit, model, bench.loss_fn, optimizer, bench.batch(step), step)
         if step % sample_every == interval // 2 or step == steps - 1:
             seconds = time.perf_counter() - start
             samples.append(
@@ -116,7 +100,7 @@ def soak(
                     "step": step,
                     "raw_rss": rss_bytes(),
                     "rss": settled_rss_bytes(),
-                    "history": cockpit.history.memory_bytes(),
+                    "history": internals.history_bytes(cockpit),
                     "seconds": seconds,
                 }
             )

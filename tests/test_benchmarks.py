@@ -1,11 +1,16 @@
-"""The overhead benchmark harness runs end to end (tiny settings)."""
+"""The overhead benchmark harness: end to end at tiny settings, and its parts."""
 
+import ast
 import json
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
 
+from benchmarks import measure, record, report, retry, run
+
 REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
 
 
 def run_harness(*args):
@@ -26,14 +31,18 @@ def test_harness_measures_time_memory_and_blocks(tmp_path):
         "--out", str(out), "--json", str(raw), "--analysis", "",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    record = json.loads(raw.read_text())
-    grad_norm = record["results"]["mlp"]["GradNorm"]
+    assert "[mlp] GradNorm: time: " in proc.stderr
+    saved = json.loads(raw.read_text())
+    assert set(saved) == {"machine", "results", "notes", "argv", "settings"}
+    assert saved["settings"]["problems"] == ["mlp"]
+    grad_norm = saved["results"]["mlp"]["GradNorm"]
     assert len(grad_norm["time"]["plain_s"]) == len(grad_norm["time"]["tracked_s"]) == 2
     assert grad_norm["time"]["ratio"] > 0 and grad_norm["time"]["keys"] == ["GradNorm"]
     assert grad_norm["memory"]["peak_rss_mib"] > 0
-    assert record["results"]["mlp"]["plain"]["memory"]["peak_rss_mib"] > 0
-    hvp = record["results"]["mlp"]["block:HVP"]["time"]
+    assert saved["results"]["mlp"]["plain"]["memory"]["peak_rss_mib"] > 0
+    hvp = saved["results"]["mlp"]["block:HVP"]["time"]
     assert hvp["ratio"] > 0 and hvp["extra_ratio"] > 0
+    assert "memory" not in saved["results"]["mlp"]["block:HVP"]
     text = out.read_text()
     assert "| GradNorm |" in text and "one HVP" in text
     assert "'NoSuchThing' is no configuration, quantity or block" in text
@@ -43,3 +52,174 @@ def test_harness_measures_time_memory_and_blocks(tmp_path):
     proc = run_harness("--render", str(raw), "--out", str(again), "--analysis", "")
     assert proc.returncode == 0, proc.stderr
     assert again.read_text() == text
+
+
+def test_committed_results_are_the_rendering_of_the_committed_record(tmp_path):
+    """results.md is results.json rendered with analysis.md appended, byte for byte."""
+    out = tmp_path / "results.md"
+    proc = run_harness("--render", str(BENCHMARKS / "results.json"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == (BENCHMARKS / "results.md").read_text(), (
+        "benchmarks/results.md is stale: run "
+        "`python -m benchmarks.run --render benchmarks/results.json`"
+    )
+
+
+def test_only_internals_imports_cockpit():
+    """Core names used by the benchmarks live in one module, for one place to fix."""
+    offenders = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        if path.name == "internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [
+                f"{path.name}:{node.lineno} {name}"
+                for name in names
+                if name == "cockpit" or name.startswith("cockpit.")
+            ]
+    assert not offenders, offenders
+
+
+def test_plan_expands_groups_and_reports_unknown_names():
+    specs, notes = run.plan(Namespace(configs="economy, blocks,GradNorm,Nope,HVP"))
+    assert specs[0] == "economy" and "GradNorm" in specs
+    assert specs.count("block:HVP") == 1 and "block:BatchGrad" in specs
+    assert "'Nope' is no configuration, quantity or block: skipped" in notes
+
+
+def _timing(plain_ms, tracked_ms=2.0):
+    return {
+        "plain_s": [plain_ms / 1000] * 3,
+        "tracked_s": [tracked_ms / 1000] * 3,
+        "ratio": tracked_ms / plain_ms,
+    }
+
+
+def _timing_entry(plain_ms, tracked_ms=2.0):
+    return {"time": _timing(plain_ms, tracked_ms)}
+
+
+def _machine():
+    keys = ("cpu", "platform", "python", "torch", "backpack", "commit", "date", "load")
+    return dict.fromkeys(keys, "x") | {"cores": 2}
+
+
+def _settings(**extra):
+    return Namespace(busy_factor=3.0, retries=2, **extra)
+
+
+def test_retry_measures_busy_specs_again_and_keeps_the_faster_run(monkeypatch):
+    calls = []
+
+    def fake_run_child(problem, spec, mode, args, interpreter=measure.OURS):
+        calls.append((problem, spec, mode))
+        return _timing(1.2)
+
+    monkeypatch.setattr(measure, "run_child", fake_run_child)
+    results = {
+        "mlp": {
+            "plain": {"memory": {"peak_rss_mib": 300.0}},
+            "Loss": _timing_entry(1.0),
+            "Alpha": _timing_entry(10.0),  # busy: 10x the fastest plain step
+            "block:HVP": _timing_entry(5.0),  # blocks are compared separately
+        }
+    }
+    notes = retry.retry_busy(results, _settings())
+    assert calls == [("mlp", "Alpha", "time")]
+    assert results["mlp"]["Alpha"]["time"]["plain_s"][0] == 0.0012
+    assert notes == [
+        "mlp Alpha: measured again (plain step median 10.0 ms, 10.0x the fastest of "
+        "this problem: machine busy); kept 1.2 ms"
+    ]
+
+
+def test_retry_says_when_the_machine_stays_busy(monkeypatch):
+    monkeypatch.setattr(measure, "run_child", lambda *a, **k: _timing(20.0))
+    results = {"mlp": {"Loss": _timing_entry(1.0), "Alpha": _timing_entry(10.0)}}
+    notes = retry.retry_busy(results, _settings(), label="ref ")
+    assert notes == [
+        "mlp ref Alpha: plain steps still 10.0x slower than the fastest of this "
+        "problem after retries (machine busy); its ratio is unreliable"
+    ]
+
+
+def test_fix_remeasures_on_request_and_rewrites_record_and_report(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(measure, "run_child", lambda *a, **k: _timing(1.0, 3.0))
+    monkeypatch.setattr(record, "machine", _machine)
+    results = {"mlp": {"GradNorm": _timing_entry(1.0)}}
+    args = _settings(
+        problems=["mlp"], repeats=3, warmup=1, min_time=0.0, memory_steps=1,
+        threads=2, clock="wall",
+    )  # fmt: skip
+    saved = record.new(results, [], ["--quick"], args)
+    raw, out = tmp_path / "r.json", tmp_path / "r.md"
+    record.write(raw, saved)
+    retry.fix(
+        _settings(fix=str(raw), remeasure="mlp:GradNorm", out=str(out), analysis="")
+    )
+    fixed = json.loads(raw.read_text())
+    assert fixed["results"]["mlp"]["GradNorm"]["time"]["ratio"] == 3.0
+    assert fixed["notes"][0].startswith("mlp GradNorm: measured again after the run")
+    assert "--remeasure mlp:GradNorm" in fixed["notes"][-1]
+    assert "| GradNorm | 1.0 | 3.0 | 3.00 |" in out.read_text()
+
+
+def test_variants_alternate_and_the_reference_skips_what_it_lacks(monkeypatch):
+    calls = []
+
+    def fake_run_child(problem, spec, mode, args, interpreter=measure.OURS):
+        calls.append((interpreter.python, spec, mode))
+        if mode == "memory":
+            return {"peak_rss_mib": 400.0 if spec == "plain" else 450.0}
+        return _timing(1.0, 5.0 if interpreter is measure.OURS else 50.0)
+
+    monkeypatch.setattr(measure, "run_child", fake_run_child)
+    ours = run.Variant()
+    theirs = run.Variant(
+        interpreter=measure.Interpreter(python="ref"), label="ref 1.0 ", offers={"A"}
+    )
+    args = Namespace(no_time=False, no_memory=False)
+    run.measure_all("mlp", ["A", "B", "block:HVP", "C"], args, [ours, theirs])
+    me = measure.OURS.python
+    assert calls == [
+        (me, "plain", "memory"), ("ref", "plain", "memory"),
+        (me, "A", "time"), (me, "A", "memory"), ("ref", "A", "time"),
+        ("ref", "A", "memory"),
+        (me, "B", "time"), (me, "B", "memory"),
+        (me, "block:HVP", "time"),
+        (me, "C", "time"), (me, "C", "memory"),
+    ]  # fmt: skip
+    assert set(theirs.results["mlp"]) == {"plain", "A"}
+
+    text = report.render(
+        {
+            "machine": _machine(),
+            "results": ours.results,
+            "notes": [],
+            "argv": ["--reference"],
+            "settings": {
+                "problems": ["mlp"],
+                "repeats": 3,
+                "warmup": 1,
+                "min_time": 0.0,
+                "memory_steps": 1,
+                "threads": 2,
+                "clock": "wall",
+            },  # fmt: skip
+            "reference": {
+                "package": "ref 1.0",
+                "requirement": "ref==1.0",
+                "results": theirs.results,
+            },
+        }
+    )
+    assert "### Same run: ref 1.0" in text
+    assert "| A | 5.00 | 50.0 | 10.0 | 50.0 | 50.0 |" in text

@@ -1,0 +1,156 @@
+"""The one benchmarks module that imports cockpit.
+
+Every other module in ``benchmarks/`` reaches cockpit through these functions, so a
+name that moves in the core is fixed here alone (``tests/test_benchmarks.py`` checks
+that no other benchmarks module imports cockpit). Imports happen inside the functions:
+rendering a report needs neither torch nor cockpit, and ``--reference`` children run
+the same functions against cockpit-for-pytorch 1.0.2, which has the public names used
+by the children (``Cockpit``, ``cockpit.quantities``, ``cockpit.utils.schedules`` and
+``cockpit.utils.configuration``) but not the internal ones.
+
+Names imported: ``cockpit.Cockpit``, ``cockpit.quantities`` (its ``__all__`` and
+classes), ``cockpit.quantities.base.Quantity``, ``cockpit.utils.schedules.linear``,
+``cockpit.utils.configuration.configuration`` and
+``cockpit.utils.configuration.quantities_cls_for_configuration``,
+``cockpit.extensions.PerSampleGradients``. Used on a cockpit: ``create_graph(step)``,
+``__call__(step, info=...)``, ``get_output()``, ``history.memory_bytes()``,
+``logpath`` and ``close()``.
+
+``python -m benchmarks.internals [DISTRIBUTION]`` prints :func:`describe` as JSON
+(``--reference`` asks its interpreter this way which cockpit it imports).
+"""
+
+from __future__ import annotations
+
+#: The ready-made configurations, cheapest first.
+CONFIGURATIONS = ("economy", "business", "full")
+
+
+def every_step():
+    """Return the schedule that tracks every step."""
+    from cockpit.utils.schedules import linear
+
+    return linear(1)
+
+
+def schedule_every(interval: int):
+    """Return the schedule that tracks every ``interval``-th step."""
+    from cockpit.utils.schedules import linear
+
+    return linear(interval)
+
+
+def make_quantities(spec: str) -> list:
+    """Instantiate a configuration label's quantities, or one quantity class by name.
+
+    Every quantity tracks every step.
+    """
+    from cockpit import quantities
+
+    if spec in CONFIGURATIONS:
+        from cockpit.utils.configuration import configuration
+
+        return list(configuration(spec, track_schedule=every_step()))
+    return [getattr(quantities, spec)(every_step())]
+
+
+def configuration_classes(label: str) -> list[type]:
+    """Return the quantity classes of a configuration label."""
+    from cockpit.utils.configuration import quantities_cls_for_configuration
+
+    return list(quantities_cls_for_configuration(label))
+
+
+def configuration_members(label: str) -> list[str]:
+    """Return the class names of a configuration's quantities ([] if unavailable)."""
+    try:
+        return [cls.__name__ for cls in configuration_classes(label)]
+    except Exception:  # noqa: BLE001 - configurations missing: nothing to break down
+        return []
+
+
+def make_cockpit(params, quantities: list, **kwargs):
+    """Return ``cockpit.Cockpit(params, quantities, **kwargs)``."""
+    from cockpit import Cockpit
+
+    return Cockpit(params, quantities=quantities, **kwargs)
+
+
+def recorded_keys(cockpit) -> list[str]:
+    """Return every history key the cockpit recorded (proof that it worked)."""
+    keys = set()
+    for entries in cockpit.get_output().values():
+        keys.update(entries)
+    return sorted(keys)
+
+
+def history_bytes(cockpit) -> int:
+    """Return the size of the cockpit's in-memory history in bytes."""
+    return cockpit.history.memory_bytes()
+
+
+def per_sample_gradients():
+    """Return cockpit's own per-sample gradient extension (a building block)."""
+    from cockpit.extensions import PerSampleGradients
+
+    return PerSampleGradients()
+
+
+def discover_quantities() -> tuple[list[str], list[str]]:
+    """Return the exported quantity classes, and notes on those left out."""
+    from cockpit import quantities
+    from cockpit.quantities.base import Quantity
+
+    names, notes = [], []
+    for name in sorted(getattr(quantities, "__all__", [])):
+        cls = getattr(quantities, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Quantity)):
+            continue
+        if cls.__module__ == Quantity.__module__ or name.startswith("_"):
+            continue
+        names.append(name)
+    return names, notes
+
+
+def discover_configurations() -> tuple[list[str], list[str]]:
+    """Return the configuration labels that exist, and notes on missing ones."""
+    try:
+        from cockpit.utils.configuration import configuration
+    except Exception as error:  # noqa: BLE001 - a half-written module, say
+        return [], [f"configurations skipped: cannot import them ({error!r})"]
+    found, notes = [], []
+    for label in CONFIGURATIONS:
+        try:
+            configuration(label)
+        except Exception as error:  # noqa: BLE001 - report whatever breaks
+            notes.append(f"configuration {label!r} skipped: {error!r}")
+        else:
+            found.append(label)
+    return found, notes
+
+
+def describe(distribution: str | None = None) -> dict:
+    """Say which cockpit this interpreter imports and which quantities it exports.
+
+    Args:
+        distribution: Also give this installed distribution's version.
+    """
+    from importlib import metadata
+
+    import cockpit
+    from cockpit import quantities
+
+    found = {
+        "file": cockpit.__file__,
+        "quantities": sorted(getattr(quantities, "__all__", [])),
+    }
+    if distribution:
+        found["version"] = metadata.version(distribution)
+    return found
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(describe(*sys.argv[1:2])))
