@@ -12,7 +12,8 @@ Names imported: ``cockpit.Cockpit``, ``cockpit.quantities`` (its ``__all__`` and
 classes), ``cockpit.quantities.base.Quantity``, ``cockpit.utils.schedules.linear``,
 ``cockpit.utils.configuration.configuration`` and
 ``cockpit.utils.configuration.quantities_cls_for_configuration``,
-``cockpit.extensions.PerSampleGradients``. Used on a cockpit: ``create_graph(step)``,
+``cockpit.engines.backpack_rules.PerSampleGradients``. Used on a cockpit:
+``create_graph(step)``,
 ``__call__(step, info=...)``, ``get_output()``, ``history.memory_bytes()``,
 ``logpath`` and ``close()``.
 
@@ -91,7 +92,7 @@ def history_bytes(cockpit) -> int:
 
 def per_sample_gradients():
     """Return cockpit's own per-sample gradient extension (a building block)."""
-    from cockpit.extensions import PerSampleGradients
+    from cockpit.engines.backpack_rules import PerSampleGradients
 
     return PerSampleGradients()
 
