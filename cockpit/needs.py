@@ -33,6 +33,7 @@ class Need(str, Enum):
     DIAG_GGN_EXACT = "diag_ggn_exact"
     DIAG_GGN_MC = "diag_ggn_mc"
     HESSIAN_VECTOR_PRODUCTS = "hessian_vector_products"
+    OPTIMIZER_UPDATE = "optimizer_update"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ NEEDS: Mapping[Need, NeedSpec] = {
     Need.DIAG_GGN_EXACT: NeedSpec("the diagonal of the generalised Gauss-Newton", True),
     Need.DIAG_GGN_MC: NeedSpec(
         "a one-sample Monte-Carlo estimate of the GGN diagonal", True
+    ),
+    Need.OPTIMIZER_UPDATE: NeedSpec(
+        "the update optimizer.step() makes, as replayed from the mini-batch gradient"
     ),
     Need.HESSIAN_VECTOR_PRODUCTS: NeedSpec(
         "Hessian-vector products of the mini-batch loss",

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol
 
+#: History key of quantities without a value at a step: ``{key: reason}``.
+MISSING_KEY = "missing"
+
 
 class Subscriber(Protocol):
     """Receives each tracked step's values once they are complete."""
@@ -71,6 +74,11 @@ class Recorder:
     def record(self, global_step: int, key: str, value: Any) -> None:
         """Note ``value`` for ``key`` at ``global_step`` (sent on by :meth:`flush`)."""
         self._fresh.setdefault(int(global_step), {})[key] = value
+
+    def note_missing(self, global_step: int, key: str, reason: str) -> None:
+        """Record that quantity ``key`` has no value at ``global_step``, and why."""
+        fresh = self._fresh.setdefault(int(global_step), {})
+        fresh.setdefault(MISSING_KEY, {})[key] = reason
 
     def flush(self) -> None:
         """Hand every step recorded since the last flush to every subscriber."""

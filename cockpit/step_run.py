@@ -20,7 +20,7 @@ from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.context import StepInfo
 from cockpit.engines import backpack as engine
 from cockpit.planner import StepPlan
-from cockpit.quantities.base import Quantity, TrackContext
+from cockpit.quantities.base import Missing, Quantity, TrackContext
 from cockpit.recorder import Recorder
 
 #: PyTorch's warning about backward(create_graph=True), silenced on cockpit's steps.
@@ -191,7 +191,14 @@ class StepRun:
             self._drop(quantity, error)  # a non-finite step must not crash
             return
         for save_step, value in results:
-            if value is not None:
+            if isinstance(value, Missing):
+                self.recorder.note_missing(save_step, quantity.key, value.reason)
+                self.diagnostics.warn_once(
+                    ("missing", quantity.key, value.reason),
+                    f"{quantity.key} has no value at step {save_step}: {value.reason} "
+                    "(recorded under 'missing'; warned once)",
+                )
+            elif value is not None:
                 self.recorder.record(save_step, quantity.key, value)
 
     def _drop(self, quantity: Quantity, error: Exception) -> None:

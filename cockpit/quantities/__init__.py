@@ -2,7 +2,9 @@
 
 from cockpit.quantities.alpha import Alpha
 from cockpit.quantities.base import (
+    MISSING_KEY,
     ByproductQuantity,
+    Missing,
     Quantity,
     SingleStepQuantity,
     TrackContext,
@@ -39,6 +41,8 @@ __all__ = [
     "HessMaxEV",
     "HessTrace",
     "InnerTest",
+    "MISSING_KEY",
+    "Missing",
     "Loss",
     "MeanGSNR",
     "NormTest",

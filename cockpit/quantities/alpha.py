@@ -120,7 +120,7 @@ class Alpha(TwoStepQuantity):
             sample of the backward pass.
     """
 
-    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.OPTIMIZER_UPDATE})
     info_keys = ("loss", "individual_losses", "optimizer")
     Accumulator = _StepParts
 

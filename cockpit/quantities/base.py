@@ -43,6 +43,21 @@ from cockpit import needs as _needs
 from cockpit.context import StepInfo
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.recorder import MISSING_KEY  # noqa: F401  (re-exported)
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A value that cannot be right at this step, and why (recorded as missing).
+
+    A quantity returns it instead of a number; the cockpit records the reason
+    under :data:`MISSING_KEY` and warns once per quantity and reason.
+
+    Attributes:
+        reason: Why there is no value, with the fix where there is one.
+    """
+
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 
 
 class _TIC(SingleStepQuantity):
@@ -107,8 +107,9 @@ class TICDiag(_TIC):
 
     ``M_d = (1/N) sum_i g_{i,d}**2`` over all coordinates ``d`` of all parameters;
     ``h_d`` the chosen curvature diagonal. With the exact Hessian (``"diag_h"``)
-    ``h_d`` can be negative or close to ``-epsilon``, which makes single terms huge;
-    the GGN choices are non-negative.
+    ``h_d`` can be negative; where ``h_d + epsilon <= 0`` the value is undefined and
+    recorded as missing (with the count of such entries); the GGN choices are
+    never negative.
 
     Args:
         track_schedule: When to track.
@@ -122,11 +123,21 @@ class TICDiag(_TIC):
     """
 
     def _reduce(self, scaled, diag):
-        return (scaled / (diag + self.epsilon)).sum()
+        denominator = diag + self.epsilon
+        nonpositive = (denominator <= 0).sum().to(scaled.dtype)
+        return torch.stack([(scaled / denominator).sum(), nonpositive])
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
         n = self._batch_size(ctx)
-        return float(n * self._parts(ctx).sum())
+        value, nonpositive = self._parts(ctx).sum(0).tolist()
+        if nonpositive > 0:
+            return Missing(
+                f"{int(nonpositive)} entries of the curvature diagonal "
+                f"({self.curvature}) plus epsilon are <= 0, where TICDiag is "
+                "undefined. Fix: use curvature='diag_ggn_exact' (never negative) or "
+                "a larger epsilon"
+            )
+        return float(n * value)
 
 
 class TICTrace(_TIC):
@@ -152,4 +163,10 @@ class TICTrace(_TIC):
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         n = self._batch_size(ctx)
         moment, trace = self._parts(ctx).sum(0)
+        if not trace + self.epsilon > 0:
+            return Missing(
+                f"the trace of the curvature ({self.curvature}) plus epsilon is "
+                f"{float(trace + self.epsilon):.3g} <= 0, where TICTrace is undefined. "
+                "Fix: use curvature='diag_ggn_exact' (never negative)"
+            )
         return float(n * moment / (trace + self.epsilon))
