@@ -89,7 +89,7 @@ def _gauge_axes(plotter):
 
 def _has_data(ax) -> bool:
     """Whether ``ax`` (or a twin/inset it made) shows lines, points, bars or images."""
-    axes = [ax, *instruments._EXTRA_AXES.get(ax, [])]
+    axes = [ax, *instruments.extra_axes(ax)]
     for a in axes:
         if any(len(line.get_xdata()) for line in a.lines):
             return True
@@ -267,7 +267,7 @@ def test_update_reads_only_new_steps():
     history = synthetic_history(steps=200)
     plotter = CockpitPlotter()
     plotter.plot(history, show_plot=False)
-    data = plotter._data
+    data = plotter.data
     read = data.entries_read
     per_step = len(history[199])
     history.add(200, "GradNorm", [3.0, 4.0])
@@ -351,7 +351,7 @@ def test_alpha_gauge_counts_values_outside_the_range():
     instruments.plot_alpha(ax, history)
     texts = {t.get_text() for t in ax.texts}
     assert "◀ 1" in texts and "2 ▶" in texts
-    twin = instruments._EXTRA_AXES[ax][0]
+    twin = instruments.extra_axes(ax)[0]
     labels = twin.get_legend_handles_labels()[1]
     assert labels[0] == f"all: mean {np.mean([-3.0, 0.1, 0.2, 5, 7]):+.2f}"
 
@@ -361,7 +361,8 @@ def test_reference_log_with_json_tricks_arrays(tmp_path):
     path.write_text(json.dumps(reference_log(), indent=4, sort_keys=True))
     plotter = CockpitPlotter()
     saved = plotter.plot(str(path)[: -len(".json")], show_plot=False, save_plot=True)
-    assert saved == [str(tmp_path / "cockpit__primary.png")]
+    # as 1.0.2: the images of a log go to the folder named after it
+    assert saved == [str(tmp_path / "reference_log" / "cockpit__primary.png")]
     by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
     drawn = (
         "Gradient Norm",
@@ -426,7 +427,7 @@ def test_timelapse_writes_an_animated_gif(tmp_path):
         assert gif.format == "GIF"
         assert gif.n_frames == 2
         assert gif.size == (960, 540)
-    with pytest.raises(ValueError, match="no recorded steps"):
+    with pytest.raises(ValueError, match="no tracked steps"):
         make_timelapse(History(), tmp_path / "empty.gif")
 
 
