@@ -14,7 +14,7 @@ from matplotlib.figure import Figure, SubFigure
 from cockpit.errors import LogFileError
 from cockpit.history import History
 from cockpit.plotting import instruments
-from cockpit.plotting.data import DashboardData, as_history
+from cockpit.plotting.data import DashboardData, as_history, log_file
 from cockpit.plotting.style import PANEL_COLORS, dashboard_style
 
 _NON_INTERACTIVE = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
@@ -82,9 +82,8 @@ def resolve_source(source: Any) -> tuple[History, str, str | None]:
         path = os.fspath(source)
         history = as_history(path)
         if not history.steps:
-            candidates = (path, path + ".json", path + ".jsonl")
             raise LogFileError(
-                next((p for p in candidates if os.path.isfile(p)), path),
+                log_file(path),
                 "the log has no tracked steps, so there is nothing to plot. Fix: "
                 "plot a log written after at least one tracked step (does any "
                 "quantity's track_schedule return True for the steps you ran?).",
