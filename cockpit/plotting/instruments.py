@@ -205,8 +205,8 @@ def _log_counts(ax: Axes, axis: str = "y") -> None:
     target.set_minor_formatter(NullFormatter())
 
 
-def _corner_text(ax: Axes, text: str, size: float = 7) -> None:
-    ax.text(0.98, 0.97, text, ha="right", va="top", fontsize=size,
+def _corner_text(ax: Axes, text: str, size: float, x: float, y: float) -> None:
+    ax.text(x, y, text, ha="right", va="top", fontsize=size,
             transform=ax.transAxes, color=COLORS["dark"])  # fmt: skip
 
 
@@ -234,7 +234,7 @@ def _draw_series(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
             if line.steps:
                 last = format_number(view[1][-1])
                 target.plot(view[0], view[1], color=line.color, drawstyle="steps-post",
-                            label=f"{line.label}: last {last}")  # fmt: skip
+                            label=f"{line.label}, last {last}")  # fmt: skip
             else:
                 _scatter_with_ema(target, view, line.label, line.color, line.ema_color)
         _value_axis(target, np.concatenate([v[1] for _, v in side]), side[0][0].log)
@@ -350,7 +350,7 @@ def _draw_hist_1d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     ax.set_xlim(edges[0], edges[-1])
     style_value_axis(ax, "x")
     ax.set(xlabel="gradient element value", ylabel="count")
-    _corner_text(ax, f"step {step}")
+    _corner_text(ax, f"step {step}", 7, 0.99, 0.96)
     return True
 
 
@@ -396,7 +396,7 @@ def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     heat.set(xlabel="parameter value", ylabel="gradient element")
     style_value_axis(heat, "x", nbins=4)
     style_value_axis(heat, "y", nbins=4)
-    _corner_text(heat, f"step {found[0]}", size=6.5)
+    _corner_text(heat, f"step {found[0]}", 6.5, 0.98, 0.97)
     return True
 
 
