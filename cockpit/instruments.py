@@ -22,12 +22,11 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 from matplotlib.axes import Axes
 
-from cockpit.plotting.instruments import NO_DATA_GID, draw_gauge
+from cockpit.plotting.instruments import draw_gauge, warn_if_empty
 from cockpit.plotting.style import dashboard_style
 
 __all__ = [
@@ -61,9 +60,8 @@ def _draw(name: str, plotter: Any, fig: Any, gridspec: Any, **options: Any) -> A
     with dashboard_style():
         draw_gauge(name, ax, data, show_log_iter=plotter.show_log_iter,
                    upto=plotter.discard, **options)  # fmt: skip
-    if plotter.debug and ax.get_gid() == NO_DATA_GID:
-        hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
-        warnings.warn(f"Gauge {ax.get_title()!r} has {hint}.", stacklevel=3)
+    if plotter.debug:
+        warn_if_empty(ax, stacklevel=4)
     return ax
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import warnings
 from typing import Any
 
 from matplotlib.axes import Axes
@@ -535,11 +534,7 @@ class CockpitPlotter:
     def _warn_empty(self) -> None:
         axes = [ax for _, ax in self._gauge_axes + self._aux_axes] + self._layer_axes
         for ax in axes:
-            if ax.get_gid() == instruments.NO_DATA_GID:
-                hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
-                warnings.warn(
-                    f"Gauge {ax.get_title()!r} has {hint}.", UserWarning, stacklevel=3
-                )
+            instruments.warn_if_empty(ax, stacklevel=4)
 
     def _show(self, display: str, block: bool) -> None:
         if display == "gui":

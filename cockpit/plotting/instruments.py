@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Union
@@ -697,6 +698,23 @@ plot_performance = _public("performance")
 plot_mean_gsnr = _public("mean_gsnr")
 plot_cabs = _public("cabs")
 plot_early_stopping = _public("early_stopping")
+
+
+def warn_if_empty(ax: Axes, stacklevel: int = 2) -> bool:
+    """Warn (``UserWarning``) with the hint of a gauge that had no data.
+
+    Args:
+        ax: Axes a gauge drew on.
+        stacklevel: Passed to :func:`warnings.warn`.
+
+    Returns:
+        Whether the gauge had no data.
+    """
+    if ax.get_gid() != NO_DATA_GID:
+        return False
+    hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
+    warnings.warn(f"Gauge {ax.get_title()!r} has {hint}.", stacklevel=stacklevel)
+    return True
 
 
 def layer_count(data: Any, key: str = "GradHist2d", upto: int | None = None) -> int:
