@@ -89,7 +89,7 @@ def _gauge_axes(plotter):
 
 def _has_data(ax) -> bool:
     """Whether ``ax`` (or a twin/inset it made) shows lines, points, bars or images."""
-    axes = [ax, *instruments._EXTRA_AXES.get(ax, [])]
+    axes = [ax, *instruments.extra_axes(ax)]
     for a in axes:
         if any(len(line.get_xdata()) for line in a.lines):
             return True
@@ -267,7 +267,7 @@ def test_update_reads_only_new_steps():
     history = synthetic_history(steps=200)
     plotter = CockpitPlotter()
     plotter.plot(history, show_plot=False)
-    data = plotter._data
+    data = plotter.data
     read = data.entries_read
     per_step = len(history[199])
     history.add(200, "GradNorm", [3.0, 4.0])
@@ -351,7 +351,7 @@ def test_alpha_gauge_counts_values_outside_the_range():
     instruments.plot_alpha(ax, history)
     texts = {t.get_text() for t in ax.texts}
     assert "◀ 1" in texts and "2 ▶" in texts
-    twin = instruments._EXTRA_AXES[ax][0]
+    twin = instruments.extra_axes(ax)[0]
     labels = twin.get_legend_handles_labels()[1]
     assert labels[0] == f"all: mean {np.mean([-3.0, 0.1, 0.2, 5, 7]):+.2f}"
 
@@ -361,7 +361,8 @@ def test_reference_log_with_json_tricks_arrays(tmp_path):
     path.write_text(json.dumps(reference_log(), indent=4, sort_keys=True))
     plotter = CockpitPlotter()
     saved = plotter.plot(str(path)[: -len(".json")], show_plot=False, save_plot=True)
-    assert saved == [str(tmp_path / "cockpit__primary.png")]
+    # as 1.0.2: the images of a log go to the folder named after it
+    assert saved == [str(tmp_path / "reference_log" / "cockpit__primary.png")]
     by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
     drawn = (
         "Gradient Norm",
@@ -426,7 +427,7 @@ def test_timelapse_writes_an_animated_gif(tmp_path):
         assert gif.format == "GIF"
         assert gif.n_frames == 2
         assert gif.size == (960, 540)
-    with pytest.raises(ValueError, match="no recorded steps"):
+    with pytest.raises(ValueError, match="no tracked steps"):
         make_timelapse(History(), tmp_path / "empty.gif")
 
 
@@ -479,3 +480,205 @@ def test_window_path_reuses_its_figure_and_keeps_the_current_one(monkeypatch):
         plt.close(user_fig)
         if plotter.fig is not None:
             plt.close(plotter.fig)
+
+
+# --- gauges as data; 1.0.2's gauge functions and plotter module ---
+def test_every_gauge_is_declared_once_and_takes_its_keys_by_name():
+    import inspect
+
+    for name, gauge in instruments.GAUGES.items():
+        function = getattr(instruments, f"plot_{name}")
+        params = inspect.signature(function).parameters
+        expected = ["ax", "data", "show_log_iter", "upto"]
+        expected += [role for role, _, _ in gauge.keys] + list(gauge.options)
+        assert list(params) == expected, name
+        for role, _, _ in gauge.keys:
+            assert role in function.__doc__, name
+    history = History({0: {"MyNorm": [3.0, 4.0]}, 1: {"MyNorm": [0.0, 2.0]}})
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_grad_norm(ax, history, key="MyNorm")
+    np.testing.assert_allclose(ax.collections[0].get_offsets()[:, 1], [5.0, 2.0])
+    instruments.plot_grad_norm(ax, history)  # the default key is missing here
+    assert ax.get_gid() == instruments.NO_DATA_GID
+    assert any("track GradNorm" in t.get_text() for t in ax.texts)
+    instruments.plot_distance(ax, history, update_key="MyNorm")
+    assert ax.get_gid() == instruments.GAUGE_GID  # the update size alone is enough
+    instruments.plot_distance(ax, history, update_key="Steps")
+    assert any("track Distance and/or Steps" in t.get_text() for t in ax.texts)
+    with pytest.raises(TypeError, match="distance_key"):
+        instruments.plot_distance(ax, history, key="Distance")
+    with pytest.raises(ValueError, match="choose one of"):
+        instruments.draw_gauge("speedometer", ax, history)
+
+
+def test_hist_2d_transformation_colours_the_raw_counts(real_log):
+    path, cockpit, _ = real_log
+    latest = cockpit.history[STEPS - 1]["GradHist2d"]
+    counts = np.asarray(latest["hist"], dtype=float)
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_hist_2d(ax, path, marginals=False, transformation=lambda c: c)
+    mesh = ax.collections[0]
+    shown = np.ma.masked_array(mesh.get_array())
+    np.testing.assert_array_equal(shown.filled(0).reshape(counts.shape), counts)
+    assert np.array_equal(np.ma.getmaskarray(shown).reshape(counts.shape), counts == 0)
+    instruments.plot_hist_2d(ax, path, marginals=False)  # default: log10(count + 1)
+    default = np.ma.masked_array(ax.collections[0].get_array()).filled(0)
+    np.testing.assert_allclose(default.reshape(counts.shape), np.log10(counts + 1))
+
+
+def test_reference_gauge_functions_draw_from_the_plotter(real_log):
+    """Every 1.0.2 gauge, called as gauge(plotter, fig, gridspec) on a real run."""
+    import cockpit.instruments as reference
+
+    path, cockpit, n_params = real_log
+    plotter = CockpitPlotter()
+    with pytest.raises(RuntimeError, match=r"plotter.plot\(source\)"):
+        reference.alpha_gauge(plotter, Figure(), Figure().add_gridspec(1, 1)[0, 0])
+    plotter.load(path)
+    fig = Figure(figsize=(16, 12))
+    grid = fig.add_gridspec(4, 4)
+    titles = {}
+    for index, name in enumerate(reference.__all__):
+        spec = grid[index // 4, index % 4]
+        ax = getattr(reference, name)(plotter, fig, spec)
+        assert ax.figure is fig and ax.get_subplotspec() == spec, name
+        assert ax.get_gid() == instruments.GAUGE_GID and _has_data(ax), name
+        titles[name] = ax
+    assert len(reference.__all__) == 14
+    assert titles["trace_gauge"].get_title() == "Trace"
+    points = titles["grad_norm_gauge"].collections[0].get_offsets()
+    expected = [math.sqrt(sum(v * v for v in cockpit.history[s]["GradNorm"]))
+                for s in range(STEPS)]  # fmt: skip
+    np.testing.assert_allclose(points[:, 1], expected, rtol=1e-12)
+
+    layer = reference.histogram_2d_gauge(
+        plotter, fig, grid[3, 2], marginals=False, idx=n_params - 1
+    )
+    assert layer.get_title() == f"Parameter {n_params - 1}"
+    assert not instruments.extra_axes(layer)  # no marginals
+
+    plotter.load(path, discard=2)  # discard and show_log_iter are honoured
+    plotter.show_log_iter = True
+    ax = reference.max_ev_gauge(plotter, fig, grid[3, 3])
+    assert ax.collections[0].get_offsets()[:, 0].max() == 2
+    assert ax.get_xscale() == "symlog"
+    frame = plotter.tracking_data
+    assert list(frame["iteration"]) == [0, 1, 2]
+    assert frame["Loss"].tolist() == [cockpit.history[s]["Loss"] for s in range(3)]
+
+
+def test_reference_gauge_without_data_says_so_and_warns_in_debug_mode():
+    import cockpit.instruments as reference
+
+    plotter = CockpitPlotter()
+    plotter.load(History({0: {"Loss": 1.0}}))
+    plotter.debug = True
+    fig = Figure()
+    with pytest.warns(UserWarning, match="track HessTrace"):
+        ax = reference.trace_gauge(plotter, fig, fig.add_gridspec(1, 1)[0, 0])
+    assert ax.get_gid() == instruments.NO_DATA_GID and ax.get_title() == "Trace"
+
+
+def test_plotter_module_of_the_reference_package():
+    import cockpit
+    from cockpit.plotter import CockpitPlotter as FromPlotter
+
+    assert FromPlotter is CockpitPlotter is cockpit.CockpitPlotter
+
+
+# --- saving, animation, empty sources ---
+def test_images_of_a_log_go_to_the_folder_named_after_it(tmp_path):
+    log = synthetic_history(4).write_json(tmp_path / "run.json")
+    plotter = CockpitPlotter(secondary_screen=True, dpi=20)
+    saved = plotter.plot(log, show_plot=False, save_plot=True,
+                         savename_append="__epoch__3")  # fmt: skip
+    assert saved == [
+        str(tmp_path / "run" / "cockpit__primary__epoch__3.png"),
+        str(tmp_path / "run" / "cockpit__secondary__epoch__3.png"),
+    ]
+    assert all(matplotlib.image.imread(p).shape[:2] == (180, 320) for p in saved)
+    # without ".json", as 1.0.2 names logs: the same folder
+    again = plotter.plot(str(tmp_path / "run"), show_plot=False, save_plot=True,
+                         savename="x", savefig_kwargs={"format": "pdf"})  # fmt: skip
+    assert again[0] == str(tmp_path / "run" / "x__primary.pdf")
+    with open(again[0], "rb") as handle:
+        assert handle.read(5) == b"%PDF-"
+
+
+def _solid_png(path, rgb):
+    from PIL import Image
+
+    Image.new("RGB", (8, 6), rgb).save(path)
+
+
+def test_build_animation_stitches_the_reference_frame_names_in_number_order(tmp_path):
+    from PIL import Image
+
+    stem = tmp_path / "log"
+    colours = {2: (255, 0, 0), 10: (0, 0, 255), 1: (0, 255, 0)}
+    for epoch, rgb in colours.items():
+        _solid_png(f"{stem}__primary__epoch__{epoch}.png", rgb)
+    _solid_png(f"{stem}__secondary__epoch__1.png", (0, 0, 0))  # not asked for
+    written = CockpitPlotter().build_animation(f"{stem}.json", duration=120, loop=2)
+    assert written == [f"{stem}__primary.gif"]
+    with Image.open(written[0]) as gif:
+        assert gif.n_frames == 3
+        assert gif.info["loop"] == 2 and gif.info["duration"] == 120
+        seen = []
+        for index in range(3):
+            gif.seek(index)
+            seen.append(gif.convert("RGB").getpixel((3, 3)))
+    assert seen == [colours[1], colours[2], colours[10]]
+
+
+def test_build_animation_from_dashboards_saved_during_a_run(tmp_path):
+    from PIL import Image
+
+    history = synthetic_history(6)
+    log = history.write_json(tmp_path / "run.json")
+    plotter = CockpitPlotter(secondary_screen=True, dpi=20)
+    for epoch in (0, 1, 2):
+        plotter.plot(log, show_plot=False, save_plot=True, discard=2 * epoch,
+                     savename_append=f"__epoch__{epoch}")  # fmt: skip
+    written = plotter.build_animation(log)
+    assert written == [
+        str(tmp_path / f"run__{s}.gif") for s in ("primary", "secondary")
+    ]
+    for path in written:
+        with Image.open(path) as gif:
+            assert gif.n_frames == 3 and gif.size == (320, 180)
+    with pytest.raises(FileNotFoundError, match="savename_append"):
+        plotter.build_animation(tmp_path / "other.json")
+    for epoch in (0, 1):
+        _solid_png(tmp_path / "run" / f"b__primary__epoch__{epoch}.png", (0, 0, 0))
+    with pytest.raises(ValueError, match="2 runs"):
+        plotter.build_animation(log)
+
+
+def test_an_empty_source_is_an_error_not_an_empty_dashboard(tmp_path):
+    from cockpit.errors import LogFileError
+
+    log = History().write_json(tmp_path / "empty.json")
+    plotter = CockpitPlotter()
+    for source in (log, str(tmp_path / "empty")):
+        with pytest.raises(LogFileError, match="no tracked steps") as caught:
+            plotter.plot(source, show_plot=False)
+        assert caught.value.path == log
+    with pytest.raises(LogFileError, match="no tracked steps"):
+        make_timelapse(log, tmp_path / "empty.gif")
+    with pytest.raises(ValueError, match="History has no tracked steps") as caught:
+        plotter.plot(History(), show_plot=False)
+    assert not isinstance(caught.value, LogFileError)
+    assert plotter.fig is None  # nothing was drawn
+
+
+def test_an_untracked_cockpit_is_an_error(real_log):
+    import torch
+
+    from cockpit import Cockpit
+
+    cockpit = Cockpit([torch.nn.Parameter(torch.zeros(2))], quantities=[])
+    with pytest.raises(ValueError, match="Cockpit has no tracked steps"):
+        CockpitPlotter().plot(cockpit, show_plot=False)

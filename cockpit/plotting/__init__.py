@@ -1,8 +1,11 @@
 """Plotting: the dashboard (:class:`CockpitPlotter`), its gauges and timelapses.
 
 * :class:`CockpitPlotter` draws the dashboard live from a cockpit or from a log.
-* :mod:`cockpit.plotting.instruments` has one function per gauge,
+* :mod:`cockpit.plotting.instruments` declares the gauges as data
+  (:data:`~cockpit.plotting.instruments.GAUGES`) and has one function per gauge,
   ``plot_<thing>(ax, data, ...)``, for your own figures.
+* :mod:`cockpit.instruments` and :mod:`cockpit.plotter` keep cockpit-for-pytorch
+  1.0.2's gauge functions and plotter module working.
 * :func:`make_timelapse` turns a run's log into an animated GIF.
 """
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import glob
 import os
-import warnings
+import re
 from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure, SubFigure
 
+from cockpit.errors import LogFileError
 from cockpit.history import History
 from cockpit.plotting import instruments
-from cockpit.plotting.data import DashboardData, as_history
+from cockpit.plotting.data import DashboardData, as_history, log_file
 from cockpit.plotting.style import PANEL_COLORS, dashboard_style
 
 _NON_INTERACTIVE = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
@@ -50,6 +52,15 @@ def _layer_grid(n: int) -> tuple[int, int]:
     return rows, cols
 
 
+def log_stem(path: str | os.PathLike) -> str:
+    """Return a log path without its ``.json``/``.jsonl`` suffix (1.0.2's naming)."""
+    path = os.fspath(path)
+    for suffix in (".jsonl", ".json"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return path
+
+
 def resolve_source(source: Any) -> tuple[History, str, str | None]:
     """Return the history, default title and default save folder of a source.
 
@@ -58,16 +69,35 @@ def resolve_source(source: Any) -> tuple[History, str, str | None]:
 
     Returns:
         The history; ``"Cockpit for <optimizer>"`` for a cockpit that saw an
-        optimizer, ``"Cockpit: <file name>"`` for a log, else ``"Cockpit"``; the
-        log's folder for a log, else ``None``.
+        optimizer, ``"Cockpit: <file name>"`` for a log, else ``"Cockpit"``; for a
+        log, its path without ``.json`` (as cockpit-for-pytorch 1.0.2: images of
+        ``logs/run.json`` go to the folder ``logs/run``), else ``None``.
+
+    Raises:
+        LogFileError: If a log has no tracked steps.
+        ValueError: If any other source has no tracked steps.
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        name = os.path.basename(path)
-        return as_history(path), f"Cockpit: {name}", os.path.dirname(path) or "."
+        history = as_history(path)
+        if not history.steps:
+            raise LogFileError(
+                log_file(path),
+                "the log has no tracked steps, so there is nothing to plot. Fix: "
+                "plot a log written after at least one tracked step (does any "
+                "quantity's track_schedule return True for the steps you ran?).",
+            )
+        return history, f"Cockpit: {os.path.basename(path)}", log_stem(path)
+    history = as_history(source)
+    if not history.steps:
+        raise ValueError(
+            f"Nothing to plot: the {type(source).__name__} has no tracked steps. "
+            "Fix: plot after at least one step in which a quantity was tracked "
+            "(check the quantities' track_schedule)."
+        )
     optimizer = getattr(source, "optimizer_name", None)
     title = f"Cockpit for {optimizer}" if optimizer else "Cockpit"
-    return as_history(source), title, None
+    return history, title, None
 
 
 class CockpitPlotter:
@@ -86,6 +116,10 @@ class CockpitPlotter:
     headless (Agg). Global matplotlib state (rcParams, backend, interactive mode,
     pyplot's current figure) is left as it was.
 
+    The gauge functions of 1.0.2 (:mod:`cockpit.instruments`, called as
+    ``alpha_gauge(plotter, fig, gridspec)``) draw from the data of the last
+    :meth:`plot` or :meth:`load`.
+
     Args:
         secondary_screen: Also draw the secondary screen.
         figsize: Size of each figure in inches.
@@ -94,6 +128,11 @@ class CockpitPlotter:
     Attributes:
         fig: The primary figure (``None`` before the first :meth:`plot`).
         fig_secondary: The secondary figure, if requested.
+        data: The loaded run (``None`` before the first :meth:`plot` or :meth:`load`).
+        title: The figure title of the loaded run.
+        discard: Steps after this one are not drawn (``None``: all).
+        show_log_iter: Symmetric-log iteration axes (set by :meth:`plot`).
+        debug: Warn about gauges without data (set by :meth:`plot`).
     """
 
     def __init__(
@@ -107,7 +146,12 @@ class CockpitPlotter:
         self.dpi = dpi
         self.fig: Figure | None = None
         self.fig_secondary: Figure | None = None
-        self._data: DashboardData | None = None
+        self.data: DashboardData | None = None
+        self.title = "Cockpit"
+        self.discard: int | None = None
+        self.show_log_iter = False
+        self.debug = False
+        self._default_savedir: str | None = None
         self._managed = False  # figures live in pyplot (a window shows them)
         self._shown = False
         self._gauge_axes: list[tuple[Any, Axes]] = []
@@ -144,8 +188,9 @@ class CockpitPlotter:
                 notebook; nothing to show on a non-interactive backend such as Agg.
             block: Block until the windows are closed (GUI backends only).
             save_plot: Save the figures to ``savedir``.
-            savedir: Folder of saved images; defaults to the log's folder for a
-                path source and is required otherwise.
+            savedir: Folder of saved images, created if missing. For a log it
+                defaults to the log's path without ``.json`` (as 1.0.2: the images
+                of ``logs/run.json`` go to ``logs/run/``); required otherwise.
             savename: File name stem; files are ``<savename>__primary`` and
                 ``<savename>__secondary``.
             savename_append: Appended to the file names (e.g. ``"__epoch_3"``;
@@ -163,25 +208,25 @@ class CockpitPlotter:
             Paths of the saved images (empty unless ``save_plot``).
 
         Raises:
-            ValueError: If ``save_plot`` has no ``savedir`` for a non-path source.
+            LogFileError: If a log has no tracked steps.
+            ValueError: If another source has no tracked steps, or ``save_plot``
+                has no ``savedir`` for a non-path source.
         """
-        history, title, default_dir = resolve_source(source)
-        if plot_title is not None:
-            title = plot_title
+        self.load(source, discard=discard, plot_title=plot_title)
         if save_plot and savedir is None:
-            if default_dir is None:
+            if self._default_savedir is None:
                 raise ValueError(
                     "save_plot=True needs savedir= when plotting a Cockpit or a "
                     "History (there is no log file to save next to), e.g. "
                     "plotter.plot(cockpit, save_plot=True, savedir='plots')."
                 )
-            savedir = default_dir
-        data = self._data_for(history)
+            savedir = self._default_savedir
+        self.show_log_iter, self.debug = show_log_iter, debug
         display = _display_kind() if (show_plot or block) else "none"
         paths: list[str] = []
         with dashboard_style():
             self._ensure_figures(managed=display == "gui")
-            self.draw(data, title, show_log_iter=show_log_iter, upto=discard)
+            self.draw()
             if save_plot:
                 paths = self._save(savedir, savename, savename_append, savefig_kwargs)
             if display != "none":
@@ -191,6 +236,62 @@ class CockpitPlotter:
             self._warn_empty()
         self._show(display, block)
         return paths
+
+    def load(
+        self,
+        source: Any,
+        discard: int | None = None,
+        plot_title: str | None = None,
+    ) -> DashboardData:
+        """Read a run without drawing it (:meth:`plot` calls this first).
+
+        Afterwards :attr:`data` holds the run, for :meth:`draw` and for the gauge
+        functions of :mod:`cockpit.instruments`. Loading the same cockpit or
+        history again reads only the steps added since.
+
+        Args:
+            source: What :meth:`plot` accepts.
+            discard: Draw only steps up to this global step (inclusive).
+            plot_title: Figure title (default as in :meth:`plot`).
+
+        Returns:
+            :attr:`data`.
+
+        Raises:
+            LogFileError: If a log has no tracked steps.
+            ValueError: If another source has no tracked steps.
+        """
+        history, title, default_dir = resolve_source(source)
+        if self.data is None or self.data.history is not history:
+            self.data = DashboardData(history)
+        self.data.refresh()
+        self.title = title if plot_title is None else plot_title
+        self.discard = discard
+        self._default_savedir = default_dir
+        return self.data
+
+    @property
+    def tracking_data(self):
+        """The loaded steps as a pandas DataFrame, as 1.0.2's plotter held them.
+
+        One row per step up to :attr:`discard`, the step in column ``iteration``,
+        one column per key (missing values ``NaN``).
+
+        Raises:
+            RuntimeError: If nothing was loaded yet.
+        """
+        self._require_data("tracking_data")
+        frame = self.data.history.to_dataframe()
+        if self.discard is not None:
+            frame = frame[frame.index <= self.discard]
+        return frame.rename_axis("iteration").reset_index()
+
+    def _require_data(self, what: str) -> None:
+        if self.data is None:
+            raise RuntimeError(
+                f"{what} needs a loaded run: call plotter.plot(source) or "
+                "plotter.load(source) first."
+            )
 
     def save(
         self,
@@ -238,40 +339,87 @@ class CockpitPlotter:
         """The figures drawn so far (primary first)."""
         return [f for f in (self.fig, self.fig_secondary) if f is not None]
 
-    def draw(
-        self,
-        data: DashboardData,
-        title: str = "Cockpit",
-        show_log_iter: bool = False,
-        upto: int | None = None,
-    ) -> None:
-        """Draw every gauge from ``data`` onto the existing figures.
+    def draw(self, upto: int | None = None) -> list[Figure]:
+        """Draw the loaded run onto the figures (made headless if there are none).
 
-        Called by :meth:`plot`; use it directly only inside
-        :func:`~cockpit.plotting.style.dashboard_style`, after :meth:`plot` made
-        the figures.
+        :meth:`plot` calls this; call it yourself after :meth:`load` to draw
+        without showing or saving, or repeatedly with growing ``upto`` for frames
+        of an animation.
+
+        Args:
+            upto: Draw only steps up to this one (default: :attr:`discard`).
+
+        Returns:
+            The figures (primary first).
+
+        Raises:
+            RuntimeError: If nothing was loaded yet.
         """
-        options = {"show_log_iter": show_log_iter, "upto": upto}
-        last = data.last_step if upto is None else min(upto, data.last_step or upto)
-        step_label = "" if last is None else f"step {last}"
-        self.fig.suptitle(title)
-        for gauge, ax in self._gauge_axes:
-            gauge(ax, data, **options)
-        if self.fig_secondary is not None:
-            self.fig_secondary.suptitle(f"{title}: secondary screen")
-            for gauge, ax in self._aux_axes:
+        self._require_data("draw()")
+        data = self.data
+        upto = self.discard if upto is None else upto
+        options = {"show_log_iter": self.show_log_iter, "upto": upto}
+        last = data.last_step if upto is None else min(upto, data.last_step)
+        with dashboard_style():
+            if self.fig is None:
+                self._ensure_figures(managed=False)
+            self.fig.suptitle(self.title)
+            for gauge, ax in self._gauge_axes:
                 gauge(ax, data, **options)
-            self._draw_layers(data, options)
-        for text in self._step_texts:
-            text.set_text(step_label)
+            if self.fig_secondary is not None:
+                self.fig_secondary.suptitle(f"{self.title}: secondary screen")
+                for gauge, ax in self._aux_axes:
+                    gauge(ax, data, **options)
+                self._draw_layers(data, options)
+            for text in self._step_texts:
+                text.set_text(f"step {last}")
+        return self.figures
+
+    def build_animation(
+        self, logpath: str | os.PathLike, duration: int = 200, loop: int = 0
+    ) -> list[str]:
+        """Stitch dashboards saved during training into animated GIFs (as 1.0.2).
+
+        The frames are the images that :meth:`plot` saved with
+        ``save_plot=True, savename_append="__epoch__<k>"`` (PNG), found either
+        as 1.0.2 names them, ``<log>__<screen>__epoch__<k>.png``, or where
+        :meth:`plot` saves them by default,
+        ``<log>/<savename>__<screen>__epoch__<k>.png`` (``<log>``: the log path
+        without ``.json``). Frames are ordered by ``k`` as a number. Each screen
+        (primary, and secondary if this plotter has one) becomes
+        ``<log>__<screen>.gif``.
+
+        Args:
+            logpath: The log (with or without ``.json``).
+            duration: Time each frame is shown, in milliseconds.
+            loop: How often the GIF repeats (0: forever).
+
+        Returns:
+            The GIFs written.
+
+        Raises:
+            FileNotFoundError: If a screen has no frames.
+            ValueError: If frames of several runs (savenames) match.
+        """
+        from PIL import Image
+
+        stem = log_stem(logpath)
+        screens = ["primary"] + (["secondary"] if self.secondary_screen else [])
+        written = []
+        for screen in screens:
+            frames = _animation_frames(stem, screen)
+            target = f"{stem}__{screen}.gif"
+            images = [Image.open(frame) for frame in frames]
+            try:
+                images[0].save(target, format="GIF", save_all=True, loop=loop,
+                               append_images=images[1:], duration=duration)  # fmt: skip
+            finally:
+                for image in images:
+                    image.close()
+            written.append(target)
+        return written
 
     # --- internals -------------------------------------------------------------------
-    def _data_for(self, history: History) -> DashboardData:
-        if self._data is None or self._data.history is not history:
-            self._data = DashboardData(history)
-        self._data.refresh()
-        return self._data
-
     def _ensure_figures(self, managed: bool) -> None:
         if self.fig is not None and managed and self._managed:
             if not self._window_open(self.fig):  # the user closed the window
@@ -326,9 +474,7 @@ class CockpitPlotter:
             for gauge, ax in zip(gauges, sub.subplots(len(gauges), 1)):
                 self._gauge_axes.append((gauge, ax))
         bottom = rows[1].subfigures(1, 2, width_ratios=[1.0, 2.0], wspace=0.01)
-        for sub, gauge in zip(
-            bottom, (instruments.plot_hyperparameters, instruments.plot_performance)
-        ):
+        for sub, gauge in zip(bottom, instruments.BOTTOM_GAUGES):
             sub.set_facecolor(PANEL_COLORS["bottom"])
             self._gauge_axes.append((gauge, sub.subplots(1, 1)))
         self._step_texts = [self._step_text(fig)]
@@ -362,7 +508,7 @@ class CockpitPlotter:
             elif index < n:
                 instruments.plot_hist_2d(ax, data, param=index, **options)
             else:
-                instruments._reset(ax)
+                instruments.clear_gauge(ax)
                 ax.set_axis_off()
 
     def _save(
@@ -388,11 +534,7 @@ class CockpitPlotter:
     def _warn_empty(self) -> None:
         axes = [ax for _, ax in self._gauge_axes + self._aux_axes] + self._layer_axes
         for ax in axes:
-            if ax.get_gid() == instruments.NO_DATA_GID:
-                hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
-                warnings.warn(
-                    f"Gauge {ax.get_title()!r} has {hint}.", UserWarning, stacklevel=3
-                )
+            instruments.warn_if_empty(ax, stacklevel=4)
 
     def _show(self, display: str, block: bool) -> None:
         if display == "gui":
@@ -412,3 +554,36 @@ class CockpitPlotter:
             clear_output(wait=True)
             for fig in self.figures:
                 display(fig)
+
+
+def _animation_frames(stem: str, screen: str) -> list[str]:
+    """The frames of one screen for :meth:`CockpitPlotter.build_animation`."""
+    tail = f"__{screen}__epoch__*.png"
+    groups: dict[str, list[str]] = {}
+    for pattern in (
+        glob.escape(stem) + tail,
+        os.path.join(glob.escape(stem), "*" + tail),
+    ):
+        for path in glob.glob(pattern):
+            groups.setdefault(path.rsplit(f"__{screen}__epoch__", 1)[0], []).append(
+                path
+            )
+    if not groups:
+        raise FileNotFoundError(
+            f"No frames for the {screen} screen: no {stem}{tail} and no "
+            f"{os.path.join(stem, '<savename>' + tail)}. Fix: during training call "
+            f"plotter.plot(..., save_plot=True, savename_append=f'__epoch__{{k}}') "
+            "with k growing, then build the animation from the same log path."
+        )
+    if len(groups) > 1:
+        raise ValueError(
+            f"Frames of {len(groups)} runs match for the {screen} screen: "
+            f"{sorted(groups)}. Fix: keep one run's frames (one savename) there."
+        )
+    (frames,) = groups.values()
+
+    def order(path: str) -> tuple[float, str]:
+        number = re.match(r"-?\d+(\.\d+)?", path.rsplit("__epoch__", 1)[1])
+        return (float(number.group()) if number else float("inf"), path)
+
+    return sorted(frames, key=order)

@@ -286,6 +286,20 @@ class DashboardData:
         return self._resume
 
 
+def log_file(path: str | os.PathLike) -> str:
+    """Return the file of a log path given with or without ``.json``/``.jsonl``.
+
+    The path as given wins if it is a file; otherwise the first of ``path.json``
+    and ``path.jsonl`` that is a file (so a folder ``logs/run`` of saved images,
+    as 1.0.2 names it, does not hide ``logs/run.json``); else the path as given.
+    """
+    path = os.fspath(path)
+    for candidate in (path, path + ".json", path + ".jsonl"):
+        if os.path.isfile(candidate):
+            return candidate
+    return path
+
+
 def as_history(source: Any) -> History:
     """Return the history behind ``source``.
 
@@ -306,7 +320,7 @@ def as_history(source: Any) -> History:
     if isinstance(history, History):
         return history
     if isinstance(source, (str, os.PathLike)):
-        return History.from_json(source)
+        return History.from_json(log_file(source))
     if isinstance(source, Mapping):
         return History(source)
     raise TypeError(

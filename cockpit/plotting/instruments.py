@@ -1,28 +1,38 @@
-"""The gauges: one function per instrument, each drawing onto an ``Axes`` it is given.
+"""The gauges: each declared once as data, drawn by one routine per kind of gauge.
 
-Every gauge has the signature ``plot_<thing>(ax, data, *, <keys>, show_log_iter,
-upto) -> Axes``:
+:data:`GAUGES` holds one :class:`Gauge` per instrument: its title, the history keys
+it reads, its axis labels, the hint it shows without data and the kind of drawing.
+:func:`draw_gauge` does what every gauge shares (clear the axes, resolve the keys,
+say what to track when there is nothing to draw, set the title) and hands the
+picture to the routine of the gauge's kind (``"series"``, ``"alpha"``, ``"tests"``,
+``"hist_1d"``, ``"hist_2d"``, ``"performance"``).
 
-* ``ax``: a matplotlib ``Axes``; the gauge clears it (and anything it added to it on
-  an earlier call, such as a twin axis) before drawing, so calling it again redraws.
+Every gauge is also a public function ``plot_<name>(ax, data, *, show_log_iter,
+upto, <keys>, <options>) -> Axes``:
+
+* ``ax``: a matplotlib ``Axes``; the gauge clears it (and the twin or inset axes it
+  added on an earlier call), so calling it again redraws.
 * ``data``: a :class:`~cockpit.plotting.data.DashboardData` (what the plotter passes,
   read incrementally), or anything :func:`~cockpit.plotting.data.as_history`
-  accepts: a ``History``, a ``Cockpit``, a log path.
-* keyword ``key`` arguments: the history keys to read (defaults: the class names, as
-  cockpit writes them); ``show_log_iter``: symmetric-log iteration axis; ``upto``:
-  ignore steps after this one.
+  accepts: a ``History``, a ``Cockpit``, a ``{step: {key: value}}`` dict, a log path.
+* ``show_log_iter``: symmetric-log iteration axis; ``upto``: ignore later steps.
+* keyword arguments named after the keys (``key``, ``distance_key``, ...) rename the
+  history keys read (defaults: the class names, as cockpit writes them).
 
-A gauge whose data is missing keeps its title and says what to track instead of
-disappearing (its ``Axes`` gets the gid :data:`NO_DATA_GID`). Gauges never touch
-global matplotlib state; wrap calls in :func:`~cockpit.plotting.style.dashboard_style`
-for the dashboard's look.
+A gauge without data keeps its title and says what to track instead of disappearing
+(its ``Axes`` gets the gid :data:`NO_DATA_GID`, one with data :data:`GAUGE_GID`).
+Gauges never touch global matplotlib state; wrap calls in
+:func:`~cockpit.plotting.style.dashboard_style` for the dashboard's look.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 import weakref
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -47,13 +57,90 @@ NO_DATA_GID = "cockpit-no-data"
 #: ``Axes.get_gid()`` of a gauge that drew data.
 GAUGE_GID = "cockpit-gauge"
 
-# Axes a gauge added next to the one it was given (twins, insets), removed on redraw.
+#: A title or hint: a ``str.format`` template over the gauge's keys and options, or a
+#: function of them.
+Text = Union[str, Callable[[Mapping[str, Any]], str]]
+
+
+@dataclass(frozen=True)
+class Line:
+    """One series of a ``"series"`` gauge, drawn against the iteration.
+
+    Attributes:
+        role: The gauge's key argument this series reads (e.g. ``"distance_key"``).
+        label: Legend label.
+        reduce: How a step's value becomes one number (see
+            :data:`~cockpit.plotting.data.REDUCERS`).
+        color: Colour of the points; ``None`` colours them by iteration.
+        ema_color: Colour of the moving average (default: dark gray).
+        twin: Draw on a second y-axis on the right.
+        log: Log y-axis (``None``: when positive data spans over two decades).
+        steps: Draw a step line of the values instead of points and moving average.
+    """
+
+    role: str
+    label: str
+    reduce: str = "scalar"
+    color: str | None = None
+    ema_color: str | None = None
+    twin: bool = False
+    log: bool | None = None
+    steps: bool = False
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """An instrument as data; :func:`draw_gauge` draws it.
+
+    Attributes:
+        name: Short name; the public function is ``plot_<name>``.
+        title: Title (a :data:`Text`).
+        kind: The drawing routine (a key of :data:`DRAWERS`).
+        doc: What the gauge shows and how to read it.
+        keys: ``(argument, default history key, description)`` of each key read.
+        lines: The series of a ``"series"`` gauge.
+        ylabel: Label of the (left) value axis.
+        twin_ylabel: Label of the right value axis, if a line has ``twin=True``.
+        hint: Shown without data (a :data:`Text`; default: ``"track <keys>"``).
+        options: Further keyword arguments of the kind's routine with defaults.
+        option_docs: Description of each option.
+        reference: Draw a dashed horizontal line at this value.
+        legend_loc: Legend position.
+    """
+
+    name: str
+    title: Text
+    kind: str
+    doc: str
+    keys: tuple[tuple[str, str, str], ...]
+    lines: tuple[Line, ...] = ()
+    ylabel: str = ""
+    twin_ylabel: str = ""
+    hint: Text = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    option_docs: Mapping[str, str] = field(default_factory=dict)
+    reference: float | None = None
+    legend_loc: str = "best"
+
+
+# --- axes a gauge adds (twins, insets), removed when it redraws --------------------
 _EXTRA_AXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# --- helpers ---
-def _reset(ax: Axes) -> None:
-    """Undo an earlier gauge call on ``ax``: remove its twins/insets and clear it."""
+def extra_axes(ax: Axes) -> list[Axes]:
+    """Return the twin and inset axes the last gauge drawn on ``ax`` added to it."""
+    return list(_EXTRA_AXES.get(ax, []))
+
+
+def clear_gauge(ax: Axes) -> Axes:
+    """Undo an earlier gauge call on ``ax``: remove its twins and insets, clear it.
+
+    Args:
+        ax: The axes.
+
+    Returns:
+        ``ax``, empty, with its axis on and no gid.
+    """
     for extra in _EXTRA_AXES.pop(ax, []):
         try:
             extra.remove()
@@ -62,6 +149,7 @@ def _reset(ax: Axes) -> None:
     ax.clear()
     ax.set_axis_on()
     ax.set_gid(None)
+    return ax
 
 
 def _extra(ax: Axes, new: Axes) -> Axes:
@@ -75,28 +163,16 @@ def _twinx(ax: Axes) -> Axes:
     return twin
 
 
-def _empty(ax: Axes, title: str, hint: str) -> Axes:
-    no_data(ax, title, hint)
-    ax.set_gid(NO_DATA_GID)
-    return ax
-
-
-def _done(ax: Axes) -> Axes:
-    ax.set_gid(GAUGE_GID)
-    return ax
-
-
-def _use_log(values: np.ndarray) -> bool:
-    """Log scale for positive data spanning more than two decades."""
-    finite = values[np.isfinite(values)]
-    if finite.size < 2 or np.any(finite <= 0):
-        return False
-    return float(finite.max() / finite.min()) > 100.0
-
-
+# --- shared pieces -----------------------------------------------------------------
 def _value_axis(ax: Axes, values: np.ndarray, log: bool | None = None) -> None:
+    """Log scale if asked, or (``log=None``) for positive data over two decades."""
     if log is None:
-        log = _use_log(values)
+        finite = values[np.isfinite(values)]
+        log = bool(
+            finite.size >= 2
+            and np.all(finite > 0)
+            and finite.max() / finite.min() > 100.0
+        )
     if log:
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(numticks=5))
@@ -106,110 +182,86 @@ def _value_axis(ax: Axes, values: np.ndarray, log: bool | None = None) -> None:
 
 
 def _scatter_with_ema(
-    ax: Axes,
-    steps: np.ndarray,
-    values: np.ndarray,
-    ema: np.ndarray,
-    label: str,
-    color: str | None = None,
-    ema_color: str | None = None,
-    norm: Normalize | None = None,
+    ax: Axes, view: tuple, label: str, color: str | None, ema_color: str | None
 ) -> None:
     """Points (coloured by iteration unless ``color`` is given) plus their EMA."""
+    steps, values, ema = view
     kwargs: dict[str, Any] = {"s": 7, "linewidths": 0, "alpha": 0.6, "zorder": 2}
     if color is None:
-        if norm is None:
-            norm = Normalize(vmin=float(steps[0]), vmax=float(max(steps[-1], 1)))
-        ax.scatter(steps, values, c=steps, cmap=ITERATION_CMAP, norm=norm, **kwargs)
+        norm = Normalize(vmin=float(steps[0]), vmax=float(max(steps[-1], 1)))
+        kwargs.update(c=steps, cmap=ITERATION_CMAP, norm=norm)
     else:
-        ax.scatter(steps, values, color=color, **kwargs)
+        kwargs.update(color=color)
+    ax.scatter(steps, values, **kwargs)
     last, smooth = format_number(float(values[-1])), format_number(float(ema[-1]))
-    ax.plot(
-        steps,
-        ema,
-        color=ema_color or COLORS["dark"],
-        linewidth=1.3,
-        zorder=3,
-        label=f"{label}: last {last}, EMA {smooth}",
-    )
+    ax.plot(steps, ema, color=ema_color or COLORS["dark"], linewidth=1.3, zorder=3,
+            label=f"{label}: last {last}, EMA {smooth}")  # fmt: skip
 
 
-def _series_gauge(
-    ax: Axes,
-    data: DashboardData,
-    title: str,
-    key: str,
-    reduce: str,
-    ylabel: str,
-    show_log_iter: bool,
-    upto: int | None,
-    log: bool | None = None,
-    hint: str | None = None,
-) -> Axes:
-    """One quantity vs iteration: points coloured by iteration plus the EMA."""
-    steps, values, ema = data.series(key, reduce).view(upto)
-    if len(steps) == 0:
-        return _empty(ax, title, hint or f"track {key}")
-    _scatter_with_ema(ax, steps, values, ema, ylabel)
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    _value_axis(ax, values, log)
-    style_iteration_axis(ax, show_log_iter)
-    ax.legend(loc="best")
-    return _done(ax)
+def _log_counts(ax: Axes, axis: str = "y") -> None:
+    """Log scale with few major ticks and no minor labels (histogram counts)."""
+    getattr(ax, f"set_{axis}scale")("log")
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_locator(LogLocator(numticks=5))
+    target.set_minor_formatter(NullFormatter())
 
 
-# --- STEP SIZE ---
-def plot_alpha(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "Alpha",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-    bins: int = 40,
-    recent: float = 0.1,
-) -> Axes:
-    """Alpha Distribution: where steps land on a local quadratic fit.
+def _corner_text(ax: Axes, text: str, size: float, x: float, y: float) -> None:
+    ax.text(x, y, text, ha="right", va="top", fontsize=size,
+            transform=ax.transAxes, color=COLORS["dark"])  # fmt: skip
 
-    Draws the unit parabola (the 1-D quadratic along the step, start at -1, its
-    minimum at 0, the point of equal height at +1) and on a twin axis the
-    histogram of all alpha values (gray) and of the most recent ones (blue), with
-    their means in the legend. Values beyond the x-range are counted at the edges.
-    alpha < 0: steps too short; near 0: land in the minimum; > 0: overshoot.
 
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key of the alpha values.
-        show_log_iter: Unused (no iteration axis); accepted for uniformity.
-        upto: Ignore steps after this one.
-        bins: Number of histogram bins on [-1.5, 1.5].
-        recent: Fraction of the most recent values shown separately.
+# --- one routine per kind of gauge -------------------------------------------------
+# Each takes (ax, data, gauge, keys, options) and returns whether it drew anything;
+# ``options`` holds the gauge's options plus ``upto`` and ``show_log_iter``.
+def _draw_series(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """Series vs iteration, left axis and optionally a twin right axis."""
+    views = [(line, data.series(keys[line.role], line.reduce).view(options["upto"]))
+             for line in gauge.lines]  # fmt: skip
+    views = [(line, view) for line, view in views if len(view[0])]
+    if not views:
+        return False
+    style_iteration_axis(ax, options["show_log_iter"])
+    has_twin = any(line.twin for line in gauge.lines)
+    handles: list = []
+    for twin, ylabel in ((False, gauge.ylabel), (True, gauge.twin_ylabel)):
+        side = [(line, view) for line, view in views if line.twin == twin]
+        if not side:
+            if not twin and has_twin:
+                ax.set_yticks([])
+            continue
+        target = _twinx(ax) if twin else ax
+        for line, view in side:
+            if line.steps:
+                last = format_number(view[1][-1])
+                target.plot(view[0], view[1], color=line.color, drawstyle="steps-post",
+                            label=f"{line.label}, last {last}")  # fmt: skip
+            else:
+                _scatter_with_ema(target, view, line.label, line.color, line.ema_color)
+        _value_axis(target, np.concatenate([v[1] for _, v in side]), side[0][0].log)
+        target.set_ylabel(ylabel, **({"color": side[0][0].color} if has_twin else {}))
+        handles += target.get_legend_handles_labels()[0]
+    if gauge.reference is not None:
+        ax.axhline(gauge.reference, color=COLORS["red"], lw=0.8, linestyle="--")
+    ax.legend(handles=handles, loc=gauge.legend_loc)
+    return True
 
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "Alpha Distribution"
-    _, values, _ = data.series(key).view(upto, max_points=None)
+
+def _draw_alpha(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """The unit parabola with histograms of all and of the recent alpha values."""
+    _, values, _ = data.series(keys["key"]).view(options["upto"], max_points=None)
     if len(values) < 2:
-        return _empty(ax, title, f"track {key} (needs 2 values)")
+        return False
     lo, hi = -1.5, 1.5
     x = np.linspace(lo, hi, 121)
     ax.plot(x, x**2, color=COLORS["orange"], linewidth=1.5, zorder=3)
     for position in (-1.0, 0.0, 1.0):
         ax.axvline(position, color=COLORS["gray"], linestyle=":", linewidth=0.8)
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(0, 1.75)
-    ax.set_yticks([])
-    ax.set_xticks([-1.5, -1, -0.5, 0, 0.5, 1, 1.5])
-    ax.set_xlabel("normalized step length α")
-    ax.set_title(title)
-
-    edges = np.linspace(lo, hi, bins + 1)
+    ax.set(xlim=(lo, hi), ylim=(0, 1.75), yticks=[], xlabel="normalized step length α",
+           xticks=[-1.5, -1, -0.5, 0, 0.5, 1, 1.5])  # fmt: skip
+    edges = np.linspace(lo, hi, options["bins"] + 1)
     clipped = np.clip(values, lo, np.nextafter(hi, lo))
+    recent = options["recent"]
     n_recent = max(1, math.ceil(recent * len(values)))
     twin = _twinx(ax)
     peak = 0.0
@@ -221,173 +273,48 @@ def plot_alpha(
         density = counts / (len(subset) * (edges[1] - edges[0]))
         peak = max(peak, float(density.max()))
         mean = float(np.mean(values[-len(subset) :]))
-        twin.stairs(
-            density,
-            edges,
-            fill=True,
-            color=color,
-            alpha=0.45,
-            label=f"{name}: mean {mean:+.2f}",
-        )
+        twin.stairs(density, edges, fill=True, color=color, alpha=0.45,
+                    label=f"{name}: mean {mean:+.2f}")  # fmt: skip
     twin.set_ylim(0, 1.25 * peak if peak > 0 else 1)
     twin.set_yticks([])
     twin.legend(loc="upper center", ncols=2)
     below, above = int(np.sum(values < lo)), int(np.sum(values > hi))
-    if below:
-        ax.annotate(f"◀ {below}", (0.01, 0.04), xycoords="axes fraction", fontsize=7)
-    if above:
-        ax.annotate(
-            f"{above} ▶", (0.99, 0.04), xycoords="axes fraction", ha="right", fontsize=7
-        )
-    return _done(ax)
+    for count, text, x, align in ((below, f"◀ {below}", 0.01, "left"),
+                                  (above, f"{above} ▶", 0.99, "right")):  # fmt: skip
+        if count:
+            ax.annotate(text, (x, 0.04), xycoords="axes fraction", ha=align, fontsize=7)
+    return True
 
 
-def plot_distance(
-    ax: Axes,
-    data: Any,
-    *,
-    distance_key: str = "Distance",
-    update_key: str = "UpdateSize",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Distance: ``||θ_t − θ_0||`` (left axis) and the update size (right axis).
-
-    Both are combined over parameters as the norm of the whole parameter vector.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        distance_key: History key of the distance from the start.
-        update_key: History key of the update size.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "Distance"
-    distance = data.series(distance_key, "norm").view(upto)
-    update = data.series(update_key, "norm").view(upto)
-    if len(distance[0]) == 0 and len(update[0]) == 0:
-        return _empty(ax, title, f"track {distance_key} and/or {update_key}")
-    ax.set_title(title)
-    style_iteration_axis(ax, show_log_iter)
-    handles = []
-    if len(distance[0]):
-        _scatter_with_ema(ax, *distance, "distance", COLORS["blue"], "#173a63")
-        ax.set_ylabel("distance from start", color=COLORS["blue"])
-        _value_axis(ax, distance[1], log=False)
-        handles += ax.get_legend_handles_labels()[0]
-    else:
-        ax.set_yticks([])
-    if len(update[0]):
-        twin = _twinx(ax)
-        _scatter_with_ema(twin, *update, "update", COLORS["orange"], "#8a4410")
-        twin.set_ylabel("update size", color=COLORS["orange"])
-        _value_axis(twin, update[1])
-        handles += twin.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper left")
-    return _done(ax)
-
-
-def plot_grad_norm(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "GradNorm",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Gradient Norm: ``||g||`` of the whole mini-batch gradient vs iteration.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key of the per-parameter gradient norms.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    return _series_gauge(
-        ax, data, "Gradient Norm", key, "norm", "‖g‖", show_log_iter, upto
-    )
-
-
-# --- GRADIENTS ---
-def plot_gradient_tests(
-    ax: Axes,
-    data: Any,
-    *,
-    norm_key: str = "NormTest",
-    inner_key: str = "InnerTest",
-    ortho_key: str = "OrthoTest",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Gradient Tests: the latest norm, inner-product and orthogonality tests.
-
-    Left: the latest values as shapes around the origin (circle: norm test, radius
-    ``T_norm``; horizontal band: inner-product test ``±T_inner``; vertical band:
-    orthogonality test ``±T_ortho``) with the dashed unit circle for reference: a
-    test with tolerance θ passes while its shape stays within radius θ, so shapes
-    far outside the unit circle mean the batch is too small for the gradient's
-    noise. Right: the three tests vs iteration (log scale).
-
-    Args:
-        ax: Axes to draw on (used as a frame for two panels).
-        data: The run (see module docstring).
-        norm_key: History key of the norm test.
-        inner_key: History key of the inner-product test.
-        ortho_key: History key of the orthogonality test.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "Gradient Tests"
-    specs = (
-        (norm_key, "norm", COLORS["blue"]),
-        (inner_key, "inner", COLORS["orange"]),
-        (ortho_key, "ortho", COLORS["green"]),
-    )
-    views = [(data.series(key).view(upto), name, color) for key, name, color in specs]
+def _draw_tests(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """Latest tests as shapes around the origin (left), their history (right)."""
+    tests = (("norm_key", "norm", COLORS["blue"]),
+             ("inner_key", "inner", COLORS["orange"]),
+             ("ortho_key", "ortho", COLORS["green"]))  # fmt: skip
+    views = [(data.series(keys[role]).view(options["upto"]), name, color)
+             for role, name, color in tests]  # fmt: skip
     if all(len(view[0]) == 0 for view, _, _ in views):
-        return _empty(ax, title, f"track {norm_key}, {inner_key}, {ortho_key}")
-    ax.set_title(title)
+        return False
     ax.set_axis_off()
     shape = _extra(ax, ax.inset_axes([0.0, 0.0, 0.36, 0.95]))
     history = _extra(ax, ax.inset_axes([0.52, 0.0, 0.48, 0.95]))
 
     latest = {name: float(view[1][-1]) for view, name, _ in views if len(view[0])}
     limit = max(1.5, 1.15 * max(latest.values()))
-    shape.set_xlim(-limit, limit)
-    shape.set_ylim(-limit, limit)
+    shape.set(xlim=(-limit, limit), ylim=(-limit, limit))
     shape.set_aspect("equal", adjustable="box")
     shape.add_patch(
         Circle((0, 0), 1.0, fill=False, linestyle="--", color=COLORS["gray"], lw=0.8)
     )
     if "inner" in latest:
-        shape.axhspan(
-            -latest["inner"], latest["inner"], color=COLORS["orange"], alpha=0.3
-        )
+        shape.axhspan(-latest["inner"], latest["inner"], color=COLORS["orange"],
+                      alpha=0.3)  # fmt: skip
     if "ortho" in latest:
-        shape.axvspan(
-            -latest["ortho"], latest["ortho"], color=COLORS["green"], alpha=0.3
-        )
+        shape.axvspan(-latest["ortho"], latest["ortho"], color=COLORS["green"],
+                      alpha=0.3)  # fmt: skip
     if "norm" in latest:
-        shape.add_patch(
-            Circle((0, 0), latest["norm"], color=COLORS["blue"], alpha=0.3, lw=0)
-        )
+        shape.add_patch(Circle((0, 0), latest["norm"], color=COLORS["blue"],
+                               alpha=0.3, lw=0))  # fmt: skip
     shape.axhline(0, color=COLORS["dark"], lw=0.6)
     shape.axvline(0, color=COLORS["dark"], lw=0.6)
     shape.xaxis.set_major_formatter(format_number)
@@ -397,188 +324,404 @@ def plot_gradient_tests(
 
     for (steps, values, _), name, color in views:
         if len(steps):
-            history.plot(
-                steps,
-                values,
-                color=color,
-                marker=".",
-                markersize=2.5,
-                lw=0.9,
-                label=f"{name} {format_number(values[-1])}",
-            )
+            label = f"{name} {format_number(values[-1])}"
+            history.plot(steps, values, color=color, marker=".", markersize=2.5,
+                         lw=0.9, label=label)  # fmt: skip
     history.axhline(1.0, color=COLORS["gray"], linestyle="--", lw=0.8)
-    all_values = np.concatenate([view[1] for view, _, _ in views])
-    _value_axis(history, all_values)
-    style_iteration_axis(history, show_log_iter)
+    _value_axis(history, np.concatenate([view[1] for view, _, _ in views]))
+    style_iteration_axis(history, options["show_log_iter"])
     history.legend(loc="best")
-    return _done(ax)
+    return True
 
 
-def plot_hist_1d(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "GradHist1d",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Gradient Element Histogram: counts of individual gradient elements (log).
-
-    Values outside the histogram's range are clipped into the two edge bins, so
-    mass piling up at the edges means the range (or the data's scale) is off.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key of ``{"hist": [bins], "edges": [bins + 1]}`` entries.
-        show_log_iter: Unused (no iteration axis); accepted for uniformity.
-        upto: Ignore steps after this one (the last histogram up to it is drawn).
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "Gradient Element Histogram"
-    found = data.latest(key, upto)
+def _draw_hist_1d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """The latest 1-D histogram as filled steps on a log count axis."""
+    found = data.latest(keys["key"], options["upto"])
     if found is None:
-        return _empty(ax, title, f"track {key}")
+        return False
     step, value = found
     counts = np.asarray(value["hist"], dtype=float)
     edges = np.asarray(value["edges"], dtype=float)
     positive = counts[counts > 0]
     floor = 0.8 * (positive.min() if positive.size else 1.0)
-    ax.stairs(
-        np.maximum(counts, floor),
-        edges,
-        baseline=floor,
-        fill=True,
-        color=COLORS["orange"],
-        alpha=0.85,
-    )
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(numticks=5))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.stairs(np.maximum(counts, floor), edges, baseline=floor, fill=True,
+              color=COLORS["orange"], alpha=0.85)  # fmt: skip
+    _log_counts(ax)
     ax.set_ylim(bottom=floor)
     ax.set_xlim(edges[0], edges[-1])
     style_value_axis(ax, "x")
-    ax.set_xlabel("gradient element value")
-    ax.set_ylabel("count")
-    ax.set_title(title)
-    ax.text(
-        0.99, 0.96, f"step {step}", ha="right", va="top", fontsize=7,
-        transform=ax.transAxes, color=COLORS["dark"],
-    )  # fmt: skip
-    return _done(ax)
+    ax.set(xlabel="gradient element value", ylabel="count")
+    _corner_text(ax, f"step {step}", 7, 0.99, 0.96)
+    return True
 
 
-def _hist_2d_entry(value: Any, param: int | None) -> dict[str, Any] | None:
-    if param is None:
-        return value
-    return value.get(f"param_{param}")
-
-
-def plot_hist_2d(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "GradHist2d",
-    param: int | None = None,
-    show_log_iter: bool = False,
-    upto: int | None = None,
-    marginals: bool = True,
-) -> Axes:
-    """Gradient/Parameter Element Histogram: gradient elements vs parameter values.
-
-    A heat map of ``log10(count + 1)`` with the parameter value on the x-axis and
-    the individual gradient element on the y-axis, with marginal histograms on top
-    (parameters) and on the right (gradients).
-
-    Args:
-        ax: Axes to draw on (used as a frame for the heat map and its marginals).
-        data: The run (see module docstring).
-        key: History key of ``{"hist": [xbins, ybins], "edges": [xedges, yedges]}``
-            entries (x: gradient, y: parameter, as cockpit writes them).
-        param: Draw the histogram of this parameter tensor (needs
-            ``GradHist2d(..., keep_individual=True)``) instead of all of them.
-        show_log_iter: Unused (no iteration axis); accepted for uniformity.
-        upto: Ignore steps after this one.
-        marginals: Draw the two marginal histograms.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    if param is None:
-        title = "Gradient/Parameter Element Histogram (all)"
-    else:
-        title = f"Parameter {param}"
-    found = data.latest(key, upto)
-    entry = _hist_2d_entry(found[1], param) if found is not None else None
+def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """The latest 2-D histogram as a heat map, with marginal histograms."""
+    found = data.latest(keys["key"], options["upto"])
+    param = options["param"]
+    entry = found[1] if found is not None and param is None else None
+    if found is not None and param is not None:
+        entry = found[1].get(f"param_{param}")
     if entry is None:
-        hint = f"track {key}"
-        if param is not None:
-            hint += " with keep_individual=True"
-        return _empty(ax, title, hint)
+        return False
     counts = np.asarray(entry["hist"], dtype=float)
     grad_edges = np.asarray(entry["edges"][0], dtype=float)
     param_edges = np.asarray(entry["edges"][1], dtype=float)
-    ax.set_title(title)
-    if marginals:
+    transform = options["transformation"] or (lambda c: np.log10(c + 1.0))
+    shown = np.ma.masked_where(counts == 0, np.asarray(transform(counts), float))
+    heat = ax
+    if options["marginals"]:
         ax.set_axis_off()
         heat = _extra(ax, ax.inset_axes([0.0, 0.0, 0.8, 0.76]))
         top = _extra(ax, ax.inset_axes([0.0, 0.79, 0.8, 0.21], sharex=heat))
         right = _extra(ax, ax.inset_axes([0.83, 0.0, 0.17, 0.76], sharey=heat))
-    else:
-        heat = ax
-    heat.grid(False)
-    heat.pcolormesh(
-        param_edges,
-        grad_edges,
-        np.ma.masked_equal(np.log10(counts + 1.0), 0.0),
-        cmap=HISTOGRAM_CMAP,
-        shading="flat",
-        rasterized=True,
-    )
-    heat.axhline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
-    heat.axvline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
-    heat.set_xlabel("parameter value")
-    heat.set_ylabel("gradient element")
-    style_value_axis(heat, "x", nbins=4)
-    style_value_axis(heat, "y", nbins=4)
-    if marginals:
-        for axes, centers, widths, totals, vertical in (
-            (top, param_edges, np.diff(param_edges), counts.sum(0), True),
-            (right, grad_edges, np.diff(grad_edges), counts.sum(1), False),
-        ):
-            floor = 0.8
-            heights = np.maximum(totals, floor)
+        margins = ((top, param_edges, counts.sum(0), True),
+                   (right, grad_edges, counts.sum(1), False))  # fmt: skip
+        for axes, edges, totals, vertical in margins:
+            heights = np.maximum(totals, 0.8) - 0.8
             if vertical:
-                axes.bar(centers[:-1], heights - floor, widths, bottom=floor,
+                axes.bar(edges[:-1], heights, np.diff(edges), bottom=0.8,
                          align="edge", color=COLORS["gray"], lw=0)  # fmt: skip
-                axes.set_yscale("log")
-                axes.tick_params(labelbottom=False, labelleft=False)
             else:
-                axes.barh(centers[:-1], heights - floor, widths, left=floor,
+                axes.barh(edges[:-1], heights, np.diff(edges), left=0.8,
                           align="edge", color=COLORS["gray"], lw=0)  # fmt: skip
-                axes.set_xscale("log")
-                axes.tick_params(labelleft=False, labelbottom=False)
+            getattr(axes, "set_yscale" if vertical else "set_xscale")("log")
+            axes.tick_params(labelbottom=False, labelleft=False, length=0)
             axes.grid(False)
             axes.minorticks_off()
-            axes.tick_params(length=0)
-    heat.text(
-        0.98, 0.97, f"step {found[0]}", ha="right", va="top", fontsize=6.5,
-        transform=heat.transAxes, color=COLORS["dark"],
-    )  # fmt: skip
-    return _done(ax)
+    heat.grid(False)
+    heat.pcolormesh(param_edges, grad_edges, shown, cmap=HISTOGRAM_CMAP,
+                    shading="flat", rasterized=True)  # fmt: skip
+    heat.axhline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
+    heat.axvline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
+    heat.set(xlabel="parameter value", ylabel="gradient element")
+    style_value_axis(heat, "x", nbins=4)
+    style_value_axis(heat, "y", nbins=4)
+    _corner_text(heat, f"step {found[0]}", 6.5, 0.98, 0.97)
+    return True
+
+
+def _draw_performance(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """Mini-batch loss (points + EMA), logged losses (lines), accuracies (twin)."""
+    upto = options["upto"]
+    loss = data.series(keys["loss_key"]).view(upto)
+    logged = [(k, data.series(k).view(upto)) for k in options["log_losses"]]
+    logged = [(k, view) for k, view in logged if len(view[0])]
+    accs = [(k, data.series(k).view(upto)) for k in options["accuracies"]]
+    accs = [(k, view) for k, view in accs if len(view[0])]
+    if len(loss[0]) == 0 and not logged and not accs:
+        return False
+    style_iteration_axis(ax, options["show_log_iter"])
+    if len(loss[0]):
+        _scatter_with_ema(ax, loss, "mini-batch loss", None, None)
+    for (name, (steps, values, _)), color in zip(
+        logged, (COLORS["blue"], COLORS["red"], COLORS["purple"])
+    ):
+        label = f"{name.replace('_', ' ')}, last {format_number(values[-1])}"
+        ax.plot(steps, values, color=color, lw=1.2, label=label)
+    ax.set_ylabel("loss")
+    _value_axis(ax, np.concatenate([loss[1]] + [view[1] for _, view in logged]))
+    handles, labels = ax.get_legend_handles_labels()
+    if accs:
+        twin = _twinx(ax)
+        for (name, (steps, values, _)), color in zip(
+            accs, (COLORS["green"], COLORS["orange"], COLORS["gray"])
+        ):
+            label = f"{name.replace('_', ' ')}, last {100 * values[-1]:.1f}%"
+            twin.plot(steps, values, color=color, lw=1.2, linestyle="--", label=label)
+        twin.set_ylim(0, 1.02)
+        twin.yaxis.set_major_formatter(lambda y, _pos: f"{100 * y:.0f}%")
+        twin.set_ylabel("accuracy")
+        more_handles, more_labels = twin.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="center left", bbox_to_anchor=(1.07, 0.5))
+    return True
+
+
+#: The drawing routine of each kind of gauge.
+DRAWERS: dict[str, Callable[..., bool]] = {
+    "series": _draw_series,
+    "alpha": _draw_alpha,
+    "tests": _draw_tests,
+    "hist_1d": _draw_hist_1d,
+    "hist_2d": _draw_hist_2d,
+    "performance": _draw_performance,
+}
+
+
+# --- the gauges --------------------------------------------------------------------
+def _key(role: str, key: str, what: str) -> tuple[str, str, str]:
+    return role, key, f"History key of {what}."
+
+
+def _series(name, title, key, label, doc, reduce="scalar", **more) -> Gauge:
+    """A gauge of one series vs iteration, points coloured by iteration, plus EMA."""
+    return Gauge(name, title, "series", doc, (_key("key", key, "the values"),),
+                 (Line("key", label, reduce),), ylabel=label, **more)  # fmt: skip
+
+
+def _hist_2d_title(context: Mapping[str, Any]) -> str:
+    if context["param"] is None:
+        return "Gradient/Parameter Element Histogram (all)"
+    return f"Parameter {context['param']}"
+
+
+def _hist_2d_hint(context: Mapping[str, Any]) -> str:
+    extra = "" if context["param"] is None else " with keep_individual=True"
+    return f"track {context['key']}{extra}"
+
+
+_GAUGE_LIST = (
+    Gauge(
+        "alpha", "Alpha Distribution", "alpha",
+        "where steps land on a local quadratic fit. Draws the unit parabola (the 1-D "
+        "quadratic along the step: start at -1, minimum at 0, the point of equal "
+        "height at +1) and on a twin axis the histogram of all alpha values (gray) "
+        "and of the most recent ones (blue), their means in the legend; values "
+        "beyond the x-range are counted at the edges. alpha < 0: steps too short; "
+        "near 0: they land in the minimum; > 0: overshoot.",
+        (_key("key", "Alpha", "the alpha values"),),
+        hint="track {key} (needs 2 values)",
+        options={"bins": 40, "recent": 0.1},
+        option_docs={"bins": "Number of histogram bins on [-1.5, 1.5].",
+                     "recent": "Fraction of the most recent values shown apart."},
+    ),
+    Gauge(
+        "distance", "Distance", "series",
+        "``||θ_t − θ_0||`` (left axis) and the update size ``||θ_{t+1} − θ_t||`` "
+        "(right axis), each combined over parameters as the norm of the whole "
+        "parameter vector.",
+        (_key("distance_key", "Distance", "the distance from the start"),
+         _key("update_key", "UpdateSize", "the update size")),
+        (Line("distance_key", "distance", "norm", COLORS["blue"], "#173a63", log=False),
+         Line("update_key", "update", "norm", COLORS["orange"], "#8a4410", twin=True)),
+        ylabel="distance from start", twin_ylabel="update size",
+        hint="track {distance_key} and/or {update_key}", legend_loc="upper left",
+    ),
+    _series("grad_norm", "Gradient Norm", "GradNorm", "‖g‖",
+            "``||g||`` of the whole mini-batch gradient (per-parameter norms "
+            "combined) vs iteration.", reduce="norm"),
+    Gauge(
+        "gradient_tests", "Gradient Tests", "tests",
+        "the norm, inner-product and orthogonality tests. Left: the latest values "
+        "as shapes around the origin (circle: norm test, radius ``T_norm``; "
+        "horizontal band: inner-product test ``±T_inner``; vertical band: "
+        "orthogonality test ``±T_ortho``) with the dashed unit circle: a test with "
+        "tolerance θ passes while its shape stays within radius θ, so shapes far "
+        "outside the unit circle mean the batch is too small for the gradient's "
+        "noise. Right: the three tests vs iteration.",
+        (_key("norm_key", "NormTest", "the norm test"),
+         _key("inner_key", "InnerTest", "the inner-product test"),
+         _key("ortho_key", "OrthoTest", "the orthogonality test")),
+        hint="track {norm_key}, {inner_key}, {ortho_key}",
+    ),
+    Gauge(
+        "hist_1d", "Gradient Element Histogram", "hist_1d",
+        "counts of individual gradient elements (log scale) at the last tracked "
+        "step. Values outside the range are clipped into the edge bins, so mass "
+        "piling up at the edges means the range (or the data's scale) is off.",
+        (_key("key", "GradHist1d", '``{"hist": [bins], "edges": [bins + 1]}``'),),
+    ),
+    Gauge(
+        "hist_2d", _hist_2d_title, "hist_2d",
+        "gradient elements vs parameter values at the last tracked step: a heat map "
+        "of ``log10(count + 1)`` (parameter value on x, gradient element on y) with "
+        "marginal histograms on top (parameters) and on the right (gradients).",
+        (_key("key", "GradHist2d",
+              '``{"hist": [xbins, ybins], "edges": [xedges, yedges]}`` (x: gradient, '
+              "y: parameter, as cockpit writes them)"),),
+        hint=_hist_2d_hint,
+        options={"param": None, "marginals": True, "transformation": None},
+        option_docs={
+            "param": "Draw this parameter tensor's histogram (needs "
+            "``GradHist2d(..., keep_individual=True)``) instead of all of them.",
+            "marginals": "Draw the two marginal histograms.",
+            "transformation": "Map applied to the bin counts for the colours "
+            "(default ``log10(count + 1)``); empty bins stay blank.",
+        },
+    ),
+    _series("max_ev", "Max Eigenvalue", "HessMaxEV", "λ_max",
+            "the largest Hessian eigenvalue vs iteration (log scale when positive "
+            "over more than two decades)."),
+    _series("trace", "Trace", "HessTrace", "trace",
+            "trace of the (diagonal) curvature, summed over parameters.", "sum"),
+    Gauge(
+        "tic", "TIC", "series",
+        "Takeuchi information criterion estimates vs iteration.",
+        (_key("diag_key", "TICDiag", "the diagonal-curvature estimate"),
+         _key("trace_key", "TICTrace", "the trace-curvature estimate")),
+        (Line("diag_key", "diag", color=COLORS["green"], ema_color="#1d5a27"),
+         Line("trace_key", "trace", color=COLORS["purple"], ema_color="#45306b")),
+        ylabel="TIC",
+    ),
+    Gauge(
+        "hyperparameters", "Hyperparameters", "series",
+        "the learning rate handed to ``Cockpit.log`` vs iteration.",
+        (_key("key", "learning_rate", "the learning rate"),),
+        (Line("key", "learning rate", color=COLORS["blue"], steps=True),),
+        ylabel="learning rate", hint="call cockpit.log(..., learning_rate)",
+    ),
+    Gauge(
+        "performance", "Performance Plot", "performance",
+        "mini-batch loss (left axis, from the ``Loss`` quantity) and what was handed "
+        "to ``Cockpit.log``: losses as lines, accuracies on a 0-100 % right axis.",
+        (_key("loss_key", "Loss", "the mini-batch loss"),),
+        hint="track {loss_key} or call cockpit.log(...)",
+        options={"log_losses": ("train_loss", "valid_loss"),
+                 "accuracies": ("train_accuracy", "valid_accuracy")},
+        option_docs={"log_losses": "Keys of logged losses drawn as lines.",
+                     "accuracies": "Keys of logged accuracies."},
+    ),
+    _series("mean_gsnr", "Mean GSNR", "MeanGSNR", "GSNR",
+            "mean gradient signal-to-noise ratio over all parameters."),
+    _series("cabs", "CABS", "CABS", "suggested batch size",
+            "the batch size suggested by the coupled adaptive batch size rule."),
+    _series("early_stopping", "Early stopping", "EarlyStopping", "criterion",
+            "the evidence-based criterion; positive values (above the dashed line) "
+            "say stop.", reference=0.0),
+)  # fmt: skip
+
+#: Every gauge by name.
+GAUGES: dict[str, Gauge] = {gauge.name: gauge for gauge in _GAUGE_LIST}
+
+
+def _text(text: Text, context: Mapping[str, Any]) -> str:
+    return text(context) if callable(text) else text.format(**context)
+
+
+def draw_gauge(
+    name: str,
+    ax: Axes,
+    data: Any,
+    *,
+    show_log_iter: bool = False,
+    upto: int | None = None,
+    **arguments: Any,
+) -> Axes:
+    """Draw the gauge ``name`` of :data:`GAUGES` onto ``ax``.
+
+    Args:
+        name: The gauge (e.g. ``"grad_norm"``).
+        ax: Axes to draw on (cleared first, see :func:`clear_gauge`).
+        data: The run (see the module docstring).
+        show_log_iter: Symmetric-log iteration axis.
+        upto: Ignore steps after this one.
+        **arguments: History keys (by the gauge's key arguments) and options.
+
+    Returns:
+        ``ax``.
+
+    Raises:
+        ValueError: For an unknown gauge.
+        TypeError: For an argument the gauge does not take.
+    """
+    if name not in GAUGES:
+        raise ValueError(f"Unknown gauge {name!r}; choose one of {sorted(GAUGES)}.")
+    gauge = GAUGES[name]
+    roles = [role for role, _, _ in gauge.keys]
+    unknown = sorted(set(arguments) - set(roles) - set(gauge.options))
+    if unknown:
+        raise TypeError(
+            f"plot_{name}() got unexpected arguments {unknown}; it takes "
+            f"{roles + list(gauge.options)} besides show_log_iter and upto."
+        )
+    keys = {role: arguments.get(role, key) for role, key, _ in gauge.keys}
+    options = {
+        **gauge.options,
+        **{k: v for k, v in arguments.items() if k in gauge.options},
+        "show_log_iter": show_log_iter,
+        "upto": upto,
+    }
+    data = as_data(data)
+    clear_gauge(ax)
+    context = {**keys, **options}
+    title = _text(gauge.title, context)
+    if not DRAWERS[gauge.kind](ax, data, gauge, keys, options):
+        hint = _text(gauge.hint, context) or "track " + " or ".join(keys.values())
+        no_data(ax, title, hint)
+        ax.set_gid(NO_DATA_GID)
+        return ax
+    ax.set_title(title)
+    ax.set_gid(GAUGE_GID)
+    return ax
+
+
+def _public(name: str) -> Callable[..., Axes]:
+    """``plot_<name>(ax, data, *, show_log_iter, upto, <keys>, <options>)``."""
+    gauge = GAUGES[name]
+
+    def plot(ax: Axes, data: Any, **arguments: Any) -> Axes:
+        return draw_gauge(name, ax, data, **arguments)
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    defaults = [("show_log_iter", False), ("upto", None)]
+    defaults += [(role, key) for role, key, _ in gauge.keys] + list(
+        gauge.options.items()
+    )
+    plot.__signature__ = inspect.Signature(
+        [inspect.Parameter("ax", positional), inspect.Parameter("data", positional)]
+        + [inspect.Parameter(n, keyword, default=d) for n, d in defaults],
+        return_annotation="Axes",
+    )
+    args = [
+        "ax: Axes to draw on (cleared first, with the twins and insets an earlier "
+        "gauge added to it).",
+        "data: The run: DashboardData, History, Cockpit, {step: {key: value}} dict "
+        "or log path.",
+        "show_log_iter: Symmetric-log iteration axis (if the gauge has one).",
+        "upto: Ignore steps after this one.",
+    ]
+    args += [f"{role}: {what}" for role, _, what in gauge.keys]
+    args += [f"{option}: {gauge.option_docs[option]}" for option in gauge.options]
+    title = _text(gauge.title, {**dict.fromkeys(gauge.options), "key": ""})
+    plot.__name__ = plot.__qualname__ = f"plot_{name}"
+    plot.__doc__ = (
+        f"{title}: {gauge.doc}\n\nArgs:\n"
+        + "".join(f"    {line}\n" for line in args)
+        + "\nReturns:\n    ``ax``.\n"
+    )
+    return plot
+
+
+plot_alpha = _public("alpha")
+plot_distance = _public("distance")
+plot_grad_norm = _public("grad_norm")
+plot_gradient_tests = _public("gradient_tests")
+plot_hist_1d = _public("hist_1d")
+plot_hist_2d = _public("hist_2d")
+plot_max_ev = _public("max_ev")
+plot_trace = _public("trace")
+plot_tic = _public("tic")
+plot_hyperparameters = _public("hyperparameters")
+plot_performance = _public("performance")
+plot_mean_gsnr = _public("mean_gsnr")
+plot_cabs = _public("cabs")
+plot_early_stopping = _public("early_stopping")
+
+
+def warn_if_empty(ax: Axes, stacklevel: int = 2) -> bool:
+    """Warn (``UserWarning``) with the hint of a gauge that had no data.
+
+    Args:
+        ax: Axes a gauge drew on.
+        stacklevel: Passed to :func:`warnings.warn`.
+
+    Returns:
+        Whether the gauge had no data.
+    """
+    if ax.get_gid() != NO_DATA_GID:
+        return False
+    hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
+    warnings.warn(f"Gauge {ax.get_title()!r} has {hint}.", stacklevel=stacklevel)
+    return True
 
 
 def layer_count(data: Any, key: str = "GradHist2d", upto: int | None = None) -> int:
     """Number of per-parameter 2-D histograms in the latest ``key`` entry.
 
     Args:
-        data: The run (see module docstring).
+        data: The run (see the module docstring).
         key: History key of the 2-D histograms.
         upto: Ignore steps after this one.
 
@@ -594,298 +737,15 @@ def layer_count(data: Any, key: str = "GradHist2d", upto: int | None = None) -> 
     return sum(1 for k in value if k.startswith("param_") and k[6:].isdigit())
 
 
-# --- CURVATURE ---
-def plot_max_ev(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "HessMaxEV",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Max Eigenvalue: the largest Hessian eigenvalue vs iteration (log if positive).
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key of the eigenvalues.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    return _series_gauge(
-        ax, data, "Max Eigenvalue", key, "scalar", "λ_max", show_log_iter, upto
-    )
-
-
-def plot_trace(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "HessTrace",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Trace: trace of the (diagonal) curvature, summed over parameters.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key of the per-parameter traces.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    return _series_gauge(ax, data, "Trace", key, "sum", "trace", show_log_iter, upto)
-
-
-def plot_tic(
-    ax: Axes,
-    data: Any,
-    *,
-    diag_key: str = "TICDiag",
-    trace_key: str = "TICTrace",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """TIC: Takeuchi information criterion estimates vs iteration.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        diag_key: History key of the diagonal-curvature estimate.
-        trace_key: History key of the trace-curvature estimate.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "TIC"
-    diag = data.series(diag_key).view(upto)
-    trace = data.series(trace_key).view(upto)
-    if len(diag[0]) == 0 and len(trace[0]) == 0:
-        return _empty(ax, title, f"track {diag_key} or {trace_key}")
-    ax.set_title(title)
-    if len(diag[0]):
-        _scatter_with_ema(ax, *diag, "diag", COLORS["green"], "#1d5a27")
-    if len(trace[0]):
-        _scatter_with_ema(ax, *trace, "trace", COLORS["purple"], "#45306b")
-    values = np.concatenate([diag[1], trace[1]])
-    _value_axis(ax, values)
-    ax.set_ylabel("TIC")
-    style_iteration_axis(ax, show_log_iter)
-    ax.legend(loc="best")
-    return _done(ax)
-
-
-# --- bottom row ---
-def plot_hyperparameters(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "learning_rate",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Hyperparameters: the learning rate handed to ``Cockpit.log`` vs iteration.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key of the learning rate.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "Hyperparameters"
-    steps, values, _ = data.series(key).view(upto)
-    if len(steps) == 0:
-        return _empty(ax, title, "call cockpit.log(..., learning_rate)")
-    ax.plot(
-        steps,
-        values,
-        color=COLORS["blue"],
-        drawstyle="steps-post",
-        label=f"learning rate, last {format_number(values[-1])}",
-    )
-    ax.set_title(title)
-    ax.set_ylabel("learning rate")
-    _value_axis(ax, values)
-    style_iteration_axis(ax, show_log_iter)
-    ax.legend(loc="best")
-    return _done(ax)
-
-
-def plot_performance(
-    ax: Axes,
-    data: Any,
-    *,
-    loss_key: str = "Loss",
-    log_losses: Sequence[str] = ("train_loss", "valid_loss"),
-    accuracies: Sequence[str] = ("train_accuracy", "valid_accuracy"),
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Performance Plot: mini-batch loss (left axis) and accuracies (right axis).
-
-    The mini-batch loss comes from the ``Loss`` quantity; losses and accuracies
-    handed to ``Cockpit.log`` are drawn as lines (accuracies on a 0-100 % axis).
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        loss_key: History key of the mini-batch loss.
-        log_losses: Keys of logged losses drawn as lines.
-        accuracies: Keys of logged accuracies.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    title = "Performance Plot"
-    loss = data.series(loss_key).view(upto)
-    logged = [(k, data.series(k).view(upto)) for k in log_losses]
-    logged = [(k, v) for k, v in logged if len(v[0])]
-    accs = [(k, data.series(k).view(upto)) for k in accuracies]
-    accs = [(k, v) for k, v in accs if len(v[0])]
-    if len(loss[0]) == 0 and not logged and not accs:
-        return _empty(ax, title, f"track {loss_key} or call cockpit.log(...)")
-    ax.set_title(title)
-    style_iteration_axis(ax, show_log_iter)
-    loss_values = [loss[1]] + [v[1] for _, v in logged]
-    if len(loss[0]):
-        _scatter_with_ema(ax, *loss, "mini-batch loss")
-    line_colors = [COLORS["blue"], COLORS["red"], COLORS["purple"]]
-    for (name, (steps, values, _)), color in zip(logged, line_colors):
-        label = f"{name.replace('_', ' ')}, last {format_number(values[-1])}"
-        ax.plot(steps, values, color=color, lw=1.2, label=label)
-    ax.set_ylabel("loss")
-    _value_axis(ax, np.concatenate(loss_values))
-    handles, labels = ax.get_legend_handles_labels()
-    if accs:
-        twin = _twinx(ax)
-        acc_colors = [COLORS["green"], COLORS["orange"], COLORS["gray"]]
-        for (name, (steps, values, _)), color in zip(accs, acc_colors):
-            label = f"{name.replace('_', ' ')}, last {100 * values[-1]:.1f}%"
-            twin.plot(steps, values, color=color, lw=1.2, linestyle="--", label=label)
-        twin.set_ylim(0, 1.02)
-        twin.yaxis.set_major_formatter(lambda y, _pos: f"{100 * y:.0f}%")
-        twin.set_ylabel("accuracy")
-        more_handles, more_labels = twin.get_legend_handles_labels()
-        handles, labels = handles + more_handles, labels + more_labels
-    ax.legend(handles, labels, loc="center left", bbox_to_anchor=(1.07, 0.5))
-    return _done(ax)
-
-
-# --- secondary screen ---
-def plot_mean_gsnr(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "MeanGSNR",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Mean GSNR: mean gradient signal-to-noise ratio over all parameters.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    return _series_gauge(
-        ax, data, "Mean GSNR", key, "scalar", "GSNR", show_log_iter, upto
-    )
-
-
-def plot_cabs(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "CABS",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """CABS: the batch size suggested by the coupled adaptive batch size rule.
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    return _series_gauge(
-        ax, data, "CABS", key, "scalar", "suggested batch size", show_log_iter, upto
-    )
-
-
-def plot_early_stopping(
-    ax: Axes,
-    data: Any,
-    *,
-    key: str = "EarlyStopping",
-    show_log_iter: bool = False,
-    upto: int | None = None,
-) -> Axes:
-    """Early stopping: the evidence-based criterion (positive values: stop).
-
-    Args:
-        ax: Axes to draw on.
-        data: The run (see module docstring).
-        key: History key.
-        show_log_iter: Symmetric-log iteration axis.
-        upto: Ignore steps after this one.
-
-    Returns:
-        ``ax``.
-    """
-    data = as_data(data)
-    _reset(ax)
-    _series_gauge(
-        ax, data, "Early stopping", key, "scalar", "criterion", show_log_iter, upto
-    )
-    if ax.get_gid() == GAUGE_GID:
-        ax.axhline(0.0, color=COLORS["red"], lw=0.8, linestyle="--")
-    return ax
-
-
 #: The gauges of the primary screen, by panel, top to bottom.
 PRIMARY_GAUGES = {
     "STEP SIZE": (plot_alpha, plot_distance, plot_grad_norm),
     "GRADIENTS": (plot_gradient_tests, plot_hist_1d, plot_hist_2d),
     "CURVATURE": (plot_max_ev, plot_trace, plot_tic),
 }
+
+#: The gauges of the primary screen's bottom row (what practitioners already watch).
+BOTTOM_GAUGES = (plot_hyperparameters, plot_performance)
 
 #: The gauges of the secondary screen's top band.
 AUXILIARY_GAUGES = (plot_mean_gsnr, plot_cabs, plot_early_stopping)

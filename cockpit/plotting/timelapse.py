@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from cockpit.plotting.dashboard import CockpitPlotter, resolve_source
-from cockpit.plotting.data import DashboardData
+from cockpit.plotting.dashboard import CockpitPlotter
 from cockpit.plotting.style import dashboard_style
 
 
@@ -45,35 +44,30 @@ def make_timelapse(
         The path written.
 
     Raises:
-        ValueError: If the run has no steps or ``frames`` is not positive.
+        LogFileError: If a log has no tracked steps.
+        ValueError: If another source has no tracked steps, or ``frames`` is not
+            positive.
     """
     from matplotlib.animation import PillowWriter
 
     if frames < 1:
         raise ValueError(f"frames must be positive, got {frames}.")
-    history, default_title, _ = resolve_source(source)
-    steps = history.steps
-    if not steps:
-        raise ValueError("The run has no recorded steps: nothing to animate.")
-    positions = np.unique(np.linspace(0, len(steps) - 1, frames).round().astype(int))
-    cuts = [steps[i] for i in positions]
-
     plotter = CockpitPlotter(
         secondary_screen=secondary_screen, figsize=figsize, dpi=dpi
     )
-    title = plot_title or default_title
-    data = DashboardData(history)
-    data.refresh()
+    plotter.load(source, plot_title=plot_title)
+    plotter.show_log_iter = show_log_iter
+    steps = plotter.data.history.steps
+    positions = np.unique(np.linspace(0, len(steps) - 1, frames).round().astype(int))
     path = os.fspath(path)
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
     writer = PillowWriter(fps=fps)
-    with dashboard_style():
-        plotter._ensure_figures(managed=False)
-        fig = plotter.fig_secondary if secondary_screen else plotter.fig
-        with writer.saving(fig, path, dpi):
-            for cut in cuts:
-                plotter.draw(data, title, show_log_iter=show_log_iter, upto=cut)
-                writer.grab_frame()
+    first = plotter.draw(upto=steps[positions[0]])
+    fig = first[1] if secondary_screen else first[0]
+    with dashboard_style(), writer.saving(fig, path, dpi):
+        for index in positions:
+            plotter.draw(upto=steps[index])
+            writer.grab_frame()
     return path
