@@ -413,11 +413,9 @@ def _json_problem(error: json.JSONDecodeError) -> str:
     rest = error.doc[error.pos :].strip()
     if not rest or error.msg.startswith("Unterminated string"):
         return (
-            f"is truncated: its JSON data stops in the middle (line {error.lineno}). "
-            "A log written by Cockpit.write is complete or absent, so the file was "
-            "cut while being copied or written by something else. Fix: write or "
-            "copy it again; Cockpit(..., logpath=...) streams a log that keeps every "
-            "completed step even when the run is killed"
+            f"is truncated: its JSON data stops in the middle (line {error.lineno}), "
+            "so it was cut while being written or copied. Fix: write or copy the "
+            "log again"
         )
     if error.msg == "Extra data":
         return (
