@@ -3,14 +3,16 @@
 ``Cockpit`` tracks quantities (gradient norms, curvature, gradient noise, ...) in the
 same backward pass as training; ``CockpitPlotter`` shows them as a dashboard.
 
-The names below are imported when first used (PEP 562), so ``import cockpit.history``
-or the ``cockpit plot`` command read logs without loading torch or BackPACK, and
-``from cockpit import Cockpit`` loads torch but not matplotlib.
+The names below, and submodules such as ``cockpit.history``, are imported when first
+used (PEP 562), so ``import cockpit.history`` or the ``cockpit plot`` command read
+logs without loading torch or BackPACK, and ``from cockpit import Cockpit`` loads
+torch but not matplotlib.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 #: Where each lazily imported public name lives: ``(module, attribute)``; an
@@ -41,6 +43,8 @@ def __getattr__(name: str) -> Any:
         module_name, attribute = _LAZY[name]
         module = importlib.import_module(module_name)
         value = module if attribute is None else getattr(module, attribute)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+        value = importlib.import_module(f"{__name__}.{name}")  # any submodule
     else:
         raise AttributeError(f"module 'cockpit' has no attribute {name!r}")
     globals()[name] = value  # later look-ups skip this function

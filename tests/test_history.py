@@ -331,3 +331,30 @@ def test_history_and_log_stream_share_the_codec_and_import_no_privates():
     assert not {"cockpit.history", "cockpit.log_stream"} & modules["cockpit.log_format"]
     assert "cockpit.log_format" in modules["cockpit.history"]
     assert "cockpit.log_format" in modules["cockpit.log_stream"]
+
+
+def test_package_attributes_load_on_first_use():
+    code = (
+        "import sys, cockpit\n"
+        "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules\n"
+        "assert cockpit.history.History is cockpit.History\n"
+        "assert 'torch' not in sys.modules\n"
+        "from cockpit import Cockpit\n"
+        "assert 'torch' in sys.modules and 'matplotlib' not in sys.modules\n"
+        "assert cockpit.quantities.Loss and cockpit.utils.__name__ == 'cockpit.utils'\n"
+        "assert cockpit.CockpitPlotter.__name__ == 'CockpitPlotter'\n"
+        "assert isinstance(cockpit.__version__, str) and 'Cockpit' in dir(cockpit)\n"
+        "try:\n"
+        "    cockpit.no_such_thing\n"
+        "except AttributeError as error:\n"
+        "    assert 'no_such_thing' in str(error)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120, cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
