@@ -184,9 +184,16 @@ def expand(value: Any) -> Any:
     return value
 
 
-def _as_array(value: Any) -> np.ndarray:
-    """A fresh, writable numpy array holding ``value`` (an array or nested list)."""
-    return np.array(value, copy=True)
+def _as_array(value: Any) -> Any:
+    """A fresh, writable numpy array holding ``value`` (an array or nested list).
+
+    A value that is no array (ragged lists, ``None``) is returned as plain Python.
+    """
+    try:
+        array = np.array(value, copy=True)
+    except (ValueError, TypeError):
+        return expand(value)
+    return array if array.dtype.kind in "biuf" else expand(value)
 
 
 def _edges_output(edges: Any) -> Any:

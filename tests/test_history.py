@@ -358,3 +358,8 @@ def test_package_attributes_load_on_first_use():
         env=dict(os.environ, PYTHONPATH=root),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_to_output_leaves_values_that_are_no_arrays_plain():
+    h = History({0: {"Odd": {"hist": [[1, 2], [3]], "edges": None}}})
+    assert h.to_output()[0] == {"Odd": {"hist": [[1, 2], [3]], "edges": None}}
