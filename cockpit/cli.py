@@ -131,9 +131,9 @@ def _default_output(log: str, suffix: str) -> str:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    history = load_log(args.log)  # before importing matplotlib: bad files fail fast
     from cockpit.plotting import CockpitPlotter
 
-    history = load_log(args.log)
     out = args.output or _default_output(args.log, ".png")
     plotter = CockpitPlotter(secondary_screen=args.secondary is not None)
     plotter.plot(
@@ -150,12 +150,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _timelapse(args: argparse.Namespace) -> int:
-    from cockpit.plotting import make_timelapse
-
     out = args.output or _default_output(args.log, ".gif")
     if args.frames < 1:
         raise _UserError(f"--frames must be at least 1, got {args.frames}.")
-    history = load_log(args.log)
+    history = load_log(args.log)  # before importing matplotlib: bad files fail fast
+    from cockpit.plotting import make_timelapse
+
     path = make_timelapse(
         history,
         out,

@@ -279,6 +279,8 @@ print(json.dumps({
     "written": {str(k): v for k, v in written.items()},
     "legacy": History.from_json(legacy).to_dict()[0],
     "cli": cockpit.cli.load_log(sys.argv[2]).steps,
+    "cli_bad": cockpit.cli.main(["plot", sys.argv[2] + ".missing"]),
+    "matplotlib": "matplotlib" in sys.modules,
     "output": type(written.to_output()[0]["GradHist1d"]["hist"]).__name__,
 }))
 """
@@ -304,6 +306,8 @@ def test_logs_are_read_and_written_without_torch_or_backpack(tmp_path):
     assert result["written"] == {str(k): v for k, v in h.items()}
     assert result["legacy"] == h[0]
     assert result["cli"] == [0, 2]
+    assert result["cli_bad"] == 1 and "no such file" in done.stderr
+    assert not result["matplotlib"]  # a bad log fails before plotting is imported
     assert result["output"] == "ndarray"
 
 
