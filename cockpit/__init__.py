@@ -2,28 +2,54 @@
 
 ``Cockpit`` tracks quantities (gradient norms, curvature, gradient noise, ...) in the
 same backward pass as training; ``CockpitPlotter`` shows them as a dashboard.
+
+The names below, and submodules such as ``cockpit.history``, are imported when first
+used (PEP 562), so ``import cockpit.history`` or the ``cockpit plot`` command read
+logs without loading torch or BackPACK, and ``from cockpit import Cockpit`` loads
+torch but not matplotlib.
 """
 
 from __future__ import annotations
 
-from importlib import metadata
+import importlib
+import importlib.util
+from typing import Any
 
-from cockpit import quantities
-from cockpit.cockpit import Cockpit
-from cockpit.history import History
-
-try:
-    __version__ = metadata.version("cockpit-debugger")
-except metadata.PackageNotFoundError:  # running from a source tree
-    __version__ = "0+unknown"
+#: Where each lazily imported public name lives: ``(module, attribute)``; an
+#: attribute of ``None`` means the module itself.
+_LAZY = {
+    "Cockpit": ("cockpit.cockpit", "Cockpit"),
+    "CockpitPlotter": ("cockpit.plotting", "CockpitPlotter"),
+    "History": ("cockpit.history", "History"),
+    "quantities": ("cockpit.quantities", None),
+}
 
 __all__ = ["Cockpit", "CockpitPlotter", "History", "quantities", "__version__"]
 
 
-def __getattr__(name: str):
-    # The plotter pulls in matplotlib; import it only when asked for.
-    if name == "CockpitPlotter":
-        from cockpit.plotting import CockpitPlotter
+def _version() -> str:
+    from importlib import metadata
 
-        return CockpitPlotter
-    raise AttributeError(f"module 'cockpit' has no attribute {name!r}")
+    try:
+        return metadata.version("cockpit-debugger")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value = _version()
+    elif name in _LAZY:
+        module_name, attribute = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attribute is None else getattr(module, attribute)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+        value = importlib.import_module(f"{__name__}.{name}")  # any submodule
+    else:
+        raise AttributeError(f"module 'cockpit' has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,14 +5,35 @@
 * ``cockpit plot LOG -o out.png``: draw the dashboard of a log (ours, streamed, or
   written by cockpit-for-pytorch 1.0.2).
 * ``cockpit timelapse LOG -o run.gif``: an animated GIF of the dashboard over the run.
+
+Exit codes: 0 success; 1 a problem with the input (a log that is missing, empty,
+truncated or not a cockpit log, an unwritable output, a bad option value), reported
+as one line ``cockpit <command>: error: <file>: <problem>. Fix: ...`` on stderr,
+without a traceback; 2 a command line that does not parse (argparse). Any other
+error is reported in one line too (set ``COCKPIT_TRACEBACK=1`` to see its
+traceback). Warnings are printed as one line each, ``cockpit <command>: warning:
+...``.
+
+A command that reads a log calls :func:`load_log`; :func:`main` turns its
+:class:`~cockpit.errors.LogFileError` (and any ``OSError``) into that line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import sys
+import warnings
+from typing import TYPE_CHECKING, Iterator
+
+from cockpit.errors import LogFileError
+
+if TYPE_CHECKING:
+    from cockpit.history import History
+
+#: Exit code of a command that failed on its input (argparse exits with 2).
+EXIT_ERROR = 1
 
 
 class _UserError(Exception):
@@ -42,22 +63,85 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_log(path: str | os.PathLike) -> History:
+    """Read the log a command was given, or say in one line what is wrong with it.
+
+    Args:
+        path: A log path as :meth:`cockpit.history.History.from_json` takes it (with
+            or without ``.json``; written, streamed, or by cockpit-for-pytorch 1.0.2).
+
+    Returns:
+        The history; it holds at least one step.
+
+    Raises:
+        LogFileError: If there is no such file, it cannot be read, it is not a
+            cockpit log (binary, not JSON, truncated, JSON of another shape), or it
+            holds no tracked step. The message names the file, the problem and the
+            fix.
+    """
+    from cockpit.history import History
+    from cockpit.log_format import LOG_SUFFIXES, find_log
+
+    path = os.fspath(path)
+    try:
+        found = find_log(path)
+    except FileNotFoundError:
+        also = ""
+        if not path.endswith(LOG_SUFFIXES):
+            also = f" (nor {os.path.basename(path)}.json or .jsonl)"
+        raise LogFileError(
+            path,
+            f"no such file{also}. Fix: pass the path given to Cockpit.write(path) "
+            "or Cockpit(..., logpath=path).",
+        ) from None
+    try:
+        history = History.from_json(found)
+    except LogFileError:
+        raise
+    except OSError as error:
+        raise LogFileError(
+            found,
+            f"cannot be read ({error.strerror or error}). Fix: check that the file "
+            "is readable by you.",
+        ) from None
+    if not history.steps:
+        if os.path.getsize(found) == 0:
+            problem = (
+                "is empty (0 bytes), so there is nothing to show. A streamed log "
+                "stays empty until the first tracked step ends. Fix: pass a log "
+                "of a run that tracked at least one step."
+            )
+        else:
+            problem = (
+                "holds no tracked step, so there is nothing to show (a run stopped "
+                "before its first tracked step ended, or nothing was scheduled). "
+                "Fix: pass a log of a run that tracked at least one step."
+            )
+        raise LogFileError(found, problem)
+    return history
+
+
+def _log_title(args: argparse.Namespace) -> str:
+    return args.title or f"Cockpit: {os.path.basename(os.fspath(args.log))}"
+
+
 def _default_output(log: str, suffix: str) -> str:
     stem = os.path.splitext(os.path.basename(log))[0] or "cockpit"
     return os.path.join(os.path.dirname(log), f"{stem}_dashboard{suffix}")
 
 
 def _plot(args: argparse.Namespace) -> int:
+    history = load_log(args.log)  # before importing matplotlib: bad files fail fast
     from cockpit.plotting import CockpitPlotter
 
     out = args.output or _default_output(args.log, ".png")
     plotter = CockpitPlotter(secondary_screen=args.secondary is not None)
     plotter.plot(
-        args.log,
+        history,
         show_plot=False,
         show_log_iter=args.log_iter,
         discard=args.discard,
-        plot_title=args.title,
+        plot_title=_log_title(args),
     )
     kwargs = {} if args.dpi is None else {"dpi": args.dpi}
     for path in plotter.save(out, args.secondary, **kwargs):
@@ -66,19 +150,20 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _timelapse(args: argparse.Namespace) -> int:
-    from cockpit.plotting import make_timelapse
-
     out = args.output or _default_output(args.log, ".gif")
     if args.frames < 1:
         raise _UserError(f"--frames must be at least 1, got {args.frames}.")
+    history = load_log(args.log)  # before importing matplotlib: bad files fail fast
+    from cockpit.plotting import make_timelapse
+
     path = make_timelapse(
-        args.log,
+        history,
         out,
         frames=args.frames,
         fps=args.fps,
         secondary_screen=args.secondary_screen,
         show_log_iter=args.log_iter,
-        plot_title=args.title,
+        plot_title=_log_title(args),
     )
     print(f"timelapse written to {path}")
     return 0
@@ -151,15 +236,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    """The message of an error as one line (an OSError without its ``[Errno N]``)."""
+    if isinstance(error, OSError) and error.strerror:
+        message = error.strerror
+        if error.filename is not None and os.fsdecode(error.filename) not in message:
+            message = f"{os.fsdecode(error.filename)}: {message}"
+    else:
+        message = str(error)
+    return " ".join(message.split())
+
+
+@contextlib.contextmanager
+def _one_line_warnings(command: str) -> Iterator[None]:
+    """Print warnings as ``cockpit <command>: warning: <message>`` while inside."""
+    original = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        return f"cockpit {command}: warning: {' '.join(str(message).split())}\n"
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code."""
+    """Run the command line.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 on success, :data:`EXIT_ERROR` if the command failed on
+        its input (the reason is printed as one line on stderr).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (_UserError, OSError, json.JSONDecodeError) as error:
-        print(f"cockpit {args.command}: error: {error}", file=sys.stderr)
-        return 1
+    with _one_line_warnings(args.command):
+        try:
+            return args.func(args)
+        except (_UserError, LogFileError, OSError) as error:
+            print(f"cockpit {args.command}: error: {_one_line(error)}", file=sys.stderr)
+            return EXIT_ERROR
+        except Exception as error:  # a bug, or a log with values of an odd shape
+            if os.environ.get("COCKPIT_TRACEBACK"):
+                raise
+            log = getattr(args, "log", None)
+            where = "" if log is None else f"{os.fspath(log)}: "
+            print(
+                f"cockpit {args.command}: error: {where}unexpected "
+                f"{type(error).__name__}: {_one_line(error)} (a log with values of "
+                "a shape cockpit does not write, or a bug in cockpit). Fix: check "
+                "the log; to report a bug, run again with COCKPIT_TRACEBACK=1 and "
+                "include the traceback.",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,20 +2,24 @@
 
 The history is the only thing plotting reads (data flows quantities -> history ->
 plotting). It hands out plain Python values (floats, ints, lists, dicts), writes
-standard JSON (non-finite floats are tagged so they survive a round trip) and reads
-its own logs, streamed logs (:mod:`cockpit.log_stream`) and logs written by
-cockpit-for-pytorch 1.0.2 (json_tricks ``__ndarray__`` objects).
+standard JSON (non-finite floats are tagged so they survive a round trip) or, on
+request, the format of cockpit-for-pytorch 1.0.2, and reads its own logs, streamed
+logs (:mod:`cockpit.log_stream`) and logs written by 1.0.2 (json_tricks
+``__ndarray__`` objects). How values are stored and encoded is in
+:mod:`cockpit.log_format`.
 
 Long runs: numeric arrays with at least :data:`COMPACT_MIN_SIZE` entries (histograms,
 per-parameter lists of large models) are kept as numpy arrays inside the history
 (8 bytes per number instead of about 32 for a list of Python floats) and turned back
 into lists when read, so what a reader sees does not change.
+
+Nothing here imports torch or BackPACK: logs can be read without them.
 """
 
 from __future__ import annotations
 
+import collections
 import json
-import math
 import os
 import sys
 from types import MappingProxyType
@@ -24,157 +28,21 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from cockpit.errors import unwritable_error
+from cockpit.log_format import (
+    COMPACT_MIN_SIZE,
+    compact,
+    encode,
+    encode_legacy,
+    expand,
+    find_log,
+    json_path,
+    parse_json_log,
+    to_builtin,
+    to_output,
+)
+from cockpit.log_stream import is_stream_data, parse_stream
 
-_FLOAT_TAG = "__float__"
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-#: Numeric arrays with at least this many entries are stored compactly.
-COMPACT_MIN_SIZE = 16
-
-
-def to_builtin(value: Any) -> Any:
-    """Convert tensors, arrays and numpy scalars (recursively) to plain Python values.
-
-    Args:
-        value: A number, tensor, array, or a (nested) list/tuple/dict of them.
-
-    Returns:
-        The same data made of ``float``, ``int``, ``bool``, ``str``, ``None``,
-        ``list`` and ``dict`` only.
-
-    Raises:
-        TypeError: For a value that has no JSON representation.
-    """
-    if value is None or isinstance(value, (bool, str, int, float)):
-        return value
-    if hasattr(value, "detach"):  # torch.Tensor
-        return value.detach().cpu().tolist()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Mapping):
-        return {str(k): to_builtin(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_builtin(v) for v in value]
-    raise TypeError(
-        f"Cannot store a value of type {type(value).__name__} in the history; "
-        "return numbers, tensors, arrays, or lists/dicts of them."
-    )
-
-
-def _compact_array(array: np.ndarray) -> Any:
-    """Keep a large numeric array as a read-only copy, a small one as a list."""
-    if array.ndim == 0:
-        return array.item()
-    if array.size < COMPACT_MIN_SIZE or array.dtype.kind not in "biuf":
-        return array.tolist()
-    array = np.array(array, copy=True, order="C")
-    array.flags.writeable = False
-    return array
-
-
-def _leaf_kind(items: list | tuple) -> tuple[type | None, int]:
-    """Return the common type of the leaves of a nested list (float, int or None).
-
-    ``None`` means the leaves mix types or are not all numbers. Also returns the
-    number of leaves seen.
-    """
-    kind: type | None = None
-    count = 0
-    stack = [items]
-    while stack:
-        for item in stack.pop():
-            if isinstance(item, (list, tuple)):
-                stack.append(item)
-                continue
-            leaf = type(item)
-            if leaf is not float and leaf is not int:
-                return None, count
-            if kind is None:
-                kind = leaf
-            elif kind is not leaf:
-                return None, count
-            count += 1
-    return kind, count
-
-
-def _compact(value: Any) -> Any:
-    """Like :func:`to_builtin`, but keep large numeric arrays as numpy arrays."""
-    if value is None or isinstance(value, (bool, str, int, float)):
-        return value
-    if hasattr(value, "detach"):  # torch.Tensor
-        tensor = value.detach()
-        if tensor.dim() == 0 or tensor.numel() < COMPACT_MIN_SIZE:
-            return tensor.cpu().tolist()
-        if tensor.dtype.is_complex:
-            return tensor.cpu().tolist()
-        if tensor.dtype.is_floating_point and tensor.element_size() < 4:
-            tensor = tensor.float()  # bfloat16 has no numpy dtype; float32 is exact
-        return _compact_array(tensor.cpu().numpy())
-    if isinstance(value, np.ndarray):
-        return _compact_array(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Mapping):
-        return {str(k): _compact(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        kind, count = _leaf_kind(value)
-        if kind is not None and count >= COMPACT_MIN_SIZE:
-            try:
-                array = np.array(value, dtype=np.float64 if kind is float else np.int64)
-            except (ValueError, OverflowError):  # ragged, or ints beyond int64
-                array = None
-            if array is not None:
-                array.flags.writeable = False
-                return array
-        return [_compact(v) for v in value]
-    return to_builtin(value)  # raises the TypeError for unsupported values
-
-
-def _expand(value: Any) -> Any:
-    """Undo :func:`_compact`: numpy arrays become (nested) lists again."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {k: _expand(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand(v) for v in value]
-    return value
-
-
-def _encode(value: Any) -> Any:
-    """Replace non-finite floats by tagged objects (standard JSON has no NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        tag = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        return {_FLOAT_TAG: tag}
-    if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_encode(v) for v in value]
-    return value
-
-
-def _decode(value: Any) -> Any:
-    """Undo :func:`_encode` and unpack json_tricks arrays into (nested) lists."""
-    if isinstance(value, dict):
-        if set(value) == {_FLOAT_TAG}:
-            return _NONFINITE[value[_FLOAT_TAG]]
-        if "__ndarray__" in value:
-            array = np.asarray(value["__ndarray__"], dtype=value.get("dtype"))
-            if "shape" in value:
-                array = array.reshape(value["shape"])
-            return array.tolist()
-        return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-def json_path(logpath: str | os.PathLike) -> str:
-    """Return ``logpath`` with a ``.json`` suffix (added unless already present)."""
-    logpath = os.fspath(logpath)
-    return logpath if logpath.endswith(".json") else logpath + ".json"
+__all__ = ["COMPACT_MIN_SIZE", "History", "json_path", "to_builtin"]
 
 
 class History:
@@ -207,7 +75,7 @@ class History:
         Raises:
             TypeError: For a value that has no JSON representation.
         """
-        self._data.setdefault(int(global_step), {})[key] = _compact(value)
+        self._data.setdefault(int(global_step), {})[key] = compact(value)
 
     def update(self, other: History | Mapping[int, Mapping[str, Any]]) -> None:
         """Merge another history (or nested dict) into this one."""
@@ -223,7 +91,7 @@ class History:
         return int(global_step) in self._data
 
     def __getitem__(self, global_step: int) -> dict[str, Any]:
-        return _expand(self._data[int(global_step)])
+        return expand(self._data[int(global_step)])
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self._data))
@@ -243,7 +111,7 @@ class History:
     def items(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Iterate over ``(step, {key: value})`` in step order."""
         for step in sorted(self._data):
-            yield step, _expand(self._data[step])
+            yield step, expand(self._data[step])
 
     @property
     def steps(self) -> list[int]:
@@ -262,25 +130,26 @@ class History:
             entries = self._data[step]
             if key in entries:
                 steps.append(step)
-                values.append(_expand(entries[key]))
+                values.append(expand(entries[key]))
         return steps, values
 
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """Return the content for a checkpoint, compactly.
 
-        Large numeric arrays become tensors (``torch.save`` stores them as binary
-        blobs, and ``torch.load(..., weights_only=True)`` accepts them); everything
-        else is plain Python.
+        Large numeric arrays become tensors when torch is loaded, as it is in every
+        process that trains with a cockpit (``torch.save`` stores them as binary
+        blobs, and ``torch.load(..., weights_only=True)`` accepts them); otherwise
+        they stay numpy arrays. Everything else is plain Python.
 
         Returns:
             ``{step: {key: value}}``, readable by :meth:`load_state_dict` and by
             the constructor.
         """
-        import torch
+        torch = sys.modules.get("torch")  # never imported here: see the module doc
 
         def export(value: Any) -> Any:
             if isinstance(value, np.ndarray):
-                return torch.tensor(value)
+                return value.copy() if torch is None else torch.tensor(value)
             if isinstance(value, dict):
                 return {k: export(v) for k, v in value.items()}
             if isinstance(value, list):
@@ -324,6 +193,26 @@ class History:
         """Return ``{step: {key: value}}`` (a copy, steps sorted)."""
         return dict(self.items())
 
+    def to_output(self) -> collections.defaultdict[int, dict[str, Any]]:
+        """Return ``{step: {key: value}}`` as cockpit-for-pytorch 1.0.2's output.
+
+        The result is a ``collections.defaultdict(dict)`` (as 1.0.2's
+        ``Cockpit.get_output()``), steps in order. Histogram results (``GradHist1d``,
+        ``GradHist2d`` and its per-layer ``param_k`` entries: every mapping with
+        ``hist`` and ``edges``) hold numpy arrays: ``hist`` one array, ``edges`` one
+        array (1-D) or a list of one array per axis (2-D). Everything else is plain
+        Python, as :meth:`to_dict` returns it.
+
+        Returns:
+            A fresh copy; changing it does not change the history.
+        """
+        output: collections.defaultdict[int, dict[str, Any]] = collections.defaultdict(
+            dict
+        )
+        for step in sorted(self._data):
+            output[step] = to_output(self._data[step])
+        return output
+
     def to_dataframe(self):
         """Return a pandas DataFrame with one row per step and one column per key.
 
@@ -341,15 +230,24 @@ class History:
         return frame
 
     # --- files ---------------------------------------------------------------------
-    def write_json(self, path: str | os.PathLike) -> str:
-        """Write the history as standard JSON (sorted keys, indent 2).
+    def write_json(self, path: str | os.PathLike, legacy: bool = False) -> str:
+        """Write the history as JSON, in our format or in cockpit-for-pytorch 1.0.2's.
 
-        Steps become string keys; NaN and infinities become
-        ``{"__float__": "nan" | "inf" | "-inf"}``. The file is written to a temporary
-        name and moved into place, so a crash never leaves a half-written log.
+        Steps become string keys, keys are sorted. Our format (the default) is
+        standard JSON with indent 2; NaN and infinities become
+        ``{"__float__": "nan" | "inf" | "-inf"}``. With ``legacy=True`` the file is
+        what 1.0.2 wrote with json_tricks (indent 4): histogram arrays as
+        ``{"__ndarray__": ..., "dtype": ..., "shape": ...}`` objects (plus the
+        ``Corder`` flag for 2-D arrays), NaN and infinities as the non-standard
+        tokens ``NaN``/``Infinity``. 1.0.2's plotter reads it, and so does
+        :meth:`from_json`. The file is written to a temporary name and moved into
+        place, so a crash never leaves a half-written log.
 
         Args:
-            path: Target file path (parent directories are created).
+            path: Target file path (parent directories are created); used as given
+                (``Cockpit.write`` adds ``.json`` with
+                :func:`~cockpit.log_format.json_path`).
+            legacy: Write 1.0.2's format instead of standard JSON.
 
         Returns:
             The path written.
@@ -359,8 +257,15 @@ class History:
                 the fix; the history stays in memory).
         """
         path = os.fspath(path)
-        payload = {str(step): _encode(entries) for step, entries in self.items()}
-        text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False)
+        if legacy:
+            payload = {
+                str(step): encode_legacy(entries)
+                for step, entries in self.to_output().items()
+            }
+            text = json.dumps(payload, indent=4, sort_keys=True, allow_nan=True)
+        else:
+            payload = {str(step): encode(entries) for step, entries in self.items()}
+            text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False)
         tmp = f"{path}.tmp{os.getpid()}"
         try:
             parent = os.path.dirname(path)
@@ -379,37 +284,31 @@ class History:
     def from_json(cls, path: str | os.PathLike) -> History:
         """Read a log: standard JSON, a streamed log, or a cockpit-for-pytorch log.
 
-        The format is detected from the first line: streamed logs (written while
+        The format is detected from the first bytes: streamed logs (written while
         training with ``Cockpit(..., logpath=...)``, see :mod:`cockpit.log_stream`)
         are read record by record, merged per step, and a torn last record (the
-        run was killed while writing it) is skipped with a warning.
+        run was killed while writing it) is skipped with a warning. A streamed log
+        with no record yet (the run stopped before its first tracked step) gives an
+        empty history.
 
         Args:
-            path: Path of the log. If it does not exist as given, ``.json`` and then
-                ``.jsonl`` are appended (the reference names logs without suffix).
+            path: Path of the log. Without a ``.json``/``.jsonl`` suffix,
+                ``<path>.json`` is meant, as in 1.0.2, then ``<path>.jsonl``, then the
+                file ``path`` itself (see :func:`~cockpit.log_format.find_log`).
 
         Returns:
             The history.
 
         Raises:
             FileNotFoundError: If no log exists under any of these names.
+            LogFileError: If the file is not a cockpit log (binary, not JSON,
+                truncated JSON, JSON of another shape) or is a streamed log of a
+                newer format version; the message names the file and the fix.
+            OSError: If the file cannot be read.
         """
-        from cockpit.log_stream import is_stream_file, read_stream
-
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            for suffix in (".json", ".jsonl"):
-                if os.path.exists(path + suffix):
-                    path = path + suffix
-                    break
-            else:
-                raise FileNotFoundError(
-                    f"No cockpit log at {path!r} (also tried {path + '.json'!r} and "
-                    f"{path + '.jsonl'!r}). Fix: pass the path given to "
-                    "Cockpit.write() or Cockpit(..., logpath=...)."
-                )
-        if is_stream_file(path):
-            return cls(read_stream(path))
-        with open(path, encoding="utf-8") as handle:
-            raw = json.load(handle)
-        return cls({int(step): _decode(entries) for step, entries in raw.items()})
+        path = find_log(path)
+        with open(path, "rb") as handle:
+            data = handle.read()
+        if is_stream_data(data):
+            return cls(parse_stream(path, data))
+        return cls(parse_json_log(path, data))

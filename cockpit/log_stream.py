@@ -33,8 +33,8 @@ import os
 import warnings
 from typing import Any, Iterable, Mapping
 
-from cockpit.errors import CockpitWarning, unwritable_error
-from cockpit.history import _decode, _encode, to_builtin
+from cockpit.errors import CockpitWarning, LogFileError, unwritable_error
+from cockpit.log_format import decode, encode, parse_json_log, to_builtin
 
 #: Name and version in the header line.
 STREAM_FORMAT = "cockpit-log-stream"
@@ -66,7 +66,7 @@ def _line(payload: Mapping[str, Any]) -> str:
 
 def record_line(global_step: int, values: Mapping[str, Any]) -> str:
     """Return the line that records ``values`` for ``global_step``."""
-    encoded = _encode({str(k): to_builtin(v) for k, v in values.items()})
+    encoded = encode({str(k): to_builtin(v) for k, v in values.items()})
     return _line({"step": int(global_step), "values": encoded})
 
 
@@ -185,14 +185,13 @@ def _prepare_for_append(path: str) -> str:
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return _HEADER + "\n"
     if not is_stream_file(path):
-        from cockpit.history import History
-
-        history = History.from_json(path)
+        with open(path, "rb") as handle:
+            log = parse_json_log(path, handle.read())
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(_HEADER + "\n")
-            for step, values in history.items():
-                handle.write(record_line(step, values))
+            for step in sorted(log):
+                handle.write(record_line(step, log[step]))
         os.replace(tmp, path)
         return ""
     with open(path, "rb+") as handle:
@@ -213,14 +212,22 @@ def _prepare_for_append(path: str) -> str:
 
 
 # --- reading -------------------------------------------------------------------------
+def is_stream_data(data: bytes) -> bool:
+    """Return whether ``data`` (a file's first bytes or all of it) is a streamed log.
+
+    Empty data and a torn header count as one: a stream is created empty and its
+    header can be cut by a kill.
+    """
+    head = data[: len(_MAGIC)]
+    if head == _MAGIC:
+        return True
+    return len(data) <= len(_MAGIC) and _MAGIC.startswith(data)
+
+
 def is_stream_file(path: str | os.PathLike) -> bool:
     """Return whether ``path`` holds a streamed log (an empty file counts as one)."""
     with open(path, "rb") as handle:
-        head = handle.read(len(_MAGIC))
-        rest = handle.read(1)
-    if head == _MAGIC:
-        return True
-    return not rest and _MAGIC.startswith(head)  # empty, or a torn header
+        return is_stream_data(handle.read(len(_MAGIC) + 1))
 
 
 def _parse(lines: Iterable[tuple[int, bytes, bool]], path: str):
@@ -260,35 +267,61 @@ def read_stream(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
         The merged values, steps sorted.
 
     Raises:
-        ValueError: If the log was written by a newer format version.
+        LogFileError: If the log was written by a newer format version.
     """
     path = os.fspath(path)
     with open(path, "rb") as handle:
-        data = handle.read()
+        return parse_stream(path, handle.read())
+
+
+def parse_stream(path: str, data: bytes) -> dict[int, dict[str, Any]]:
+    """Parse the content of a streamed log into ``{step: {key: value}}``.
+
+    Damaged lines and a torn last record are skipped with a
+    :class:`~cockpit.errors.CockpitWarning`.
+
+    Args:
+        path: The file ``data`` was read from (for messages).
+        data: The file's content.
+
+    Returns:
+        The merged values, steps sorted.
+
+    Raises:
+        LogFileError: If the log was written by a newer format version.
+    """
     pieces = data.split(b"\n")
     last = len(pieces)
     lines = ((number, raw, number < last) for number, raw in enumerate(pieces, start=1))
     merged: dict[int, dict[str, Any]] = {}
     for number, record in _parse(lines, path):
         if "step" in record and isinstance(record.get("values"), dict):
-            entries = merged.setdefault(int(record["step"]), {})
-            entries.update(_decode(record["values"]))
+            try:
+                step = int(record["step"])
+                values = decode(record["values"])
+            except (ValueError, TypeError, KeyError) as error:
+                _skip(path, number, f"its values cannot be read ({error})")
+                continue
+            merged.setdefault(step, {}).update(values)
         elif "resume_after" in record:
             after = int(record["resume_after"])
             for step in [s for s in merged if s > after]:
                 del merged[step]
         elif record.get("format") == STREAM_FORMAT:
             if int(record.get("version", 1)) > STREAM_VERSION:
-                raise ValueError(
-                    f"The cockpit log {path!r} uses stream format version "
-                    f"{record['version']}, newer than this cockpit reads "
-                    f"({STREAM_VERSION}). Fix: upgrade cockpit."
+                raise LogFileError(
+                    path,
+                    f"uses stream format version {record['version']}, newer than "
+                    f"this cockpit reads ({STREAM_VERSION}). Fix: upgrade cockpit.",
                 )
         else:
-            warnings.warn(
-                f"Skipped line {number} of the cockpit log {path!r}: unknown record "
-                f"{sorted(record)}.",
-                CockpitWarning,
-                stacklevel=2,
-            )
+            _skip(path, number, f"unknown record {sorted(record)}")
     return {step: merged[step] for step in sorted(merged)}
+
+
+def _skip(path: str, number: int, why: str) -> None:
+    warnings.warn(
+        f"Skipped line {number} of the cockpit log {path!r}: {why}.",
+        CockpitWarning,
+        stacklevel=4,
+    )

@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import matplotlib.image
+import numpy as np
 import pytest
 
-from cockpit.cli import build_parser, main
+from cockpit.cli import build_parser, load_log, main
+from cockpit.errors import LogFileError
 from cockpit.history import History
 from tests.test_plotting import reference_log, synthetic_history
 
@@ -43,6 +45,15 @@ def test_plot_defaults_next_to_the_log_and_secondary(tmp_path):
         800,
     )
     assert secondary.exists()
+
+
+def test_plot_a_log_named_without_suffix_next_to_a_folder_of_that_name(tmp_path):
+    # 1.0.2's advanced example: log logfiles/run.json beside a folder logfiles/run/
+    (tmp_path / "logfiles" / "run").mkdir(parents=True)
+    synthetic_history(5).write_json(tmp_path / "logfiles" / "run.json", legacy=True)
+    out = tmp_path / "dash.png"
+    assert main(["plot", str(tmp_path / "logfiles" / "run"), "-o", str(out)]) == 0
+    assert out.exists()
 
 
 def test_plot_a_missing_log_fails_with_a_message(tmp_path, capsys):
@@ -103,3 +114,130 @@ def test_python_dash_m_runs_the_command_line(tmp_path):
 def test_parser_lists_the_three_commands():
     help_text = build_parser().format_help()
     assert all(command in help_text for command in ("demo", "plot", "timelapse"))
+
+
+# --- bad log files: one line on stderr, exit code 1, no traceback --------------------
+def _write_bad_log(tmp_path, kind):
+    """Write a log file of the given bad kind; return its path and a message part."""
+    good = json.dumps(reference_log(), indent=4, sort_keys=True)
+    path = tmp_path / f"{kind}.json"
+    if kind == "missing":
+        return path, "no such file"
+    if kind == "missing-bare":
+        return tmp_path / "run", "nor run.json or .jsonl"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return path, "is empty (0 bytes)"
+    if kind == "whitespace":
+        path.write_text("\n  \n")
+        return path, "only whitespace"
+    if kind == "truncated":
+        path.write_text(good[: len(good) // 2])
+        return path, "is truncated"
+    if kind == "truncated-in-string":
+        path.write_text(good[: good.index('"GradNorm"') + 4])
+        return path, "is truncated"
+    if kind == "png":
+        path = tmp_path / "dashboard.png"
+        matplotlib.image.imsave(path, np.zeros((8, 8)))
+        return path, "is a PNG image"
+    if kind == "json-list":
+        path.write_text("[1, 2, 3]")
+        return path, "holds a JSON list"
+    if kind == "unrelated-json":
+        path.write_text(json.dumps({"name": "my-package", "version": "1.0"}))
+        return path, "has the key 'name'"
+    if kind == "step-not-an-object":
+        path.write_text(json.dumps({"0": 2.5}))
+        return path, "holds a JSON number for step 0"
+    if kind == "json-lines":
+        path = tmp_path / "other.jsonl"
+        path.write_text('{"a": 1}\n{"b": 2}\n')
+        return path, "more than one JSON value"
+    if kind == "no-steps":
+        path.write_text("{}")
+        return path, "holds no tracked step"
+    if kind == "stream-without-steps":
+        path = tmp_path / "run.jsonl"
+        path.write_text('{"format":"cockpit-log-stream","version":1}\n')
+        return path, "holds no tracked step"
+    if kind == "newer-stream":
+        path = tmp_path / "run.jsonl"
+        path.write_text('{"format":"cockpit-log-stream","version":99}\n')
+        return path, "stream format version 99"
+    if kind == "folder":
+        path = tmp_path / "logs"
+        path.mkdir()
+        return path, "is a folder"
+    if kind == "odd-values":  # valid JSON, step numbers, but not what cockpit writes
+        path.write_text(json.dumps({"0": {"GradHist1d": {"hist": [1, 2]}}}))
+        return path, "unexpected"
+    raise AssertionError(kind)
+
+
+BAD_KINDS = [
+    "missing", "missing-bare", "empty", "whitespace", "truncated",
+    "truncated-in-string", "png", "json-list", "unrelated-json", "step-not-an-object",
+    "json-lines", "no-steps", "stream-without-steps", "newer-stream", "folder",
+    "odd-values",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+@pytest.mark.parametrize("command", ["plot", "timelapse"])
+def test_a_bad_log_gives_one_line_naming_file_and_problem(
+    tmp_path, capsys, command, kind
+):
+    path, problem = _write_bad_log(tmp_path, kind)
+    out = tmp_path / "out" / ("x.png" if command == "plot" else "x.gif")
+    assert main([command, str(path), "-o", str(out)]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"cockpit {command}: error: {path}"), lines[0]
+    assert problem in lines[0] and "Fix:" in lines[0], lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not out.exists()
+
+
+def test_load_log_returns_the_history_or_raises_log_file_error(tmp_path):
+    written = synthetic_history(4).write_json(tmp_path / "run.json")
+    assert load_log(tmp_path / "run").steps == [0, 1, 2, 3]
+    assert load_log(written).keys == History.from_json(written).keys
+    path, _ = _write_bad_log(tmp_path, "json-list")
+    with pytest.raises(LogFileError) as caught:
+        load_log(path)
+    assert caught.value.path == str(path) and "JSON list" in caught.value.problem
+    assert isinstance(caught.value, ValueError)  # what History.from_json raised before
+
+
+def test_python_dash_m_reports_a_bad_log_without_traceback(tmp_path):
+    path, _ = _write_bad_log(tmp_path, "png")
+    done = subprocess.run(
+        [sys.executable, "-m", "cockpit", "plot", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [done.stderr.strip()]  # one line
+    assert done.stderr.startswith(f"cockpit plot: error: {path}: is a PNG image")
+    assert "Traceback" not in done.stderr
+
+
+def test_python_dash_m_prints_a_warning_in_one_line(tmp_path):
+    log = tmp_path / "run.jsonl"
+    log.write_text(
+        '{"format":"cockpit-log-stream","version":1}\n'
+        '{"step":0,"values":{"Loss":1.0}}\n{"step":1,"values":{"Loss":0.5}}\n'
+        '{"step":2,"values":{"Lo'
+    )
+    out = str(tmp_path / "a.png")
+    done = subprocess.run(
+        [sys.executable, "-m", "cockpit", "plot", str(log), "-o", out],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"cockpit plot: warning: Skipped the torn last record (line 4) of the cockpit "
+        f"log {str(log)!r}: the run stopped while writing it. Every earlier step is "
+        "read."
+    ]

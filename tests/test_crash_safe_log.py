@@ -119,7 +119,7 @@ def test_sigkill_mid_run_keeps_every_completed_step(tmp_path):
     assert steps[-1] >= last_done
 
     # an uninterrupted run of the same length gives the same values
-    want = train(str(tmp_path / "reference"), steps[-1] + 1).get_output()
+    want = train(str(tmp_path / "reference"), steps[-1] + 1).history.to_dict()
     for step in range(last_done):  # complete steps (UpdateSize needs step + 1)
         assert_same(got[step], want[step], f"step {step}")
     assert {"Loss", "GradNorm", "Distance", "Variance"} <= set(got[last_done])
@@ -142,7 +142,7 @@ def test_stream_equals_the_history_and_the_written_log(tmp_path):
     for line in lines[1:]:
         record = json.loads(line)  # standard JSON, one object per line
         assert set(record) == {"step", "values"}
-    output = cockpit.get_output()
+    output = cockpit.history.to_dict()
     assert_same(read_stream(path), output)
     assert_same(History.from_json(path).to_dict(), output)
     written = cockpit.write(str(tmp_path / "log"))
@@ -181,7 +181,7 @@ def test_torn_last_record_is_skipped_with_a_warning(tmp_path, where):
     if where == "before-newline":
         with warnings.catch_warnings():
             warnings.simplefilter("error", CockpitWarning)
-            assert_same(History.from_json(torn).to_dict(), cockpit.get_output())
+            assert_same(History.from_json(torn).to_dict(), cockpit.history.to_dict())
         return
     with pytest.warns(CockpitWarning, match=r"torn last record.*Every earlier step"):
         got = History.from_json(torn).to_dict()
@@ -189,7 +189,7 @@ def test_torn_last_record_is_skipped_with_a_warning(tmp_path, where):
         assert got == {}
     else:
         assert_same(got, expected)
-        assert got != cockpit.get_output()
+        assert got != cockpit.history.to_dict()
 
 
 def read_stream_of(data):
@@ -231,14 +231,14 @@ def test_damaged_middle_line_is_skipped_with_a_warning(tmp_path):
     broken.write_text("".join(lines))
     with pytest.warns(CockpitWarning, match=r"Skipped line 3 .*not valid JSON"):
         got = History.from_json(broken).to_dict()
-    assert sorted(got) == sorted(cockpit.get_output())
+    assert sorted(got) == sorted(cockpit.history.to_dict())
 
 
 def test_new_run_replaces_an_old_stream(tmp_path):
     _streamed_run(tmp_path, steps=6)
     cockpit, path = _streamed_run(tmp_path, steps=2)
     assert sorted(History.from_json(path).to_dict()) == [0, 1]
-    assert_same(History.from_json(path).to_dict(), cockpit.get_output())
+    assert_same(History.from_json(path).to_dict(), cockpit.history.to_dict())
 
 
 def test_a_failing_disk_never_stops_training(tmp_path, monkeypatch):
@@ -263,7 +263,7 @@ def test_a_failing_disk_never_stops_training(tmp_path, monkeypatch):
             with cockpit(step, info={"loss": loss}):
                 loss.backward()
         opt.step()
-    assert sorted(cockpit.get_output()) == [0, 1, 2]
+    assert sorted(cockpit.history.to_dict()) == [0, 1, 2]
     assert sorted(History.from_json(cockpit.logpath).to_dict()) == [0]
 
 
@@ -282,3 +282,37 @@ def test_plotter_reads_a_streamed_and_torn_log(tmp_path):
     with pytest.warns(CockpitWarning, match="torn last record"):
         assert main(["plot", path, "-o", str(out)]) == 0
     assert out.exists() and out.stat().st_size > 0
+
+
+def test_resuming_onto_a_written_log_converts_it_to_a_stream(tmp_path):
+    from cockpit.log_stream import LogStream
+
+    path = tmp_path / "run.json"  # e.g. Cockpit.write and logpath gave one name
+    History({0: {"Loss": 1.0, "GradNorm": [math.inf]}}).write_json(path)
+    stream = LogStream(path)
+    stream.resume(None)
+    stream.write({1: {"Loss": 0.5}})
+    stream.close()
+    assert is_stream_file(path)
+    got = History.from_json(path).to_dict()
+    assert got == {0: {"Loss": 1.0, "GradNorm": [math.inf]}, 1: {"Loss": 0.5}}
+
+
+def test_a_record_with_unreadable_values_is_skipped_with_a_warning(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_text(
+        '{"format":"cockpit-log-stream","version":1}\n'
+        '{"step":"zero","values":{"Loss":1.0}}\n'
+        '{"step":1,"values":{"Loss":0.5}}\n'
+    )
+    with pytest.warns(CockpitWarning, match=r"Skipped line 2 .*cannot be read"):
+        assert History.from_json(path).to_dict() == {1: {"Loss": 0.5}}
+
+
+def test_a_stream_of_a_newer_version_is_a_log_file_error(tmp_path):
+    from cockpit.errors import LogFileError
+
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"format":"cockpit-log-stream","version":2}\n')
+    with pytest.raises(LogFileError, match=r"version 2, newer .*Fix: upgrade"):
+        History.from_json(path)
