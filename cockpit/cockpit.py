@@ -341,22 +341,31 @@ class Cockpit:
             self.recorder.record(global_step, key, value)
         self.recorder.flush()
 
-    def get_output(self) -> dict[int, dict[str, Any]]:
-        """Return everything recorded so far as ``{step: {key: value}}``."""
-        output = collections.defaultdict(dict)
-        output.update(self.history.to_dict())
-        return output
+    def get_output(self) -> collections.defaultdict:
+        """Return everything recorded so far as ``{step: {key: value}}``.
+
+        A ``defaultdict(dict)`` as in cockpit-for-pytorch 1.0.2: histogram counts
+        and edges are numpy arrays, everything else plain Python. ``history``
+        holds the same values as plain Python (``cockpit.history.to_dict()``).
+        """
+        return self.history.to_output()
 
     @property
-    def output(self) -> dict[int, dict[str, Any]]:
+    def output(self) -> collections.defaultdict:
         """Everything recorded so far (cockpit-for-pytorch 1.0.2's attribute)."""
         return self.get_output()
 
-    def write(self, logpath) -> str:
+    def write(self, logpath, legacy: bool = False) -> str:
         """Write the history to ``logpath + ".json"`` (standard JSON).
 
-        A bare file name writes to the working directory; missing parent directories
-        are created. The file is replaced atomically.
+        A path without the suffix means ``<path>.json``, also next to a folder of
+        that name; missing parent directories are created; the file is replaced
+        atomically.
+
+        Args:
+            logpath: Where to write.
+            legacy: Write the json_tricks layout of cockpit-for-pytorch 1.0.2
+                (its plotter reads only that).
 
         Returns:
             The path written.
@@ -365,7 +374,7 @@ class Cockpit:
             OSError: If the path cannot be written (the message names it and the
                 fix); the history stays in memory, so call ``write`` again.
         """
-        path = self.history.write_json(json_path(logpath))
+        path = self.history.write_json(json_path(logpath), legacy=legacy)
         _LOG.info("Cockpit log written to %s", path)
         return path
 

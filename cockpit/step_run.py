@@ -194,7 +194,7 @@ class StepRun:
             if isinstance(value, Missing):
                 self.recorder.note_missing(save_step, quantity.key, value.reason)
                 self.diagnostics.warn_once(
-                    ("missing", quantity.key, value.reason),
+                    ("missing", quantity.key),
                     f"{quantity.key} has no value at step {save_step}: {value.reason} "
                     "(recorded under 'missing'; warned once)",
                 )

@@ -679,6 +679,6 @@ def test_an_untracked_cockpit_is_an_error(real_log):
 
     from cockpit import Cockpit
 
-    cockpit = Cockpit([torch.nn.Parameter(torch.zeros(2))], quantities=[])
+    cockpit = Cockpit([torch.nn.Parameter(torch.zeros(2))], quantities=None)
     with pytest.raises(ValueError, match="Cockpit has no tracked steps"):
         CockpitPlotter().plot(cockpit, show_plot=False)

@@ -118,8 +118,8 @@ def interrupted_and_resumed(tmp_path, spec):
     second.steps(CHECKPOINT + 2, STEPS)
 
     return (
-        whole.cockpit.get_output(),
-        second.cockpit.get_output(),
+        whole.cockpit.history.to_dict(),
+        second.cockpit.history.to_dict(),
         History.from_json(whole.cockpit.logpath).to_dict(),
         History.from_json(logpath).to_dict(),
     )

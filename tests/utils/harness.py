@@ -32,7 +32,7 @@ class Run:
 
     @property
     def output(self):
-        return self.cockpit.get_output()
+        return self.cockpit.history.to_dict()
 
 
 def run(problem, quantities, steps: int = 4, extra_info=None, cockpit_cls=Cockpit):
