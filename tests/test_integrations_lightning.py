@@ -88,7 +88,7 @@ def _trainer(tmp_path, callback, **kwargs):
     return pl.Trainer(callbacks=[callback], **settings)
 
 
-def _plain_loop(net, quantities, epochs: int = 2) -> Cockpit:
+def _plain_loop(net, quantities, epochs: int = 2, validate: bool = True) -> Cockpit:
     """The README's training loop on the same data, model and optimizer."""
     from backpack import extend
 
@@ -113,6 +113,11 @@ def _plain_loop(net, quantities, epochs: int = 2) -> Cockpit:
             opt.step()
             scheduler.step()
             step += 1
+        if validate:  # as Lightning's validation: one batch, after the epoch
+            with torch.no_grad():
+                x, y = next(iter(_loader()))
+                valid_loss = loss_fn(net(x), y).item()
+            cockpit.log(step - 1, epoch, None, valid_loss, None, None, None, None, lr)
     return cockpit
 
 
@@ -154,6 +159,9 @@ def test_fit_logs_what_the_plain_loop_logs(tmp_path):
     assert_same_history(logged, expected)
     assert_same_history(callback.cockpit.history, expected)
     assert logged.series("learning_rate")[1][:4] == [0.3, 0.3, 0.15, 0.15]
+    steps, values = logged.series("valid_loss")
+    validated = [s for s, v in zip(steps, values) if v is not None]
+    assert validated == [BATCHES - 1, 2 * BATCHES - 1]
 
 
 def test_resume_from_a_checkpoint_continues_the_log(tmp_path):
@@ -165,7 +173,7 @@ def test_resume_from_a_checkpoint_continues_the_log(tmp_path):
     second = CockpitCallback(quantities=quantities(), logpath=tmp_path / "log")
     trainer = _trainer(tmp_path, second, max_epochs=2)
     trainer.fit(Classifier(_net()), _loader(), ckpt_path=checkpoint)
-    expected = _plain_loop(_net(), quantities()).history
+    expected = _plain_loop(_net(), quantities(), validate=False).history
     assert_same_history(History.from_json(tmp_path / "log.jsonl"), expected)
 
 
@@ -235,3 +243,19 @@ def test_multi_process_strategies_are_refused(tmp_path):
     trainer = _trainer(tmp_path, callback, strategy="ddp_spawn", devices=2)
     with pytest.raises(RuntimeError, match="single-device"):
         callback.setup(trainer, Classifier(_net()), "fit")
+
+
+def test_the_lightning_example_runs(tmp_path):
+    pytest.importorskip("sklearn")
+    from tests.test_examples import assert_png, load_example
+
+    module = load_example("lightning_digits")
+    assert "python examples/lightning_digits.py" in module.__doc__
+    paths = module.main(steps=4, out=str(tmp_path / "out"))
+    assert_png(paths["dashboard"])
+    history = History.from_json(paths["log"])
+    assert history.steps == [0, 1, 2, 3]
+    assert {"Alpha", "GradHist1d", "learning_rate", "valid_accuracy"} <= set(
+        history.keys
+    )
+    assert history[3]["valid_loss"] is not None

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -73,6 +73,17 @@ from cockpit.quantities.base import Quantity
 
 __all__ = ["CockpitCallback"]
 
+#: Keys of :meth:`cockpit.Cockpit.log` that ``metrics=`` can fill, in its order.
+METRIC_KEYS = (
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+)
+DEFAULT_METRICS = {"valid_loss": "val_loss", "valid_accuracy": "val_acc"}
+
 
 class CockpitCallback(Callback):
     """Track cockpit quantities during ``Trainer.fit`` (automatic optimisation).
@@ -85,6 +96,13 @@ class CockpitCallback(Callback):
             when training ends (``None``: if the trainer has one).
         log_learning_rate: Record the learning rate of the first parameter group
             at every step (``learning_rate``, the dashboard's LR gauge).
+        metrics: Values you ``self.log`` that the dashboard's performance gauges
+            show, as ``{cockpit key: Lightning metric name}``; cockpit keys are
+            ``train_loss``, ``valid_loss``, ``test_loss``, ``train_accuracy``,
+            ``valid_accuracy`` and ``test_accuracy``. Read after each validation
+            and recorded at the last training step. Default:
+            ``{"valid_loss": "val_loss", "valid_accuracy": "val_acc"}`` (names
+            that are not logged are left out).
 
     Attributes:
         cockpit: The :class:`~cockpit.Cockpit` (created at ``on_fit_start``), e.g.
@@ -97,11 +115,20 @@ class CockpitCallback(Callback):
         logpath: str | os.PathLike | None = None,
         tensorboard: bool | None = None,
         log_learning_rate: bool = True,
+        metrics: Mapping[str, str] | None = None,
     ):
         self.quantities = default_quantities(quantities)
         self.logpath = None if logpath is None else os.fspath(logpath)
         self.tensorboard = tensorboard
         self.log_learning_rate = log_learning_rate
+        self.metrics = dict(DEFAULT_METRICS if metrics is None else metrics)
+        unknown = sorted(set(self.metrics) - set(METRIC_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Unknown cockpit metric key(s) {unknown} in metrics=. Choose from "
+                f"{list(METRIC_KEYS)}, e.g. metrics={{'valid_loss': 'val_loss'}}."
+            )
+        self._last_log: tuple[int, int, float | None] | None = None
         self.cockpit: Cockpit | None = None
         self._capture: LossCapture | None = None
         self._tracking = False
@@ -225,10 +252,27 @@ class CockpitCallback(Callback):
         step, self._open_step = self._open_step, None
         self._unpatch_backward(pl_module)
         self.cockpit.end()
+        lr = learning_rate(trainer.optimizers[0]) if self.log_learning_rate else None
+        self._last_log = (step, trainer.current_epoch, lr)
         if self.log_learning_rate:
-            lr = learning_rate(trainer.optimizers[0])
-            epoch = trainer.current_epoch
-            self.cockpit.log(step, epoch, None, None, None, None, None, None, lr)
+            self._log(self._last_log, {})
+
+    def _log(self, where: tuple[int, int, float | None], values: dict) -> None:
+        step, epoch, lr = where
+        self.cockpit.log(step, epoch, *(values.get(k) for k in METRIC_KEYS), lr)
+
+    def on_validation_end(self, trainer, pl_module):
+        """Record the ``metrics`` at the last training step."""
+        if trainer.sanity_checking or self._last_log is None or not self.metrics:
+            return
+        found = trainer.callback_metrics
+        values = {
+            key: float(found[name])
+            for key, name in self.metrics.items()
+            if name in found
+        }
+        if values:
+            self._log(self._last_log, values)
 
     def on_exception(self, trainer, pl_module, exception):
         """Abandon an open step (buffers freed, BackPACK context left)."""
