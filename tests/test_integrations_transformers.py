@@ -196,3 +196,40 @@ def test_the_huggingface_example_runs(tmp_path):
     history = History.from_json(paths["log"])
     assert history.steps == [0, 1, 2]
     assert {"Alpha", "GradNorm", "learning_rate"} <= set(history.keys)
+
+
+def test_tensorboard_run_gets_the_export(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    trainer = _fit(tmp_path, configuration("economy"), max_steps=2,
+                   report_to=["tensorboard"], logging_strategy="steps",
+                   logging_steps=1)  # fmt: skip
+    (callback,) = [
+        c
+        for c in trainer.callback_handler.callbacks
+        if type(c).__name__ == "TensorBoardCallback"
+    ]
+    accumulator = event_accumulator.EventAccumulator(callback.logging_dir)
+    accumulator.Reload()
+    scalars = accumulator.Tags()["scalars"]
+    assert "train/loss" in scalars  # the Trainer's own value, same run
+    assert "cockpit/Alpha" in scalars
+    assert "cockpit/GradNorm/classifier.weight" in scalars
+
+
+def test_a_resumed_run_keeps_the_first_log(tmp_path):
+    first = _fit(tmp_path, configuration("economy"), max_steps=2,
+                 save_strategy="steps", save_steps=2)  # fmt: skip
+    model = _model()
+    second = CockpitTrainer(
+        model=model,
+        args=_args(tmp_path, max_steps=4),
+        train_dataset=Sentences(),
+        optimizers=_optimizer(model),
+    )
+    with pytest.warns(CockpitWarning, match="resumed at step 2"):
+        second.train(resume_from_checkpoint=True)
+    assert History.from_json(first.cockpit.logpath).steps == [0, 1]
+    assert second.cockpit.logpath == str(tmp_path / "cockpit_from_step_2.jsonl")
+    assert History.from_json(second.cockpit.logpath).steps == [2, 3]

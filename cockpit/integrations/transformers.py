@@ -38,9 +38,13 @@ update of those tensors. First-order quantities (``economy``) work for any model
 curvature quantities (``business``, ``full``) need BackPACK to differentiate
 through every layer, which attention blocks do not allow.
 
+With ``report_to=["tensorboard"]`` the cockpit's values are exported into the run's
+TensorBoard directory when training ends (:mod:`cockpit.integrations.tensorboard`).
+
 Not supported (the trainer says so): ``gradient_accumulation_steps > 1`` (warns,
 tracks nothing), several processes or GPUs (error), and models whose output has no
-``logits``.
+``logits``. A run resumed from a checkpoint starts a fresh cockpit and a second log
+(``cockpit_from_step_<k>.jsonl``), so the first run's log is kept.
 """
 
 from __future__ import annotations
@@ -143,6 +147,14 @@ class CockpitTrainerMixin:
             params = _layer_parameters(model)
         _extend_owners(model, params)
         logpath = self.cockpit_logpath or default_logpath(args.output_dir)
+        if self.state.global_step > 0:  # resumed: keep the first run's log
+            logpath = f"{logpath}_from_step_{self.state.global_step}"
+            warn(
+                f"CockpitTrainer resumed at step {self.state.global_step}: the "
+                "cockpit starts afresh (Hugging Face checkpoints do not hold its "
+                f"state) and logs to {logpath}.jsonl, next to the first run's log. "
+                "Distance and UpdateSize restart there."
+            )
         self.cockpit = Cockpit(params, quantities=self.cockpit_quantities,
                                logpath=logpath)  # fmt: skip
 
@@ -214,12 +226,28 @@ class CockpitTrainerMixin:
             self._cockpit_backward = None
 
     def train(self, *args: Any, **kwargs: Any):
-        """Train as ``Trainer.train`` does; the cockpit's log is closed afterwards."""
+        """Train as ``Trainer.train`` does, then close the log.
+
+        With ``report_to`` including ``"tensorboard"`` the cockpit's values are
+        also exported into the run's TensorBoard directory.
+        """
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
         finally:
             if self.cockpit is not None:
                 self.cockpit.close()
+        logdir = self._cockpit_tensorboard_dir()
+        if logdir is not None and self.cockpit is not None:
+            from cockpit.integrations.tensorboard import export_tensorboard
+
+            export_tensorboard(self.cockpit, logdir)
+        return result
+
+    def _cockpit_tensorboard_dir(self) -> str | None:
+        for callback in self.callback_handler.callbacks:
+            if type(callback).__name__ == "TensorBoardCallback":
+                return getattr(callback, "logging_dir", None)
+        return None
 
 
 class CockpitTrainer(CockpitTrainerMixin, Trainer):
