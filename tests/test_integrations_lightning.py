@@ -259,3 +259,24 @@ def test_the_lightning_example_runs(tmp_path):
         history.keys
     )
     assert history[3]["valid_loss"] is not None
+
+
+class Block(nn.Module):
+    """A custom container with a child named ``output`` (as in BERT)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(10, 8)
+        self.output = nn.Sequential(nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.output(self.dense(x))
+
+
+def test_custom_containers_work_with_curvature_quantities(tmp_path):
+    callback = CockpitCallback(quantities=configuration("business"))
+    trainer = _trainer(tmp_path, callback, max_epochs=1)
+    trainer.fit(Classifier(Block()), _loader())
+    history = callback.cockpit.history
+    assert history.steps == list(range(BATCHES))
+    assert len(history[0]["HessTrace"]) == 4 and "TICDiag" in history[0]

@@ -23,14 +23,17 @@ def default_quantities(quantities: Iterable[Quantity] | None) -> list[Quantity]:
 
 
 def extend_for_backpack(model: Module) -> None:
-    """``backpack.extend`` every child of ``model`` (the model's layers, its loss).
+    """``backpack.extend`` every leaf module of ``model`` (layers, activations, loss).
 
-    The top module itself is left alone: a framework's module (LightningModule,
-    a Hugging Face model) is a container whose ``forward`` may not be the
-    training computation.
+    Containers are left alone, the top module included: a framework's module
+    (LightningModule, a Hugging Face model) may not compute in ``forward``, BackPACK
+    has no rules for custom containers (second-order extensions would fail on
+    them), and it stores ``module.output`` on every module it extends, which
+    clashes with submodules named ``output``.
     """
-    for child in model.children():
-        extend(child)
+    for module in model.modules():
+        if module is not model and next(module.children(), None) is None:
+            extend(module)
 
 
 def loss_modules(model: Module) -> list[_Loss]:

@@ -24,8 +24,9 @@ no second loss function. A loss that adds several mean-reduced loss modules of o
 batch gets the sum of their per-sample losses.
 
 What the callback does: at ``on_fit_start`` it ``backpack.extend``-s the module's
-children (layers and loss) and creates the :class:`~cockpit.Cockpit` on the
-trainable parameters (with their names); ``on_before_backward`` opens the step
+leaf modules (layers, activations, loss; not containers) and creates the
+:class:`~cockpit.Cockpit` on the trainable parameters (with their names);
+``on_before_backward`` opens the step
 (:meth:`~cockpit.Cockpit.begin` with the loss, per-sample losses, batch size and the
 optimizer) and ``on_after_backward`` closes it (:meth:`~cockpit.Cockpit.end`) and
 records the learning rate (after LR schedulers). Steps are ``trainer.global_step``
