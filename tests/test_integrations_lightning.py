@@ -238,6 +238,21 @@ def test_an_override_of_backward_without_kwargs_gets_a_warning(tmp_path):
             trainer.fit(StrictBackward(_net()), _loader())
 
 
+class ForwardingBackward(Classifier):
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(*args, **kwargs)
+
+
+def test_an_override_of_backward_with_kwargs_gets_create_graph(tmp_path):
+    from cockpit.quantities import HessMaxEV
+
+    callback = CockpitCallback(quantities=[HessMaxEV(linear(2))])
+    trainer = _trainer(tmp_path, callback, max_epochs=1)
+    trainer.fit(ForwardingBackward(_net()), _loader())
+    assert callback.cockpit.history.series("HessMaxEV")[0] == [0, 2]
+    assert "backward" not in trainer.lightning_module.__dict__  # restored
+
+
 def test_multi_process_strategies_are_refused(tmp_path):
     callback = CockpitCallback()
     trainer = _trainer(tmp_path, callback, strategy="ddp_spawn", devices=2)
