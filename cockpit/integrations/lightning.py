@@ -168,12 +168,10 @@ class CockpitCallback(Callback):
                 "y) in training_step."
             )
         self._capture = LossCapture(losses)
-        if self.logpath is None:
-            self.logpath = default_logpath(trainer.log_dir)
         self.cockpit = Cockpit(
             trainable_named_parameters(pl_module),
             quantities=self.quantities,
-            logpath=self.logpath,
+            logpath=self.logpath or default_logpath(trainer.log_dir),
         )
         if self._pending_state is not None:
             self.cockpit.load_state_dict(self._pending_state)
