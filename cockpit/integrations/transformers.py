@@ -114,6 +114,7 @@ class CockpitTrainerMixin:
         self._cockpit_in_step = False
         self._cockpit_open: int | None = None
         self._cockpit_backward = None
+        self._cockpit_warned_labels = False
 
     # --- set-up -----------------------------------------------------------------------
     def _cockpit_setup(self, model: nn.Module) -> None:
@@ -188,7 +189,16 @@ class CockpitTrainerMixin:
 
         Outside training steps (evaluation) this is the ``Trainer``'s own loss.
         """
-        if not self._cockpit_in_step or "labels" not in inputs:
+        if self._cockpit_in_step and "labels" not in inputs:
+            self._cockpit_in_step = False
+            if not self._cockpit_warned_labels:
+                self._cockpit_warned_labels = True
+                warn(
+                    "CockpitTrainer found no 'labels' in the training batch (keys: "
+                    f"{sorted(inputs)}) and tracks nothing on such steps. Fix: name "
+                    "the targets 'labels' in your dataset or data collator."
+                )
+        if not self._cockpit_in_step:
             return super().compute_loss(model, inputs, return_outputs, **kwargs)
         self._cockpit_in_step = False  # one cockpit step per training step
         inputs = dict(inputs)
