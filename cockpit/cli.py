@@ -5,6 +5,7 @@
 * ``cockpit plot LOG -o out.png``: draw the dashboard of a log (ours, streamed, or
   written by cockpit-for-pytorch 1.0.2).
 * ``cockpit timelapse LOG -o run.gif``: an animated GIF of the dashboard over the run.
+* ``cockpit export LOG --tensorboard DIR``: the log as TensorBoard scalars/histograms.
 
 Exit codes: 0 success; 1 a problem with the input (a log that is missing, empty,
 truncated or not a cockpit log, an unwritable output, a bad option value), reported
@@ -233,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--secondary-screen", action="store_true", help="animate the secondary screen"
     )
     timelapse.set_defaults(func=_timelapse)
+
+    from cockpit.integrations.cli import add_export_command
+
+    add_export_command(sub)
     return parser
 
 

@@ -184,13 +184,14 @@ BAD_KINDS = [
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
-@pytest.mark.parametrize("command", ["plot", "timelapse"])
+@pytest.mark.parametrize("command", ["plot", "timelapse", "export"])
 def test_a_bad_log_gives_one_line_naming_file_and_problem(
     tmp_path, capsys, command, kind
 ):
     path, problem = _write_bad_log(tmp_path, kind)
-    out = tmp_path / "out" / ("x.png" if command == "plot" else "x.gif")
-    assert main([command, str(path), "-o", str(out)]) == 1
+    out = tmp_path / "out" / {"plot": "x.png", "timelapse": "x.gif"}.get(command, "tb")
+    option = "--tensorboard" if command == "export" else "-o"
+    assert main([command, str(path), option, str(out)]) == 1
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
