@@ -5,6 +5,8 @@
 * ``cockpit plot LOG -o out.png``: draw the dashboard of a log (ours, streamed, or
   written by cockpit-for-pytorch 1.0.2).
 * ``cockpit timelapse LOG -o run.gif``: an animated GIF of the dashboard over the run.
+* ``cockpit report LOG [--markdown | --json]``: what is wrong with the run
+  (:mod:`cockpit.report`).
 """
 
 from __future__ import annotations
@@ -148,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--secondary-screen", action="store_true", help="animate the secondary screen"
     )
     timelapse.set_defaults(func=_timelapse)
+
+    from cockpit.report import add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 

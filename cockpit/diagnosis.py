@@ -113,8 +113,14 @@ class Thresholds:
     """The thresholds of the checks (chosen on the tuning runs of the benchmark).
 
     Attributes:
-        alpha_large: Median Alpha at or above this: steps overshoot the minimum
-            along the step direction (0 lands in it, 1 at the mirror point).
+        alpha_large: Median Alpha over the run at or above this: steps overshoot
+            the minimum along the step direction (0 lands in it, 1 at the mirror
+            point, where the loss is as high as before the step).
+        alpha_stretch: Running median of Alpha (over a tenth of the run, at
+            least 5 steps) at or above this somewhere: a stretch of overshooting
+            steps (e.g. an unstable start that later settles).
+        loss_rise: A running median of 5 losses at or above this multiple of
+            the first tracked losses also counts as steps too large (error).
         progress_small: Median of ``UpdateSize * GradNorm / |Loss|`` (a first-order
             bound on the relative loss decrease per step) below this: steps too
             small to make progress.
@@ -146,6 +152,8 @@ class Thresholds:
     """
 
     alpha_large: float = 0.5
+    alpha_stretch: float = 1.0
+    loss_rise: float = 2.0
     progress_small: float = 1e-3
     edge_fraction: float = 0.01
     edge_steps: int = 3
@@ -159,7 +167,7 @@ class Thresholds:
     min_steps_nonfinite: int = 3
 
 
-# --- per-step signals ------------------------------------------------------------------
+# --- per-step signals -------------------------
 #: Signal name -> history keys it is computed from.
 SIGNAL_KEYS = {
     "loss": ("Loss",),
@@ -284,7 +292,7 @@ class Signals:
         return bool(self.steps.get(signal))
 
 
-# --- checks ------------------------------------------------------------------------------
+# --- checks -------------------------
 @dataclass(frozen=True)
 class _Outcome:
     """What one check returned: a finding, or why it could not run."""
@@ -306,13 +314,13 @@ def _round(value: float, digits: int = 4) -> float | None:
 
 
 def _lr_note(signals: Signals, evidence: dict[str, Any]) -> str:
-    """Add the logged learning rate to the evidence; return a phrase for messages."""
+    """Add the logged learning rate to the evidence; return it as text ("" if none)."""
     steps, lrs = signals.series("learning_rate")
     finite = lrs[np.isfinite(lrs)]
     if finite.size:
         lo, hi = float(finite.min()), float(finite.max())
         evidence["learning_rate"] = _round(hi) if lo == hi else [_round(lo), _round(hi)]
-        return f" (learning rate {lo:.3g})" if lo == hi else ""
+        return f"{lo:.3g}" if lo == hi else f"{lo:.3g} to {hi:.3g}"
     evidence["learning_rate"] = "not logged (Cockpit.log)"
     return ""
 
@@ -364,10 +372,11 @@ def _check_nonfinite(signals: Signals, th: Thresholds) -> _Outcome:
             _round(float(before[0])),
             _round(float(before[-1])),
         ]
-    note = _lr_note(signals, evidence)
+    lr = _lr_note(signals, evidence)
     message = (
         f"The {' and the '.join(what)} became NaN or infinite at step {bad[0]}"
-        f"{note}; {len(bad)} tracked step(s) are not finite."
+        f"{f' (learning rate {lr})' if lr else ''}; {len(bad)} tracked step(s) are "
+        "not finite."
     )
     advice = (
         "Lower the learning rate (a factor of 10 is a good first try), clip the "
@@ -394,29 +403,62 @@ def _check_step_size_too_large(signals: Signals, th: Thresholds) -> _Outcome:
     if len(alpha) < fewest:
         return _Outcome(missing=f"at least {fewest} finite Alpha values")
     median = float(np.median(alpha))
-    if median < th.alpha_large:
+    w = min(_window(len(alpha)), len(alpha))
+    running = _running_median(alpha, w)
+    worst_at = int(np.argmax(running))
+    stretch = float(running[worst_at])
+    whole_run = median >= th.alpha_large
+    blowup = _loss_blowup(signals, th)
+    if not (whole_run or stretch >= th.alpha_stretch or blowup):
         return _Outcome()
+    if whole_run:
+        span = _span(steps)
+    elif stretch >= th.alpha_stretch:
+        span = (steps[worst_at], steps[worst_at + w - 1])
+    else:
+        span = blowup["steps"]
     evidence: dict[str, Any] = {
         "median_alpha": _round(median),
-        "threshold": th.alpha_large,
+        "threshold_median": th.alpha_large,
+        "highest_running_median_alpha": _round(stretch),
+        "threshold_running_median": th.alpha_stretch,
+        "running_median_window": w,
         "share_alpha_above_1": _round(float(np.mean(alpha > 1))),
         "tracked_values": len(alpha),
     }
-    severity = "warning"
+    if blowup:
+        evidence["loss_rise"] = _round(blowup["rise"])
+        evidence["threshold_loss_rise"] = th.loss_rise
     lsteps, loss = _finite(*signals.series("loss"))
-    rising = False
-    if len(loss) >= fewest:
-        w = _window(len(loss))
-        start, end = float(np.mean(loss[:w])), float(np.mean(loss[-w:]))
-        evidence["loss_start_end"] = [_round(start), _round(end)]
-        rising = end > start
-    if rising or _went_nonfinite(signals):
-        severity = "error"
-    note = _lr_note(signals, evidence)
+    inside = (lsteps >= span[0]) & (lsteps <= span[1])
+    rising = bool(blowup)
+    if inside.sum() >= 2 and not blowup:
+        k = max(1, int(inside.sum()) // 4)
+        first = float(np.mean(loss[inside][:k]))
+        last = float(np.mean(loss[inside][-k:]))
+        evidence["loss_first_last_in_steps"] = [_round(first), _round(last)]
+        rising = last > first
+    severity = "error" if rising or _went_nonfinite(signals) else "warning"
+    lr = _lr_note(signals, evidence)
+    at_lr = f" at learning rate {lr}" if lr else ""
+    if whole_run:
+        seen = (
+            f"the median Alpha is {median:+.2f}{at_lr} (threshold "
+            f"{th.alpha_large:+.2f})"
+        )
+    elif blowup and stretch < th.alpha_stretch:
+        seen = (
+            f"over steps {span[0]}-{span[1]} the loss rose to {blowup['rise']:.3g} "
+            f"times its starting level{at_lr} (threshold {th.loss_rise:g} times)"
+        )
+    else:
+        seen = (
+            f"over steps {span[0]}-{span[1]} the running median of Alpha reaches "
+            f"{stretch:+.2f}{at_lr} (threshold {th.alpha_stretch:+.2f})"
+        )
     message = (
-        f"Steps overshoot: the median Alpha is {median:+.2f} (threshold "
-        f"{th.alpha_large:+.2f}){note}. Alpha 0 lands in the minimum along the step, "
-        "+1 at the point of equal height on the other side"
+        f"Steps overshoot: {seen}. Alpha 0 lands in the minimum along the step, +1 "
+        "at the point of equal height on the other side"
         + ("; the loss went up." if rising else ".")
     )
     advice = (
@@ -425,10 +467,25 @@ def _check_step_size_too_large(signals: Signals, th: Thresholds) -> _Outcome:
         "train best (Cockpit paper, Fig. 5)."
     )
     return _Outcome(
-        Finding(
-            "step_size_too_large", severity, _span(steps), message, evidence, advice
-        )
+        Finding("step_size_too_large", severity, span, message, evidence, advice)
     )
+
+
+def _loss_blowup(signals: Signals, th: Thresholds) -> dict[str, Any] | None:
+    """Where the loss rose far above its starting level (``None`` if it did not).
+
+    The running median of 5 finite losses is compared with the median of the
+    first 3 tracked losses.
+    """
+    steps, loss = _finite(*signals.series("loss"))
+    if len(loss) < 8:
+        return None
+    start = float(np.median(loss[:3]))
+    running = _running_median(loss, 5)
+    peak = int(np.argmax(running))
+    if start <= 0 or not running[peak] >= th.loss_rise * start:
+        return None
+    return {"rise": float(running[peak]) / start, "steps": (steps[0], steps[peak + 4])}
 
 
 def _check_step_size_too_small(signals: Signals, th: Thresholds) -> _Outcome:
@@ -464,9 +521,10 @@ def _check_step_size_too_small(signals: Signals, th: Thresholds) -> _Outcome:
             evidence["median_alpha"] = _round(float(np.median(alpha)))
             if np.median(alpha) >= th.alpha_large:
                 return _Outcome()  # overshooting steps are not too small
-    note = _lr_note(signals, evidence)
+    lr = _lr_note(signals, evidence)
     message = (
-        f"Steps are too small to make progress{note}: update size times gradient "
+        f"Steps are too small to make progress"
+        f"{f' at learning rate {lr}' if lr else ''}: update size times gradient "
         f"norm, a first-order bound on the loss decrease per step, is a median "
         f"{median:.2g} of the loss (threshold {th.progress_small:.2g}); at that pace "
         "halving the loss takes at least "
@@ -768,7 +826,7 @@ def run_checks(signals: Signals, thresholds: Thresholds | None = None) -> list[F
     return findings
 
 
-# --- entry points ------------------------------------------------------------------------
+# --- entry points -------------------------
 def load_history(path: str | os.PathLike):
     """Read a cockpit log for diagnosis.
 
@@ -872,7 +930,7 @@ def worst(findings: Iterable[Finding]) -> str | None:
     return max(levels, key=rank.__getitem__) if levels else None
 
 
-# --- live use ----------------------------------------------------------------------------
+# --- live use -------------------------
 class LiveDiagnosis:
     """Diagnose a run while it trains, with bounded memory and little work per step.
 
@@ -978,7 +1036,7 @@ class LiveDiagnosis:
         return ids[0].id + (f"+{extra}" if extra else "")
 
 
-# --- helpers -----------------------------------------------------------------------------
+# --- helpers -------------------------
 def _json_safe(value: Any) -> Any:
     """Make evidence JSON-safe: NaN/inf as strings, tuples as lists, numpy scalars."""
     if isinstance(value, Mapping):
