@@ -229,7 +229,7 @@ def test_live_diagnosis_reports_nonfinite_at_once():
     assert live.postfix() == "nonfinite"
 
 
-# --- small real runs with injected bugs (tuning set, seed 0) ---------------------------
+# --- small real runs with injected bugs (tuning set, seed 0) ----------------------
 RUNS = {
     "healthy-sgd": {},
     "healthy-adam": {},

@@ -1,4 +1,4 @@
-"""``cockpit report``: text, Markdown and JSON renderings of one diagnosis; CLI errors."""
+"""`cockpit report`: text, Markdown and JSON of one diagnosis; CLI errors."""
 
 from __future__ import annotations
 
