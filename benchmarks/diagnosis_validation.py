@@ -377,8 +377,10 @@ def main(argv: list[str] | None = None) -> str:
         f"batch {BATCH} unless stated, one CPU thread, {elapsed:.0f} s). "
         "Thresholds were chosen on the **tuning** set only; the **held-out** set "
         "(other seeds, synthetic data, other architectures) was run afterwards "
-        "with the same thresholds. A bug is detected if its finding id is reported "
-        "at warning or error; a healthy run is a false alarm if anything is.\n\n"
+        "with the same thresholds (this is its third round, seeds 30-32; "
+        "docs/diagnosis.md has the earlier rounds and what changed). A bug is "
+        "detected if its finding id is reported at warning or error; a healthy "
+        "run is a false alarm if anything is.\n\n"
     )
     print("\n" + text)
     if args.out:

@@ -14,7 +14,7 @@ the ``nonfinite`` records of the Cockpit and ``learning_rate`` from
 id                            reads
 ============================  =====================================================
 ``nonfinite``                 ``nonfinite`` records, Loss
-``step_size_too_large``       Alpha (Loss for the severity)
+``step_size_too_large``       Alpha, Loss (blow-ups and the severity)
 ``step_size_too_small``       UpdateSize, GradNorm, Loss (Alpha as a cross-check)
 ``inputs_misscaled``          GradHist1d (first tracked steps)
 ``vanishing_gradients``       GradNorm (per parameter; at least 4 tensors)
@@ -168,22 +168,6 @@ class Thresholds:
 
 
 # --- per-step signals -------------------------
-#: Signal name -> history keys it is computed from.
-SIGNAL_KEYS = {
-    "loss": ("Loss",),
-    "alpha": ("Alpha",),
-    "grad_norm": ("GradNorm",),
-    "layer_ratio": ("GradNorm",),
-    "update_size": ("UpdateSize",),
-    "edge_fraction": ("GradHist1d",),
-    "norm_test": ("NormTest",),
-    "inner_test": ("InnerTest",),
-    "ortho_test": ("OrthoTest",),
-    "learning_rate": ("learning_rate",),
-    "nonfinite": ("nonfinite",),
-}
-
-
 def _float(value: Any) -> float | None:
     try:
         return float(value)
@@ -976,6 +960,9 @@ class LiveDiagnosis:
     def on_record(self, global_step: int, values: Mapping[str, Any]) -> None:
         """Take the values recorded for one tracked step.
 
+        Several calls for the same step (e.g. the quantities, then
+        :meth:`cockpit.Cockpit.log`) are merged into one record.
+
         Args:
             global_step: The step.
             values: ``{key: value}`` recorded at that step (tensors, arrays or
@@ -983,12 +970,18 @@ class LiveDiagnosis:
         """
         self._keys.update(values)
         signals = step_signals(values)
-        entry = (int(global_step), signals)
-        if len(self._head) < self._head_size:
-            self._head.append(entry)
+        step = int(global_step)
+        last = (
+            self._tail[-1] if self._tail else (self._head[-1] if self._head else None)
+        )
+        if last is not None and last[0] == step:
+            last[1].update(signals)
         else:
-            self._tail.append(entry)
-        self._records += 1
+            if len(self._head) < self._head_size:
+                self._head.append((step, signals))
+            else:
+                self._tail.append((step, signals))
+            self._records += 1
         urgent = "nonfinite" in signals or not all(
             math.isfinite(signals[s]) for s in ("loss", "grad_norm") if s in signals
         )

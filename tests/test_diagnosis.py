@@ -280,3 +280,12 @@ def test_live_diagnosis_agrees_with_the_log(runs):
         for step, values in history.items():
             live.on_record(step, values)
     assert {"nonfinite", "step_size_too_large"} <= {f.id for f in live.findings}
+
+
+def test_live_diagnosis_merges_calls_for_one_step():
+    live = LiveDiagnosis(head=2, window=3)
+    for step in range(6):
+        live.on_record(step, {"Loss": 2.0, "GradNorm": [1.0, 1.0]})
+        live.on_record(step, {"learning_rate": 0.1})
+    assert [s for s, _ in [*live._head, *live._tail]] == [0, 1, 3, 4, 5]
+    assert live._tail[-1][1]["learning_rate"] == 0.1
