@@ -139,3 +139,14 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "missing.json" in result.stderr
+
+
+def test_a_reference_log_is_reported(tmp_path, capsys):
+    from tests.test_plotting import reference_log
+
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(reference_log(), indent=4, sort_keys=True))
+    assert main(["report", str(tmp_path / "log"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "inputs_misscaled" in {f["id"] for f in data["findings"]}
+    assert "Alpha" in data["not_checked"]["step_size_too_large"]  # 4 steps only
