@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from cockpit.errors import CockpitWarning, LogFileError
+from cockpit.history import to_builtin
 
 #: Severities, mildest first.
 SEVERITIES = ("info", "warning", "error")
@@ -243,7 +244,13 @@ def step_signals(values: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for signal, (key, extract) in _EXTRACT.items():
         if key in values:
-            result = extract(values[key])
+            value = values[key]
+            if not isinstance(value, (float, int, np.ndarray)):
+                try:  # tensors (also on a GPU), lists and dicts of them
+                    value = to_builtin(value)
+                except TypeError:
+                    continue
+            result = extract(value)
             if result is not None:
                 out[signal] = result
     return out
