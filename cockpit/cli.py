@@ -6,6 +6,8 @@
   written by cockpit-for-pytorch 1.0.2).
 * ``cockpit timelapse LOG -o run.gif``: an animated GIF of the dashboard over the run.
 * ``cockpit export LOG --tensorboard DIR``: the log as TensorBoard scalars/histograms.
+* ``cockpit report LOG [--markdown | --json]``: what is wrong with the run
+  (:mod:`cockpit.report`).
 
 Exit codes: 0 success; 1 a problem with the input (a log that is missing, empty,
 truncated or not a cockpit log, an unwritable output, a bad option value), reported
@@ -236,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     timelapse.set_defaults(func=_timelapse)
 
     from cockpit.integrations.cli import add_export_command
+    from cockpit.report import add_report_parser
 
+    add_report_parser(sub)
     add_export_command(sub)
     return parser
 
