@@ -78,10 +78,11 @@ def make_cockpit(params, quantities: list, **kwargs):
 
 
 def recorded_keys(cockpit) -> list[str]:
-    """Return every history key the cockpit recorded (proof that it worked)."""
+    """Return the quantity keys the cockpit recorded (not its bookkeeping keys)."""
     keys = set()
     for entries in cockpit.get_output().values():
         keys.update(entries)
+    keys -= {"learning_rates", "missing", "nonfinite"}
     return sorted(keys)
 
 

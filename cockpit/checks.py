@@ -26,6 +26,7 @@ from torch.nn import Module
 from cockpit.context import StepInfo, missing_info_message
 from cockpit.engines import backpack as engine
 from cockpit.errors import CockpitWarning
+from cockpit.needs import Need
 
 #: Where BackPACK lists the layers each extension supports.
 SUPPORTED_LAYERS_URL = "https://docs.backpack.pt/en/master/supported-layers.html"
@@ -540,3 +541,136 @@ class Diagnostics:
                 container=module is not None and any(True for _ in module.children()),
             )
         )
+
+
+# --- real training loops: what makes a quantity wrong at a step ---------------------
+#: Needs that read ``.grad`` or the optimizer's update, which gradient accumulation
+#: changes (quantities with them are left out of an accumulating step).
+READS_GRAD = frozenset(
+    {Need.GRADIENT, Need.HESSIAN_VECTOR_PRODUCTS, Need.OPTIMIZER_UPDATE}
+)
+
+ACCUMULATION_REASON = (
+    "gradients of earlier backward passes were in .grad when this step's backward "
+    "began (gradient accumulation), so .grad is not this mini-batch's gradient. Fix: "
+    "track the first micro-batch after optimizer.zero_grad() (its .grad starts at "
+    "zero), or zero the gradients before every tracked backward"
+)
+
+
+def _learning_rate(value) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def learning_rates(optimizer) -> list[float] | None:
+    """The learning rate of every parameter group, or ``None`` if there is none."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or any("lr" not in group for group in groups):
+        return None
+    return [_learning_rate(group["lr"]) for group in groups]
+
+
+def grads_accumulated(params: Sequence[Tensor]) -> bool:
+    """Whether any ``.grad`` holds a non-zero value (one device sync, if any grad)."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return False
+    with torch.no_grad():
+        return bool(torch.stack([g.abs().amax() for g in grads if g.numel()]).max() > 0)
+
+
+def optimizer_mismatch(optimizer, params: Sequence[Tensor]) -> str | None:
+    """Describe how the optimizer's trainable parameters differ from ``params``."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return None
+    theirs = {id(p) for g in groups for p in g["params"] if p.requires_grad}
+    mine = {id(p) for p in params}
+    if theirs == mine:
+        return None
+    extra, absent = len(theirs - mine), len(mine - theirs)
+    return (
+        f"the optimizer updates {extra} parameter(s) the cockpit does not track and "
+        f"the cockpit tracks {absent} the optimizer does not update, so the update "
+        "direction seen by the cockpit is not the step the optimizer takes. Fix: "
+        "pass the same parameters to the Cockpit and to the optimizer"
+    )
+
+
+class UpdateWatch:
+    """Notices ``.grad`` changing between the backward pass and ``optimizer.step()``.
+
+    Quantities that need the optimizer's update (Alpha) replay the update from the
+    gradients the backward pass produced. Gradient clipping, a gradient scaler's
+    unscale, or any other in-place change of ``.grad`` before ``optimizer.step()``
+    makes the real update differ. A step pre-hook on the optimizer compares every
+    ``.grad`` (object and version counter) with what the step left; on a change it
+    calls ``on_change(reason)`` once.
+
+    Args:
+        optimizer: The optimizer of the step.
+        params: The cockpit's parameters.
+        on_change: Called with the reason when ``.grad`` was changed.
+    """
+
+    def __init__(self, optimizer, params: Sequence[Tensor], on_change):
+        self._params = list(params)
+        self._seen = [(p.grad, _version(p.grad)) for p in self._params]
+        self._norms = _norms(self._params)  # no sync: compared only on a touch
+        self._on_change = on_change
+        self._handle = optimizer.register_step_pre_hook(self._check)
+
+    def _check(self, optimizer, args, kwargs) -> None:
+        self.remove()
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:  # args[0] is the optimizer itself
+            # optimizer.step(closure): the backward runs inside this call, after
+            # this hook (Lightning's loop); this .grad belongs to the last step and
+            # is no evidence about this one
+            return
+        touched = [
+            i
+            for i, (p, (grad, version)) in enumerate(
+                zip(self._params, self._seen, strict=True)
+            )
+            if p.grad is not grad or _version(p.grad) != version
+        ]
+        if not touched:
+            return
+        # written to, but changed? (clipping multiplies by exactly 1.0 when the norm
+        # is below the threshold, which leaves the values and so the update alone)
+        now = _norms(self._params)
+        changed = (
+            touched
+            if now is None or self._norms is None or now.shape != self._norms.shape
+            else [i for i in touched if not bool(now[i] == self._norms[i])]
+        )
+        if changed:
+            self._on_change(
+                f".grad of {len(changed)} parameter(s) changed between the backward "
+                "pass and optimizer.step() (e.g. gradient clipping or a gradient "
+                "scaler), so the update cockpit replayed is not the step taken. "
+                "Fix: leave .grad unchanged on tracked steps (clip on untracked "
+                "steps only), or drop Alpha"
+            )
+
+    def remove(self) -> None:
+        """Stop watching (the optimizer did not step, or it has been checked)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def _norms(params: Sequence[Tensor]) -> Tensor | None:
+    """The norm of every ``.grad`` (NaN for a missing one), or ``None``."""
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads) or not grads:
+        return None
+    with torch.no_grad():
+        return torch.stack(
+            [torch.linalg.vector_norm(g.detach()).to(grads[0].device) for g in grads]
+        )
+
+
+def _version(grad: Tensor | None) -> int | None:
+    return None if grad is None else grad._version

@@ -942,6 +942,8 @@ class LiveDiagnosis:
         head: Number of first steps kept (the reference for growth and scaling).
         window: Number of latest steps kept.
         warn: Emit a :class:`CockpitWarning` for each new finding id.
+        silent: Finding ids announced elsewhere: recorded, but not warned about
+            (the cockpit warns about non-finite steps itself).
     """
 
     def __init__(
@@ -951,12 +953,14 @@ class LiveDiagnosis:
         head: int = 20,
         window: int = 200,
         warn: bool = True,
+        silent: Sequence[str] = (),
     ):
         if every < 1 or head < 1 or window < 1:
             raise ValueError("every, head and window must be positive.")
         self.thresholds = thresholds or Thresholds()
         self.every = every
         self.warn = warn
+        self.silent = frozenset(silent)
         self._head: list[tuple[int, dict[str, Any]]] = []
         self._head_size = head
         self._tail: deque[tuple[int, dict[str, Any]]] = deque(maxlen=window)
@@ -1011,7 +1015,8 @@ class LiveDiagnosis:
             f for f in run_checks(signals, self.thresholds) if f.severity != "info"
         ]
         for finding in current:
-            if finding.id not in self._findings and self.warn:
+            new = finding.id not in self._findings
+            if new and self.warn and finding.id not in self.silent:
                 warnings.warn(
                     f"cockpit diagnosis [{finding.id}, step {finding.steps[1]}]: "
                     f"{finding.message} Advice: {finding.advice}",

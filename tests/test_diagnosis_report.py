@@ -110,9 +110,9 @@ def test_fail_on_sets_the_exit_code(tmp_path, capsys):
     [
         (None, "no such file"),
         ("", "empty"),
-        ('{"0": {"Loss": 1.0', "not valid JSON"),
-        ("[1, 2, 3]", "not a cockpit log"),
-        ('{"zero": {"Loss": 1.0}}', "not a cockpit log"),
+        ('{"0": {"Loss": 1.0', "is truncated"),
+        ("[1, 2, 3]", "JSON list"),
+        ('{"zero": {"Loss": 1.0}}', "key 'zero'"),
         ("{}", "holds no steps"),
     ],
 )

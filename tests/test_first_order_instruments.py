@@ -264,7 +264,8 @@ def test_alpha_resumes_from_state_dict(optimizer):
     outputs.update(cockpit.get_output())
     expected = {s: v["Alpha"] for s, v in reference.output.items()}
     assert sorted(expected) == list(range(1, steps - 1))
-    assert {s: v["Alpha"] for s, v in outputs.items()} == pytest.approx(expected)
+    alphas = {s: v["Alpha"] for s, v in outputs.items() if "Alpha" in v}
+    assert alphas == pytest.approx(expected)  # other steps: only learning_rates
 
 
 def test_alpha_is_minus_one_when_the_step_does_not_move():

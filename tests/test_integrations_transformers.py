@@ -139,7 +139,10 @@ def test_train_logs_what_the_plain_loop_logs(tmp_path):
     logged = History.from_json(trainer.cockpit.logpath)
     expected = _plain_loop(configuration("economy")).history
     assert logged.steps == list(range(2 * SAMPLES // BATCH))
-    assert {"Alpha", "GradHist1d", "NormTest"} <= set(logged.keys)
+    assert {"GradHist1d", "NormTest"} <= set(logged.keys)
+    # the trainer tracks the Linear layers only, so the optimizer's update (which
+    # also moves LayerNorm and embeddings) is not what Alpha would see: missing
+    assert "does not track" in logged[0]["missing"]["Alpha"]
     assert_same_history(logged, expected, skip=("Time", "epoch_count"))
     lrs = logged.series("learning_rate")[1]
     assert lrs[0] == pytest.approx(1e-2) and lrs[-1] < lrs[0]
@@ -195,7 +198,8 @@ def test_the_huggingface_example_runs(tmp_path):
     paths = module.main(steps=3, out=str(tmp_path / "out"))
     history = History.from_json(paths["log"])
     assert history.steps == [0, 1, 2]
-    assert {"Alpha", "GradNorm", "learning_rate"} <= set(history.keys)
+    assert {"GradNorm", "learning_rate"} <= set(history.keys)
+    assert "Alpha" in history[0]["missing"]  # a subset of the optimizer's params
 
 
 def test_tensorboard_run_gets_the_export(tmp_path):
@@ -214,7 +218,7 @@ def test_tensorboard_run_gets_the_export(tmp_path):
     accumulator.Reload()
     scalars = accumulator.Tags()["scalars"]
     assert "train/loss" in scalars  # the Trainer's own value, same run
-    assert "cockpit/Alpha" in scalars
+    assert "cockpit/NormTest" in scalars
     assert "cockpit/GradNorm/classifier.weight" in scalars
 
 

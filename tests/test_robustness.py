@@ -163,6 +163,7 @@ def _mse_setup(model, quantities, named=True):
 
 
 def _mse_step(model, cockpit, step=0, loss_fn=None, x=None):
+    model.zero_grad()  # as a training loop does (else: gradient accumulation)
     torch.manual_seed(step)
     x = torch.randn(6, 3, dtype=torch.float64) if x is None else x
     y = torch.randn(6, 2, dtype=torch.float64)

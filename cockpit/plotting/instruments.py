@@ -40,6 +40,7 @@ from matplotlib.colors import Normalize
 from matplotlib.patches import Circle
 from matplotlib.ticker import LogLocator, NullFormatter
 
+from cockpit.errors import CockpitWarning
 from cockpit.plotting.data import DashboardData, as_data
 from cockpit.plotting.style import (
     COLORS,
@@ -713,7 +714,9 @@ def warn_if_empty(ax: Axes, stacklevel: int = 2) -> bool:
     if ax.get_gid() != NO_DATA_GID:
         return False
     hint = " ".join(t.get_text() for t in ax.texts).replace("\n", ": ")
-    warnings.warn(f"Gauge {ax.get_title()!r} has {hint}.", stacklevel=stacklevel)
+    warnings.warn(
+        f"Gauge {ax.get_title()!r} has {hint}.", CockpitWarning, stacklevel=stacklevel
+    )
     return True
 
 

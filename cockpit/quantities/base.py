@@ -361,6 +361,10 @@ class TwoStepQuantity(Quantity):
         """Return whether ``global_step`` completes a pending start."""
         return global_step - 1 in self._pending
 
+    def discard_start(self, global_step: int) -> bool:
+        """Drop the value started at ``global_step``; return whether there was one."""
+        return self._pending.pop(global_step, None) is not None
+
     def is_active(self, global_step: int) -> bool:
         """Active on start steps and on the step after each of them."""
         return self.is_start(global_step) or self.is_end(global_step)

@@ -32,7 +32,13 @@ class Run:
 
     @property
     def output(self):
-        return self.cockpit.history.to_dict()
+        """The quantities' values per step (without the recorded learning rates)."""
+        output = {}
+        for step, entries in self.cockpit.history.to_dict().items():
+            entries.pop("learning_rates", None)
+            if entries:
+                output[step] = entries
+        return output
 
 
 def run(problem, quantities, steps: int = 4, extra_info=None, cockpit_cls=Cockpit):

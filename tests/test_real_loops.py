@@ -1,0 +1,154 @@
+"""Real training loops: accumulation, clipping, mismatched optimizers, frozen weights.
+
+Where a quantity cannot be right in such a loop, cockpit records it as missing with
+the reason (never a wrong number) and warns once with a CockpitWarning naming the fix.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.errors import CockpitWarning
+from cockpit.utils.schedules import linear
+from tests.utils.problems import make_problem
+
+EVERY = linear(1)
+
+
+def _step(cockpit, problem, opt, step, clip=None, zero=True, extra_backward=False):
+    x, y = problem.make_batch(step)
+    if zero:
+        opt.zero_grad()
+    if extra_backward:  # an earlier micro-batch accumulated into .grad
+        problem.loss_fn(problem.model(x), y).backward()
+    out = problem.model(x)
+    loss = problem.loss_fn(out, y)
+    info = {
+        "batch_size": x.shape[0],
+        "individual_losses": problem.individual_loss_fn(out, y),
+        "loss": loss,
+        "optimizer": opt,
+    }
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(problem.params, clip)
+    opt.step()
+
+
+def test_learning_rate_of_every_group_is_recorded():
+    problem = make_problem("mlp", "ce", "sgd")
+    groups = [{"params": problem.params[:2], "lr": 0.1}, {"params": problem.params[2:]}]
+    opt = torch.optim.SGD(groups, lr=0.05)
+    cockpit = Cockpit(problem.params, [Q.Loss(linear(2))])
+    for step in range(3):
+        _step(cockpit, problem, opt, step)
+    out = cockpit.history.to_dict()
+    assert out[0]["learning_rates"] == [0.1, 0.05]
+    assert sorted(out) == [0, 2]  # only tracked steps
+
+
+def test_gradient_accumulation_makes_grad_readers_missing():
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    quantities = [Q.GradNorm(EVERY), Q.NormTest(EVERY), Q.GradHist1d(EVERY)]
+    cockpit = Cockpit(problem.params, quantities)
+    _step(cockpit, problem, opt, 0)
+    with pytest.warns(CockpitWarning, match="gradient accumulation.*Fix"):
+        _step(cockpit, problem, opt, 1, extra_backward=True)
+    out = cockpit.history.to_dict()
+    assert {"GradNorm", "NormTest", "GradHist1d"} <= set(out[0])
+    # .grad readers are missing with the reason; the micro-batch histogram stays
+    assert "GradNorm" not in out[1] and "NormTest" not in out[1]
+    assert "GradHist1d" in out[1]
+    assert set(out[1]["missing"]) == {"GradNorm", "NormTest"}
+    assert "accumulation" in out[1]["missing"]["GradNorm"]
+
+
+def test_zero_tensors_in_grad_are_not_accumulation():
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.GradNorm(EVERY)])
+    for step in range(2):
+        opt.zero_grad(set_to_none=False)
+        _step(cockpit, problem, opt, step, zero=False)
+    assert all("missing" not in v for v in cockpit.history.to_dict().values())
+
+
+def test_clipping_between_backward_and_step_drops_alpha():
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.Alpha(EVERY)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(cockpit, problem, opt, 0)
+        _step(cockpit, problem, opt, 1, clip=1e-4)  # changes .grad in place
+        _step(cockpit, problem, opt, 2)
+        _step(cockpit, problem, opt, 3)
+    out = cockpit.history.to_dict()
+    assert isinstance(out[0]["Alpha"], float)  # unclipped start
+    assert "Alpha" not in out[1] and "optimizer.step()" in out[1]["missing"]["Alpha"]
+    assert isinstance(out[2]["Alpha"], float)  # later steps are fine again
+    messages = [str(w.message) for w in caught if w.category is CockpitWarning]
+    assert sum("clipping" in m for m in messages) == 1
+
+
+def test_an_unclipped_run_keeps_every_alpha():
+    problem = make_problem("mlp", "ce", "momentum")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.Alpha(EVERY)])
+    for step in range(4):
+        _step(cockpit, problem, opt, step)
+    out = cockpit.history.to_dict()
+    assert [s for s in out if "Alpha" in out[s]] == [0, 1, 2]
+    assert all("missing" not in v for v in out.values())
+
+
+def test_optimizer_of_other_parameters_makes_alpha_missing():
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params[:2], [Q.Alpha(EVERY), Q.Loss(EVERY)])
+    with pytest.warns(CockpitWarning, match="same parameters to the Cockpit"):
+        for step in range(2):
+            _step(cockpit, problem, opt, step)
+    out = cockpit.history.to_dict()
+    assert "Alpha" not in out[0] and "Alpha" in out[0]["missing"]
+    assert "Loss" in out[0]
+
+
+def test_frozen_parameters_are_skipped_with_one_note():
+    model = make_problem("mlp", "ce", "sgd").model
+    every = list(model.parameters())
+    every[0].requires_grad_(False)
+    with pytest.warns(CockpitWarning, match="skips 1 frozen parameter"):
+        cockpit = Cockpit(model.parameters(), [Q.GradNorm(EVERY)])
+    assert cockpit.params == every[1:]
+
+
+def test_every_warning_cockpit_emits_is_a_cockpit_warning():
+    """Every warnings.warn call in the package names CockpitWarning as category."""
+    import ast
+    import pathlib
+
+    import cockpit
+
+    offenders = []
+    for path in pathlib.Path(cockpit.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "warn"
+                and getattr(node.func.value, "id", None) == "warnings"
+            ):
+                continue
+            category = node.args[1] if len(node.args) > 1 else None
+            for keyword in node.keywords:
+                if keyword.arg == "category":
+                    category = keyword.value
+            if getattr(category, "id", None) != "CockpitWarning":
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
