@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cockpit.report import add_report_parser
 
     add_report_parser(sub)
-    add_export_command(sub)
+    add_export_command(sub, load_log)
     return parser
 
 

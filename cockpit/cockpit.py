@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import operator
 import warnings
@@ -21,20 +20,11 @@ from typing import Any, Iterable, Mapping
 from torch import Tensor
 
 from cockpit.checkpoint import STATE_VERSION, cockpit_state, load_cockpit_state
-from cockpit.checks import (
-    ACCUMULATION_REASON,
-    NONFINITE_KEY,
-    READS_GRAD,
-    Diagnostics,
-    UpdateWatch,
-    grads_accumulated,
-    learning_rates,
-    optimizer_mismatch,
-)
+from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.errors import CockpitWarning
 from cockpit.history import History, json_path
 from cockpit.log_stream import LogStream
-from cockpit.needs import Need
+from cockpit.loop_checks import LoopChecks
 from cockpit.planner import StepPlan, plan_step
 from cockpit.quantities.base import Quantity
 from cockpit.recorder import HistoryWriter, Recorder, StreamWriter
@@ -170,10 +160,10 @@ class Cockpit:
             self.diagnosis = LiveDiagnosis(silent=(NONFINITE_KEY,))
             self.recorder.subscribe(self.diagnosis)
         self._diagnostics = Diagnostics(self.params, self.param_names)
+        self._loop = LoopChecks(self.params, self.recorder, self._diagnostics)
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
         self.last_step: int | None = None
-        self._watch: UpdateWatch | None = None
         if quantities is not None:
             quantities = list(quantities)
             if not quantities:
@@ -290,11 +280,8 @@ class Cockpit:
         step_info = as_info(_as_step(global_step), info)
         if step_info.has("optimizer"):
             self.optimizer_name = type(step_info.get("optimizer")).__name__
-        if self._watch is not None:  # the last step's optimizer.step() never came
-            self._watch.remove()
-            self._watch = None
         run = StepRun(
-            self._screen(self.plan(step_info.global_step), step_info),
+            self._loop.before(self.plan(step_info.global_step), step_info),
             step_info,
             self.params,
             extensions,
@@ -331,75 +318,7 @@ class Cockpit:
             return
         run.close()
         self.last_step = run.plan.global_step
-        self._watch_update(run.plan, run.info)
-
-    # --- real training loops -------------------------------------------------------
-    def _screen(self, plan: StepPlan, step_info) -> StepPlan:
-        """Leave out quantities that cannot be right at this step; note why.
-
-        Records the learning rate of every parameter group on tracked steps.
-        Gradient accumulation (``.grad`` not zero when the backward begins) makes
-        quantities that read ``.grad`` or the optimizer's update wrong; an optimizer
-        that updates other parameters than the cockpit tracks makes the update
-        wrong. Those quantities are recorded as missing, with the reason.
-        """
-        if not plan.active:
-            return plan
-        step = plan.global_step
-        optimizer = step_info.get("optimizer")
-        rates = learning_rates(optimizer) if optimizer is not None else None
-        if rates is not None and any(q.should_compute(step) for q in plan.active):
-            self.recorder.record(step, "learning_rates", rates)
-        reasons: dict[Quantity, str] = {}
-        if any(q.needs_at(step) & READS_GRAD for q in plan.active):
-            if grads_accumulated(self.params):
-                for q in plan.active:
-                    if q.needs_at(step) & READS_GRAD:
-                        reasons[q] = ACCUMULATION_REASON
-        updating = [q for q in plan.active if Need.OPTIMIZER_UPDATE in q.needs_at(step)]
-        if updating and optimizer is not None:
-            mismatch = optimizer_mismatch(optimizer, self.params)
-            for q in updating if mismatch else ():
-                reasons.setdefault(q, mismatch)
-        if not reasons:
-            return plan
-        for q, reason in reasons.items():
-            self._missing(q, step, reason)
-        keep = tuple(q for q in plan.active if q not in reasons)
-        return dataclasses.replace(
-            plan,
-            active=keep,
-            consumers=tuple(q for q in plan.consumers if q not in reasons),
-        )
-
-    def _missing(self, quantity: Quantity, step: int, reason: str) -> None:
-        """Record ``quantity`` as missing at ``step`` (and its pending start)."""
-        steps = [step]
-        if getattr(quantity, "is_end", None) and quantity.is_end(step):
-            steps.append(step - 1)  # a two-step value that cannot be finished
-        for s in steps:
-            self.recorder.note_missing(s, quantity.key, reason)
-        self._diagnostics.warn_once(
-            ("missing", quantity.key, reason),
-            f"{quantity.key} has no value at step {step}: {reason}. (Recorded under "
-            "'missing'; warned once.)",
-        )
-
-    def _watch_update(self, plan: StepPlan, step_info) -> None:
-        """Watch ``.grad`` until ``optimizer.step()`` if a quantity replays it."""
-        step = plan.global_step
-        updating = [q for q in plan.active if Need.OPTIMIZER_UPDATE in q.needs_at(step)]
-        optimizer = step_info.get("optimizer")
-        if not updating or not hasattr(optimizer, "register_step_pre_hook"):
-            return
-
-        def changed(reason: str) -> None:
-            for q in updating:
-                if q.discard_start(step):
-                    self._missing(q, step, reason)
-            self.recorder.flush()
-
-        self._watch = UpdateWatch(optimizer, self.params, changed)
+        self._loop.after(run.plan, run.info)
 
     def track(self, global_step: int, protected_savefields=()) -> None:
         """cockpit-for-pytorch 1.0.2's tracking entry point, kept for old scripts.

@@ -12,11 +12,12 @@ import shutil
 import sys
 
 
-def add_export_command(sub) -> argparse.ArgumentParser:
+def add_export_command(sub, load_log) -> argparse.ArgumentParser:
     """Add ``export`` to the sub-commands ``sub`` of the ``cockpit`` parser.
 
     Args:
         sub: The object returned by ``parser.add_subparsers()``.
+        load_log: The CLI's log reader (raises ``LogFileError`` for a bad file).
 
     Returns:
         The ``export`` parser.
@@ -41,15 +42,13 @@ def add_export_command(sub) -> argparse.ArgumentParser:
         help="comma-separated parameter names for per-parameter values "
         "(default: param_0, param_1, ...)",
     )
-    export.set_defaults(func=run_export)
+    export.set_defaults(func=run_export, load_log=load_log)
     return export
 
 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``cockpit export``; return the exit code."""
-    from cockpit.cli import load_log
-
-    history = load_log(args.log)  # a bad log: one line from cockpit.cli.main
+    history = args.load_log(args.log)  # a bad log: one line from cockpit.cli.main
     from cockpit.integrations.tensorboard import export_tensorboard
 
     names = args.param_names.split(",") if args.param_names else None

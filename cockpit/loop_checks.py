@@ -1,0 +1,244 @@
+"""Real training loops: what makes a quantity wrong at a step, and what to do then.
+
+Training loops do things a quantity cannot see: gradient accumulation over
+micro-batches, gradient clipping between the backward pass and ``optimizer.step()``,
+an optimizer that updates other parameters than the cockpit tracks. Where that makes
+a value wrong, :class:`LoopChecks` leaves the quantity out of the step and records it
+as missing with the reason (under ``missing``), warning once with a
+:class:`~cockpit.errors.CockpitWarning` that names the fix. It also records the
+learning rate of every parameter group on tracked steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.needs import Need
+from cockpit.planner import StepPlan
+from cockpit.quantities.base import Quantity
+
+#: Needs that read ``.grad`` or the optimizer's update, which gradient accumulation
+#: changes (quantities with them are left out of an accumulating step).
+READS_GRAD = frozenset(
+    {Need.GRADIENT, Need.HESSIAN_VECTOR_PRODUCTS, Need.OPTIMIZER_UPDATE}
+)
+
+ACCUMULATION_REASON = (
+    "gradients of earlier backward passes were in .grad when this step's backward "
+    "began (gradient accumulation), so .grad is not this mini-batch's gradient. Fix: "
+    "track the first micro-batch after optimizer.zero_grad() (its .grad starts at "
+    "zero), or zero the gradients before every tracked backward"
+)
+
+
+def _learning_rate(value) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def learning_rates(optimizer) -> list[float] | None:
+    """The learning rate of every parameter group, or ``None`` if there is none."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or any("lr" not in group for group in groups):
+        return None
+    return [_learning_rate(group["lr"]) for group in groups]
+
+
+def grads_accumulated(params: Sequence[Tensor]) -> bool:
+    """Whether any ``.grad`` holds a non-zero value (one device sync, if any grad)."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return False
+    with torch.no_grad():
+        return bool(torch.stack([g.abs().amax() for g in grads if g.numel()]).max() > 0)
+
+
+def optimizer_mismatch(optimizer, params: Sequence[Tensor]) -> str | None:
+    """Describe how the optimizer's trainable parameters differ from ``params``."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return None
+    theirs = {id(p) for g in groups for p in g["params"] if p.requires_grad}
+    mine = {id(p) for p in params}
+    if theirs == mine:
+        return None
+    extra, absent = len(theirs - mine), len(mine - theirs)
+    return (
+        f"the optimizer updates {extra} parameter(s) the cockpit does not track and "
+        f"the cockpit tracks {absent} the optimizer does not update, so the update "
+        "direction seen by the cockpit is not the step the optimizer takes. Fix: "
+        "pass the same parameters to the Cockpit and to the optimizer"
+    )
+
+
+class UpdateWatch:
+    """Notices ``.grad`` changing between the backward pass and ``optimizer.step()``.
+
+    Quantities that need the optimizer's update (Alpha) replay the update from the
+    gradients the backward pass produced. Gradient clipping, a gradient scaler's
+    unscale, or any other in-place change of ``.grad`` before ``optimizer.step()``
+    makes the real update differ. A step pre-hook on the optimizer compares every
+    ``.grad`` (object and version counter) with what the step left; on a change it
+    calls ``on_change(reason)`` once.
+
+    Args:
+        optimizer: The optimizer of the step.
+        params: The cockpit's parameters.
+        on_change: Called with the reason when ``.grad`` was changed.
+    """
+
+    def __init__(self, optimizer, params: Sequence[Tensor], on_change):
+        self._params = list(params)
+        self._seen = [(p.grad, _version(p.grad)) for p in self._params]
+        self._norms = _norms(self._params)  # no sync: compared only on a touch
+        self._on_change = on_change
+        self._handle = optimizer.register_step_pre_hook(self._check)
+
+    def _check(self, optimizer, args, kwargs) -> None:
+        self.remove()
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:  # args[0] is the optimizer itself
+            # optimizer.step(closure): the backward runs inside this call, after
+            # this hook (Lightning's loop); this .grad belongs to the last step and
+            # is no evidence about this one
+            return
+        touched = [
+            i
+            for i, (p, (grad, version)) in enumerate(
+                zip(self._params, self._seen, strict=True)
+            )
+            if p.grad is not grad or _version(p.grad) != version
+        ]
+        if not touched:
+            return
+        # written to, but changed? (clipping multiplies by exactly 1.0 when the norm
+        # is below the threshold, which leaves the values and so the update alone)
+        now = _norms(self._params)
+        changed = (
+            touched
+            if now is None or self._norms is None or now.shape != self._norms.shape
+            else [i for i in touched if not bool(now[i] == self._norms[i])]
+        )
+        if changed:
+            self._on_change(
+                f".grad of {len(changed)} parameter(s) changed between the backward "
+                "pass and optimizer.step() (e.g. gradient clipping or a gradient "
+                "scaler), so the update cockpit replayed is not the step taken. "
+                "Fix: leave .grad unchanged on tracked steps (clip on untracked "
+                "steps only), or drop Alpha"
+            )
+
+    def remove(self) -> None:
+        """Stop watching (the optimizer did not step, or it has been checked)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def _norms(params: Sequence[Tensor]) -> Tensor | None:
+    """The norm of every ``.grad`` (NaN for a missing one), or ``None``."""
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads) or not grads:
+        return None
+    with torch.no_grad():
+        return torch.stack(
+            [torch.linalg.vector_norm(g.detach()).to(grads[0].device) for g in grads]
+        )
+
+
+def _version(grad: Tensor | None) -> int | None:
+    return None if grad is None else grad._version
+
+
+class LoopChecks:
+    """The checks of a cockpit's steps against what the training loop does.
+
+    Args:
+        params: The cockpit's parameters.
+        recorder: Where missing values are noted.
+        diagnostics: For warnings given once.
+    """
+
+    def __init__(self, params: Sequence[Tensor], recorder, diagnostics):
+        self._params = list(params)
+        self._recorder = recorder
+        self._diagnostics = diagnostics
+        self._watch: UpdateWatch | None = None
+
+    def before(self, plan: StepPlan, step_info) -> StepPlan:
+        """Return the plan without quantities that cannot be right at this step.
+
+        Records the learning rate of every parameter group on tracked steps.
+        Gradient accumulation (``.grad`` not zero when the backward begins) makes
+        quantities that read ``.grad`` or the optimizer's update wrong; an optimizer
+        that updates other parameters than the cockpit tracks makes the update
+        wrong. Those quantities are recorded as missing, with the reason.
+        """
+        if self._watch is not None:  # the last step's optimizer.step() never came
+            self._watch.remove()
+            self._watch = None
+        if not plan.active:
+            return plan
+        step = plan.global_step
+        optimizer = step_info.get("optimizer")
+        rates = learning_rates(optimizer) if optimizer is not None else None
+        if rates is not None and any(q.should_compute(step) for q in plan.active):
+            self._recorder.record(step, "learning_rates", rates)
+        reasons: dict[Quantity, str] = {}
+        if any(q.needs_at(step) & READS_GRAD for q in plan.active):
+            if grads_accumulated(self._params):
+                for q in plan.active:
+                    if q.needs_at(step) & READS_GRAD:
+                        reasons[q] = ACCUMULATION_REASON
+        updating = _updating(plan)
+        if updating and optimizer is not None:
+            mismatch = optimizer_mismatch(optimizer, self._params)
+            for q in updating if mismatch else ():
+                reasons.setdefault(q, mismatch)
+        if not reasons:
+            return plan
+        for q, reason in reasons.items():
+            self._missing(q, step, reason)
+        return dataclasses.replace(
+            plan,
+            active=tuple(q for q in plan.active if q not in reasons),
+            consumers=tuple(q for q in plan.consumers if q not in reasons),
+        )
+
+    def after(self, plan: StepPlan, step_info) -> None:
+        """Watch ``.grad`` until ``optimizer.step()`` if a quantity replays it."""
+        step = plan.global_step
+        updating = _updating(plan)
+        optimizer = step_info.get("optimizer")
+        if not updating or not hasattr(optimizer, "register_step_pre_hook"):
+            return
+
+        def changed(reason: str) -> None:
+            for q in updating:
+                if q.discard_start(step):
+                    self._missing(q, step, reason)
+            self._recorder.flush()
+
+        self._watch = UpdateWatch(optimizer, self._params, changed)
+
+    def _missing(self, quantity: Quantity, step: int, reason: str) -> None:
+        """Record ``quantity`` as missing at ``step`` (and its pending start)."""
+        steps = [step]
+        if getattr(quantity, "is_end", None) and quantity.is_end(step):
+            steps.append(step - 1)  # a two-step value that cannot be finished
+        for s in steps:
+            self._recorder.note_missing(s, quantity.key, reason)
+        self._diagnostics.warn_once(
+            ("missing", quantity.key, reason),
+            f"{quantity.key} has no value at step {step}: {reason}. (Recorded under "
+            "'missing'; warned once.)",
+        )
+
+
+def _updating(plan: StepPlan) -> list[Quantity]:
+    """The active quantities that replay the optimizer's update."""
+    step = plan.global_step
+    return [q for q in plan.active if Need.OPTIMIZER_UPDATE in q.needs_at(step)]
