@@ -169,7 +169,7 @@ def run_demo(
 
 
 def _postfix(cockpit: Cockpit, step: int) -> dict[str, str]:
-    """Latest loss, Alpha (of the previous step) and gradient norm for the bar."""
+    """Latest loss, Alpha (previous step), gradient norm and diagnosis for the bar."""
     history = cockpit.history
     postfix = {}
     current = history[step] if step in history else {}
@@ -181,4 +181,6 @@ def _postfix(cockpit: Cockpit, step: int) -> dict[str, str]:
     if "GradNorm" in current:
         norm = sum(v * v for v in current["GradNorm"]) ** 0.5
         postfix["|g|"] = f"{norm:.3f}"
+    if cockpit.diagnosis is not None:  # the live diagnosis: "ok" or the findings
+        postfix["diagnosis"] = cockpit.diagnosis.postfix()
     return postfix

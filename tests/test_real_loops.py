@@ -152,3 +152,17 @@ def test_every_warning_cockpit_emits_is_a_cockpit_warning():
             if getattr(category, "id", None) != "CockpitWarning":
                 offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_live_diagnosis_is_subscribed_and_shown_in_the_demo_bar():
+    from cockpit.demo import _postfix
+
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.Loss(EVERY), Q.GradNorm(EVERY)])
+    assert cockpit.diagnosis in cockpit.recorder.subscribers
+    for step in range(2):
+        _step(cockpit, problem, opt, step)
+    assert _postfix(cockpit, 1)["diagnosis"] == "ok"
+    quiet = Cockpit(problem.params, [Q.Loss(EVERY)], diagnose=False)
+    assert quiet.diagnosis is None and "diagnosis" not in _postfix(quiet, 0)
