@@ -24,6 +24,7 @@ from cockpit.quantities.grad_hist import (
     histogram_2d,
     histogram_edges,
 )
+from cockpit.per_sample import LinearFactors
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
@@ -181,6 +182,94 @@ def test_concentrated_values_take_the_comparison_path_and_stay_exact(
     got = histogram_2d(x, y, xedges, yedges, ((lo, hi), (-2.0, 2.0)), clamps)
     want, _ = np_hist_2d([x.numpy()], [y.numpy()], (100, 50), ((lo, hi), (-2, 2)))
     assert got.tolist() == want
+
+
+# --- the outer-product path (Linear weights) ------------------------------------------
+def outer_case(dtype, seed, n=9, out=11, dim=40, scale=8.0, spread=0.05):
+    """Factors with zeros, ties, both signs, and products landing exactly on edges."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.randn(n, out, generator=gen, dtype=dtype) * spread
+    delta[:, 0] = 0.0
+    delta[:, 1] = 2.0**-6  # exact products: inputs on edges give values on edges
+    delta[:, 2] = -(2.0**-6)
+    inputs = torch.randn(n, dim, generator=gen, dtype=dtype)
+    inputs[:, : dim // 8] = 0.0
+    inputs[:, dim // 8 : dim // 4] = inputs[:, dim // 4 : 3 * dim // 8]  # ties
+    return delta, inputs, scale
+
+
+def materialized_counts(delta, inputs, scale, edges, limits):
+    factors = LinearFactors(inputs, delta)
+    return histogram_1d(factors.materialize(scale=scale), edges, limits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bins,lo,hi", RANGES_1D)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_outer_product_counts_equal_the_materialised_ones(dtype, bins, lo, hi, seed):
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    spread = (hi - lo) / 4 + abs(lo + hi) / 2
+    delta, inputs, scale = outer_case(dtype, seed, spread=spread)
+    # inputs that put (delta * x) * scale exactly on every edge for delta = 2**-6
+    on_edges = (edges / scale * 2.0**6)[: inputs.shape[1] // 2]
+    inputs[0, : on_edges.numel()] = on_edges
+    inputs[1, : on_edges.numel()] = -on_edges
+    for force in (True, False):
+        got = grad_hist.histogram_1d_outer(
+            delta, inputs, scale, edges, (lo, hi), force=force
+        )
+        if got is not None:
+            want = materialized_counts(delta, inputs, scale, edges, (lo, hi))
+            assert got.tolist() == want.tolist()
+            assert int(got.sum()) == delta.numel() * inputs.shape[1]
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 16, 17])
+@pytest.mark.parametrize("scale", [1.0, 6.0, 128.0])
+def test_outer_product_counts_for_any_row_length_and_scale(dim, scale):
+    edges = histogram_edges(-0.3, 0.2, 13)
+    delta, inputs, _ = outer_case(torch.float64, dim, dim=dim, spread=0.1)
+    got = grad_hist.histogram_1d_outer(
+        delta, inputs, scale, edges, (-0.3, 0.2), force=True
+    )
+    want = materialized_counts(delta, inputs, scale, edges, (-0.3, 0.2))
+    assert got.tolist() == want.tolist()
+
+
+def test_outer_product_path_declines_non_finite_factors():
+    edges = histogram_edges(-2.0, 2.0, 10)
+    delta, inputs, scale = outer_case(torch.float64, 3)
+    inputs[2, 5] = math.inf  # inf * 0 would be NaN
+    assert grad_hist.histogram_1d_outer(delta, inputs, scale, edges, (-2, 2)) is None
+    empty = grad_hist.histogram_1d_outer(
+        delta[:, :0], inputs, scale, edges, (-2, 2), force=True
+    )
+    assert empty.tolist() == [0] * 10
+
+
+def test_grad_hist_1d_through_the_outer_product_path(problem, monkeypatch):
+    """Forced onto every Linear weight, the counts still equal the numpy twin."""
+    monkeypatch.setattr(grad_hist, "OUTER_COST_FRACTION", math.inf)
+    taken = [0]
+    original = grad_hist.histogram_1d_outer
+
+    def counting(*args, **kwargs):
+        result = original(*args, **kwargs)
+        taken[0] += result is not None
+        return result
+
+    monkeypatch.setattr(grad_hist, "histogram_1d_outer", counting)
+    kwargs = {"bins": 7, "range": (-0.05, 0.05)}
+    result = run(problem, [Q.GradHist1d(linear(1), **kwargs)], steps=2)
+    linear_weights = sum(
+        isinstance(m, torch.nn.Linear) for m in problem.model.modules()
+    )
+    assert taken[0] == 2 * linear_weights > 0
+    for step in range(2):
+        grads = per_sample_gradients(problem, result.records[step])
+        values = np.concatenate([g.reshape(-1) for g in grads])
+        counts, _ = np_hist_1d(values, 7, -0.05, 0.05)
+        assert result.output[step]["GradHist1d"]["hist"] == counts
 
 
 # --- GradHist1d -----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.per_sample import FactoredLinearGradients, LinearFactors
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.bin_adaptation import BinAdaptation, as_policy
 
@@ -194,6 +195,137 @@ def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
     return torch.bincount(index.reshape(-1), minlength=bins + 1)[:bins]
 
 
+#: The outer-product path runs where its searches cost at most this fraction of
+#: visiting every value once (per spanned edge: one binary search over a row).
+OUTER_COST_FRACTION = 0.5
+
+
+def _outer_values(delta: Tensor, inputs: Tensor, scale: float) -> Tensor:
+    """``(delta * inputs) * scale``, rounded as :class:`LinearFactors` rounds them.
+
+    ``LinearFactors.materialize`` forms each value as one product (a batched matrix
+    product over a single position) and then multiplies by ``scale`` unless it is 1:
+    two roundings, reproduced here elementwise.
+    """
+    values = delta * inputs
+    return values.mul_(scale) if scale != 1.0 else values
+
+
+def histogram_1d_outer(
+    delta: Tensor,
+    inputs: Tensor,
+    scale: float,
+    edges: Tensor,
+    limits: Range,
+    force: bool = False,
+) -> Tensor | None:
+    """Count the values ``v[i, a, b] = (delta[i, a] * inputs[i, b]) * scale``.
+
+    The per-sample gradients of a ``Linear`` weight (one position per sample) are
+    such products. The counts equal :func:`histogram_1d` of the materialised values
+    exactly, without forming them: for fixed ``(i, a)`` the rounded value is a
+    monotone function of ``inputs[i, b]`` (non-decreasing for ``delta[i, a] > 0``,
+    non-increasing for ``< 0``, constant for ``0``; rounding and clamping are
+    monotone). With each sample's inputs sorted once, the row ``(i, a)`` spans the
+    bins from that of its smallest to that of its largest value, and for every edge
+    ``e_k`` strictly inside that span ``#(v >= e_k)`` is found by a binary search
+    over the sorted inputs that evaluates the rounded product itself (no division,
+    no threshold approximated); bin ``k`` of the row then holds
+    ``#(v >= e_k) - #(v >= e_{k+1})``. A row inside one bin costs nothing but its
+    two extreme values.
+
+    Args:
+        delta: ``[N, out]``.
+        inputs: ``[N, in]``, same dtype and device.
+        scale: The factor applied after the product (``N`` for unscaled ``g_i``).
+        edges: The ``bins + 1`` edges in the dtype of the values.
+        limits: ``(lo, hi)``, the outer edges as Python floats.
+        force: Search even when materialising would be cheaper (for tests).
+
+    Returns:
+        ``int64`` counts, shape ``[bins]``; ``None`` if a factor is not finite (a
+        product could be NaN) or the searches would cost more than counting the
+        materialised values (then count those instead).
+    """
+    bins = edges.numel() - 1
+    n, out = delta.shape
+    dim = inputs.shape[1]
+    counts = torch.zeros(bins, dtype=torch.int64, device=delta.device)
+    if n * out * dim == 0:
+        return counts
+    if not bool(torch.isfinite(delta).all() & torch.isfinite(inputs).all()):
+        return None
+    ordered = torch.sort(inputs, dim=1).values
+    first = _outer_values(delta, ordered[:, :1], scale)
+    last = _outer_values(delta, ordered[:, -1:], scale)
+    extremes = torch.stack([torch.minimum(first, last), torch.maximum(first, last)])
+    k_lo, k_hi = bin_index(extremes, edges, limits, correct_all=True).long()
+    k_lo, k_hi = k_lo.reshape(-1), k_hi.reshape(-1)
+    span = k_hi - k_lo  # edges strictly inside each row's range of values
+    searches = int(span.sum())
+    steps = max(1, (dim - 1).bit_length()) + 1
+    if not force and searches * steps > OUTER_COST_FRACTION * n * out * dim:
+        return None
+    counts += torch.bincount(k_lo, minlength=bins) * dim
+    if searches == 0:
+        return counts
+    rows = span.nonzero().squeeze(1)
+    width = span.index_select(0, rows)
+    row = torch.repeat_interleave(rows, width, output_size=searches)
+    # edge of each search: k_lo + 1, ..., k_hi of its row
+    first_query = torch.cumsum(width, 0) - width
+    shift = torch.repeat_interleave(
+        first_query - k_lo.index_select(0, rows) - 1, width, output_size=searches
+    )
+    edge = torch.arange(searches, device=delta.device) - shift
+    counts += _searched_counts(delta, ordered, scale, edges, row, edge)
+    return counts
+
+
+def _searched_counts(
+    delta: Tensor,
+    ordered: Tensor,
+    scale: float,
+    edges: Tensor,
+    row: Tensor,
+    edge: Tensor,
+) -> Tensor:
+    """The contribution of ``#(v >= e_edge)`` of each searched ``(row, edge)`` pair.
+
+    Along the sorted inputs, ``q(p) = (v_p < e) xor (delta < 0)`` is true on a
+    prefix; the branch-free lower-bound search finds its length ``p`` in
+    ``ceil(log2(in)) + 1`` vectorised rounds. ``#(v >= e)`` is ``in - p`` for a
+    positive ``delta`` and ``p`` for a negative one; it is added to bin ``edge``
+    and subtracted from bin ``edge - 1``.
+    """
+    bins = edges.numel() - 1
+    out = delta.shape[1]
+    dim = ordered.shape[1]
+    itype = torch.int32 if ordered.numel() < 2**31 - 1 else torch.int64
+    d = delta.reshape(-1).index_select(0, row)
+    e = edges.index_select(0, edge)
+    negative = d < 0
+    offset = torch.div(row, out, rounding_mode="floor").mul_(dim).to(itype)
+    flat = ordered.reshape(-1)
+
+    def q(position: Tensor) -> Tensor:
+        values = _outer_values(d, flat.index_select(0, offset + position), scale)
+        return torch.lt(values, e).ne_(negative)
+
+    position = torch.zeros_like(offset)
+    length = dim
+    while length > 1:
+        half = length // 2
+        position += q(position + half).to(itype).mul_(half)
+        length -= half
+    position += q(position).to(itype)
+    above = torch.where(negative, position, dim - position).to(torch.float64)
+    # counts[k] += above(k) - above(k + 1), summed exactly in float64 (< 2**53)
+    per_edge = torch.bincount(edge, weights=above, minlength=bins + 1)
+    per_edge = per_edge.to(torch.int64)
+    return per_edge[:bins] - per_edge[1:]
+
+
 def _inner_clamp(lo: float, hi: float, bins: int) -> Range:
     """The clamp range of the 2-D histogram: the centres of the two outer bins."""
     half = (hi - lo) / bins / 2
@@ -242,6 +374,26 @@ def histogram_2d(
     flat = ix.mul_(ybins).add_(iy).masked_fill_(invalid, total)
     counts = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
     return counts.reshape(xbins, ybins)
+
+
+def linear_factors(view: ParamView) -> LinearFactors | None:
+    """The factors of a ``Linear`` weight's per-sample gradients, if the view has them.
+
+    ``g_i = N * b_i`` with ``b_i`` from :class:`~cockpit.per_sample.LinearFactors`.
+    Reads ``view.linear_factors()`` where the view offers it; otherwise looks behind
+    :class:`~cockpit.per_sample.FactoredLinearGradients` (``None`` when anything is
+    not as expected: the histograms then count the materialised blocks).
+    """
+    getter = getattr(view, "linear_factors", None)
+    if callable(getter):
+        factors = getter()
+    else:
+        results = getattr(view, "_results", None)
+        individual = getattr(results, "individual", None)
+        if not isinstance(individual, FactoredLinearGradients):
+            return None
+        factors = getattr(individual, "_factors", None)
+    return factors if isinstance(factors, LinearFactors) else None
 
 
 # --- argument checks -----------------------------------------------------------------
@@ -462,6 +614,17 @@ class GradHist1d(_Histogram):
 
     def _count(self, global_step: int, view: ParamView) -> Tensor:
         edges = self._edges(0).like(view.param)
+        factors = linear_factors(view)
+        if factors is not None and factors.positions == 1:
+            counts = histogram_1d_outer(
+                factors.grad_output[:, 0].detach(),
+                factors.inputs[:, 0].detach(),
+                float(factors.batch_size),
+                edges,
+                self.range,
+            )
+            if counts is not None:
+                return counts
         total = torch.zeros(self.bins, dtype=torch.int64, device=view.param.device)
         for values in view.individual_gradient_chunks():
             total += histogram_1d(values.detach(), edges, self.range)
