@@ -16,6 +16,7 @@ from backpack.extensions import BatchGrad
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
+from cockpit.per_sample import LinearFactors
 from cockpit.quantities import grad_hist
 from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
 from cockpit.quantities.grad_hist import (
@@ -24,7 +25,6 @@ from cockpit.quantities.grad_hist import (
     histogram_2d,
     histogram_edges,
 )
-from cockpit.per_sample import LinearFactors
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
