@@ -1,0 +1,228 @@
+"""Micro-benchmark of the gradient-histogram kernels on the benchmark problems.
+
+Run from the repository root (a few seconds per problem)::
+
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 python -m benchmarks.kernels
+
+One tracked backward pass of each problem (batch 128) hands every parameter's
+per-sample gradients to a capturing quantity, as the cockpit hands them to
+GradHist1d (``Linear`` weights as their two factors, the rest as tensors). Then, on
+one torch thread, process CPU time, interleaved (A B C A B C ...), median of
+``--repeats`` rounds, the same values are counted by:
+
+* ``blocks + histogram_1d``: the code before the outer-product path: every value
+  materialised block by block and binned exactly (:func:`histogram_1d`);
+* ``blocks + torch.histc``: the same blocks, clamped and counted by ``torch.histc``
+  (approximate at the edges; the speed to beat);
+* ``GradHist1d now``: ``Linear`` weights by :func:`histogram_1d_outer` (searches on
+  sorted inputs), every other parameter as before;
+* 2-D: ``blocks + histogram_2d`` (GradHist2d, unchanged) against
+  ``torch.histogramdd`` on the same pairs.
+
+The exact variants must agree bit for bit (checked). Times are also given in units
+of one plain training step (zero_grad, forward, backward, SGD step of the model
+without BackPACK), measured the same way. Results go to
+``benchmarks/kernels_results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.problems import make
+from cockpit import Cockpit
+from cockpit.needs import Need
+from cockpit.quantities import grad_hist
+from cockpit.quantities.base import SingleStepQuantity
+
+BINS, RANGE = 100, (-2.0, 2.0)  # GradHist1d's defaults
+BINS_2D, RANGE_2D = (40, 50), ((-1.0, 1.0), (-2.0, 2.0))  # GradHist2d's defaults
+BLOCK = 1 << 18  # ParamView.individual_gradient_chunks' default block size
+
+
+class _Capture(SingleStepQuantity):
+    """Keeps what the engine hands over for each parameter (benchmark only)."""
+
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+
+    def __init__(self):
+        super().__init__(lambda step: True)
+        self.captured = []
+
+    def accumulate(self, global_step, view):
+        individual = view._results.individual  # the object behind the view
+        self.captured.append((view.param.detach().clone(), individual))
+
+    def _compute(self, global_step, ctx):
+        return None
+
+
+def capture(bench):
+    """Per-parameter ``(param, IndividualGradients)`` of one tracked step."""
+    quantity = _Capture()
+    cockpit = Cockpit(bench.extended.parameters(), [quantity])
+    x, y = bench.batch(0)
+    loss = bench.loss_fn(bench.extended(x), y)
+    with cockpit(0, info={"loss": loss, "batch_size": x.shape[0]}):
+        loss.backward()
+    return quantity.captured
+
+
+def blocks_histogram_1d(captured, edges):
+    total = torch.zeros(BINS, dtype=torch.int64)
+    for _, individual in captured:
+        for block in individual.chunks(BLOCK):
+            total += grad_hist.histogram_1d(block, edges, RANGE)
+    return total
+
+
+def blocks_histc(captured, edges):
+    total = torch.zeros(BINS)
+    for _, individual in captured:
+        for block in individual.chunks(BLOCK):
+            total += torch.histc(block.clamp_(*RANGE), BINS, *RANGE)
+    return total
+
+
+def grad_hist_1d_now(captured, edges):
+    total = torch.zeros(BINS, dtype=torch.int64)
+    for _, individual in captured:
+        factors = getattr(individual, "_factors", None)
+        if factors is not None and factors.positions == 1:
+            counts = grad_hist.histogram_1d_outer(
+                factors.grad_output[:, 0],
+                factors.inputs[:, 0],
+                float(factors.batch_size),
+                edges,
+                RANGE,
+            )
+            if counts is not None:
+                total += counts
+                continue
+        for block in individual.chunks(BLOCK):
+            total += grad_hist.histogram_1d(block, edges, RANGE)
+    return total
+
+
+def blocks_histogram_2d(captured, xedges, yedges):
+    clamps = tuple(grad_hist._inner_clamp(*r, b) for r, b in zip(RANGE_2D, BINS_2D))
+    total = torch.zeros(BINS_2D, dtype=torch.int64)
+    for param, individual in captured:
+        y = param.flatten()
+        for block in individual.chunks(BLOCK):
+            x = block.flatten(start_dim=1)
+            total += grad_hist.histogram_2d(x, y, xedges, yedges, RANGE_2D, clamps)
+    return total
+
+
+def blocks_histogramdd(captured, xedges, yedges):
+    total = torch.zeros(BINS_2D)
+    flat_range = [v for r in RANGE_2D for v in r]
+    for param, individual in captured:
+        y = param.flatten()
+        for block in individual.chunks(BLOCK):
+            x = block.flatten(start_dim=1)
+            pairs = torch.stack([x, y.expand_as(x)], dim=-1).reshape(-1, 2)
+            total += torch.histogramdd(pairs, list(BINS_2D), range=flat_range).hist
+    return total
+
+
+def plain_step_seconds(bench, repeats):
+    model = bench.plain
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for step in range(repeats + 2):
+        x, y = bench.batch(step)
+        start = time.process_time()
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        times.append(time.process_time() - start)
+    return statistics.median(times[2:])
+
+
+def measure(name, repeats):
+    bench = make(name)
+    captured = capture(bench)
+    values = sum(ind.batch_size * p.numel() for p, ind in captured)
+    dtype = captured[0][0].dtype
+    edges = grad_hist.histogram_edges(*RANGE, BINS).to(dtype)
+    xedges = grad_hist.histogram_edges(*RANGE_2D[0], BINS_2D[0]).to(dtype)
+    yedges = grad_hist.histogram_edges(*RANGE_2D[1], BINS_2D[1]).to(dtype)
+    variants = {
+        "1-D: blocks + histogram_1d (before)": lambda: blocks_histogram_1d(
+            captured, edges
+        ),
+        "1-D: blocks + torch.histc": lambda: blocks_histc(captured, edges),
+        "1-D: GradHist1d now": lambda: grad_hist_1d_now(captured, edges),
+        "2-D: blocks + histogram_2d (GradHist2d)": lambda: blocks_histogram_2d(
+            captured, xedges, yedges
+        ),
+        "2-D: blocks + torch.histogramdd": lambda: blocks_histogramdd(
+            captured, xedges, yedges
+        ),
+    }
+    results = {key: fn() for key, fn in variants.items()}  # warm-up, and the counts
+    before = results["1-D: blocks + histogram_1d (before)"]
+    assert torch.equal(results["1-D: GradHist1d now"], before), "not exact"
+    assert int(before.sum()) == values
+    times = {key: [] for key in variants}
+    for _ in range(repeats):
+        for key, fn in variants.items():
+            start = time.process_time()
+            fn()
+            times[key].append(time.process_time() - start)
+    plain = plain_step_seconds(bench, max(repeats, 9))
+    medians = {key: statistics.median(t) for key, t in times.items()}
+    return values, plain, medians
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", default="mlp,3c3d")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="benchmarks/kernels_results.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    lines = [
+        "# Gradient-histogram kernels",
+        "",
+        "Made by `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 "
+        "python -m benchmarks.kernels` (see its docstring). One torch thread, "
+        f"process CPU time, median of {args.repeats} interleaved rounds; batch 128; "
+        f"torch {torch.__version__}; {platform.platform()}; "
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}.",
+        "",
+    ]
+    for name in args.problems.split(","):
+        values, plain, medians = measure(name, args.repeats)
+        before = medians["1-D: blocks + histogram_1d (before)"]
+        histc = medians["1-D: blocks + torch.histc"]
+        lines += [
+            f"## {name}",
+            "",
+            f"{values / 1e6:.1f} M values; plain step {plain * 1e3:.1f} ms.",
+            "",
+            "| kernel | ms | plain steps | vs before | vs torch.histc |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for key, seconds in medians.items():
+            lines.append(
+                f"| {key} | {seconds * 1e3:.1f} | {seconds / plain:.1f} | "
+                f"{before / seconds:.2f}x | {histc / seconds:.2f}x |"
+            )
+        lines.append("")
+        print("\n".join(lines[-len(medians) - 6 :]), flush=True)
+    Path(args.out).write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
