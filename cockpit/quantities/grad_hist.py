@@ -158,7 +158,7 @@ def _counts_by_comparison(
 
     def at_least(k: int) -> Tensor:
         above = torch.ge(values, edges[k])
-        return above.sum() if dim is None else above.sum(dim)
+        return torch.count_nonzero(above, dim=dim)  # faster than a bool sum
 
     cumulative = [at_least(k) for k in range(k_lo + 1, k_hi + 1)]
     counts, previous = [], total
