@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -255,7 +256,7 @@ def histogram_1d_outer(
         return counts
     if not bool(torch.isfinite(delta).all() & torch.isfinite(inputs).all()):
         return None
-    ordered = torch.sort(inputs, dim=1).values
+    ordered = _sorted_rows(inputs)
     first = _outer_values(delta, ordered[:, :1], scale)
     last = _outer_values(delta, ordered[:, -1:], scale)
     extremes = torch.stack([torch.minimum(first, last), torch.maximum(first, last)])
@@ -280,6 +281,17 @@ def histogram_1d_outer(
     edge = torch.arange(searches, device=delta.device) - shift
     counts += _searched_counts(delta, ordered, scale, edges, row, edge)
     return counts
+
+
+def _sorted_rows(values: Tensor) -> Tensor:
+    """Each row sorted ascending (finite values; the order of ties is irrelevant).
+
+    On the CPU NumPy's sort (vectorised, many times faster than ``torch.sort`` on
+    short rows); sorting is exact, so the result is the same either way.
+    """
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(values.detach().numpy(), axis=1))
+    return torch.sort(values, dim=1).values
 
 
 def _searched_counts(
