@@ -14,12 +14,13 @@ one torch thread, process CPU time, interleaved (A B C A B C ...), median of
   materialised block by block and binned exactly (:func:`histogram_1d`);
 * ``blocks + torch.histc``: the same blocks, clamped and counted by ``torch.histc``
   (approximate at the edges; the speed to beat);
-* ``GradHist1d now``: ``Linear`` weights by :func:`histogram_1d_outer` (searches on
-  sorted inputs), every other parameter as before;
-* 2-D: ``blocks + histogram_2d`` (GradHist2d, unchanged) against
-  ``torch.histogramdd`` on the same pairs.
+* ``GradHist1d now``: the quantity's own counting (``GradHist1d._count``):
+  ``Linear`` weights by :func:`histogram_1d_outer` (searches on sorted inputs),
+  every other parameter block by block as before;
+* 2-D: ``GradHist2d._count`` against ``torch.histogramdd`` on the same pairs.
 
-The exact variants must agree bit for bit (checked). Times are also given in units
+The exact variants must agree bit for bit (checked; the 2-D counts against every
+block counted on its own by :func:`histogram_2d`). Times are also given in units
 of one plain training step (zero_grad, forward, backward, SGD step of the model
 without BackPACK), measured the same way. Results go to
 ``benchmarks/kernels_results.md``.
@@ -38,7 +39,9 @@ import torch
 
 from benchmarks.problems import make
 from cockpit import Cockpit
+from cockpit import quantities as Q
 from cockpit.needs import Need
+from cockpit.param_view import ParamResults, ParamView
 from cockpit.quantities import grad_hist
 from cockpit.quantities.base import SingleStepQuantity
 
@@ -91,27 +94,25 @@ def blocks_histc(captured, edges):
     return total
 
 
-def grad_hist_1d_now(captured, edges):
-    total = torch.zeros(BINS, dtype=torch.int64)
-    for _, individual in captured:
-        factors = getattr(individual, "_factors", None)
-        if factors is not None and factors.positions == 1:
-            counts = grad_hist.histogram_1d_outer(
-                factors.grad_output[:, 0],
-                factors.inputs[:, 0],
-                float(factors.batch_size),
-                edges,
-                RANGE,
-            )
-            if counts is not None:
-                total += counts
-                continue
-        for block in individual.chunks(BLOCK):
-            total += grad_hist.histogram_1d(block, edges, RANGE)
+def views(captured):
+    return [
+        ParamView(param, index, ParamResults(individual=individual))
+        for index, (param, individual) in enumerate(captured)
+    ]
+
+
+def grad_hist_now(quantity, captured):
+    """The quantity's own per-parameter counting (``_count``), summed."""
+    quantity.begin_step(0)
+    total = None
+    for view in views(captured):
+        counts = quantity._count(0, view)
+        total = counts if total is None else total + counts
     return total
 
 
 def blocks_histogram_2d(captured, xedges, yedges):
+    """Every block counted on its own by :func:`histogram_2d` (exact reference)."""
     clamps = tuple(grad_hist._inner_clamp(*r, b) for r, b in zip(RANGE_2D, BINS_2D))
     total = torch.zeros(BINS_2D, dtype=torch.int64)
     for param, individual in captured:
@@ -157,14 +158,16 @@ def measure(name, repeats):
     edges = grad_hist.histogram_edges(*RANGE, BINS).to(dtype)
     xedges = grad_hist.histogram_edges(*RANGE_2D[0], BINS_2D[0]).to(dtype)
     yedges = grad_hist.histogram_edges(*RANGE_2D[1], BINS_2D[1]).to(dtype)
+    hist_1d = Q.GradHist1d(lambda step: True, bins=BINS, range=RANGE)
+    hist_2d = Q.GradHist2d(lambda step: True, bins=BINS_2D, range=RANGE_2D)
     variants = {
         "1-D: blocks + histogram_1d (before)": lambda: blocks_histogram_1d(
             captured, edges
         ),
         "1-D: blocks + torch.histc": lambda: blocks_histc(captured, edges),
-        "1-D: GradHist1d now": lambda: grad_hist_1d_now(captured, edges),
-        "2-D: blocks + histogram_2d (GradHist2d)": lambda: blocks_histogram_2d(
-            captured, xedges, yedges
+        "1-D: GradHist1d now": lambda: grad_hist_now(hist_1d, captured),
+        "2-D: GradHist2d now": lambda: grad_hist_now(hist_2d, captured).reshape(
+            BINS_2D
         ),
         "2-D: blocks + torch.histogramdd": lambda: blocks_histogramdd(
             captured, xedges, yedges
@@ -174,6 +177,8 @@ def measure(name, repeats):
     before = results["1-D: blocks + histogram_1d (before)"]
     assert torch.equal(results["1-D: GradHist1d now"], before), "not exact"
     assert int(before.sum()) == values
+    reference_2d = blocks_histogram_2d(captured, xedges, yedges)
+    assert torch.equal(results["2-D: GradHist2d now"], reference_2d), "not exact"
     times = {key: [] for key in variants}
     for _ in range(repeats):
         for key, fn in variants.items():

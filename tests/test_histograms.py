@@ -16,7 +16,8 @@ from backpack.extensions import BatchGrad
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.per_sample import LinearFactors
+from cockpit.param_view import ParamResults, ParamView
+from cockpit.per_sample import FactoredLinearGradients, LinearFactors
 from cockpit.quantities import grad_hist
 from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
 from cockpit.quantities.grad_hist import (
@@ -270,6 +271,62 @@ def test_grad_hist_1d_through_the_outer_product_path(problem, monkeypatch):
         values = np.concatenate([g.reshape(-1) for g in grads])
         counts, _ = np_hist_1d(values, 7, -0.05, 0.05)
         assert result.output[step]["GradHist1d"]["hist"] == counts
+
+
+def factored_view(delta, inputs, param):
+    individual = FactoredLinearGradients(LinearFactors(inputs, delta))
+    return ParamView(param, 0, ParamResults(individual=individual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["around-zero", "spread", "underflow", "non-finite"])
+def test_grad_hist_2d_from_linear_factors_equals_numpy(dtype, case, monkeypatch):
+    """Samples in one x-bin, straddling the edge at 0, or wider: all exact."""
+    taken = []
+    original = grad_hist.outer_nonnegative_counts
+
+    def recording(*args):
+        result = original(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(grad_hist, "outer_nonnegative_counts", recording)
+    gen = torch.Generator().manual_seed(7)
+    n, out, dim = 12, 9, 30
+    delta = torch.randn(n, out, generator=gen, dtype=dtype) * 1e-3
+    inputs = torch.randn(n, dim, generator=gen, dtype=dtype)
+    inputs[:, :4] = 0.0
+    delta[0] = delta[0].abs()  # all values >= 0: one x-bin
+    delta[1] = 0.0
+    delta[2] *= 500  # spans several bins
+    if case == "spread":
+        delta *= 100
+    if case == "underflow":  # a product that rounds to zero: the path declines
+        delta[3] *= 0.1  # keeps sample 3 in the two bins around 0
+        delta[3, 0] = torch.finfo(dtype).tiny
+        inputs[3, 5] = 1e-30
+    if case == "non-finite":
+        inputs[4, 6] = math.inf
+    param = torch.randn(out, dim, generator=gen, dtype=dtype)
+    quantity = Q.GradHist2d(linear(1))
+    quantity.begin_step(0)
+    got = quantity._count(0, factored_view(delta, inputs, param))
+    grads = LinearFactors(inputs, delta).materialize(scale=n).reshape(n, -1)
+    want, _ = np_hist_2d(
+        [grads.numpy()], [param.reshape(-1).numpy()], (40, 50), ((-1, 1), (-2, 2))
+    )
+    assert got.reshape(40, 50).tolist() == want
+    # the sign-counting path ran where it is exact, and only there
+    assert taken == {"around-zero": [True], "underflow": [False]}.get(case, [])
+
+
+def test_outer_nonnegative_counts_declines_underflow():
+    delta = torch.tensor([[1e-30, -1.0]])
+    inputs = torch.tensor([[-1e-30, 2.0]])
+    assert grad_hist.outer_nonnegative_counts(delta, inputs, 1.0) is None
+    delta[0, 0] = 1e-3
+    got = grad_hist.outer_nonnegative_counts(delta, inputs, 1.0)
+    assert got.tolist() == [[0, 1], [1, 0]]
 
 
 # --- GradHist1d -----------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -351,6 +351,8 @@ def histogram_2d(
     yedges: Tensor,
     limits: tuple[Range, Range],
     clamps: tuple[Range, Range],
+    y_index: Tensor | None = None,
+    y_counts: Tensor | None = None,
 ) -> Tensor:
     """Count the pairs ``(x[i, d], y[d])`` into a 2-D histogram.
 
@@ -361,6 +363,9 @@ def histogram_2d(
         yedges: Edges of the second axis (``ybins + 1``), dtype/device of ``y``.
         limits: ``(lo, hi)`` of each axis as Python floats.
         clamps: Clamp range of each axis before binning.
+        y_index: ``bin_index(y, yedges, limits[1], clamps[1])`` if already known
+            (a caller counting many blocks against one ``y`` computes it once).
+        y_counts: ``torch.bincount(y_index, minlength=ybins + 1)``, likewise.
 
     Returns:
         ``int64`` counts, shape ``[xbins, ybins]``; pairs with a NaN are not counted.
@@ -368,24 +373,136 @@ def histogram_2d(
     xbins, ybins = xedges.numel() - 1, yedges.numel() - 1
     total = xbins * ybins
     itype = _index_dtype(total + 1)
+    if y_index is None:
+        y_index = bin_index(y, yedges, limits[1], clamps[1], correct_all=True)
+    iy = y_index.long()  # NaN: ybins, an overflow column dropped at the end
     span = _span(x, xedges, limits[0], clamps[0])
     if span is not None:
-        iy = bin_index(y, yedges, limits[1], clamps[1], correct_all=True).long()
-        if not bool((iy == ybins).any()):
-            k_lo, k_hi = span
-            out = torch.zeros(xbins, ybins, dtype=torch.int64, device=x.device)
-            per_column = _counts_by_comparison(x, xedges, k_lo, k_hi, dim=0)
-            for k, column_counts in zip(range(k_lo, k_hi + 1), per_column):
-                column_counts = torch.as_tensor(column_counts, device=x.device)
-                column_counts = column_counts.expand(y.shape).to(torch.int64)
-                out[k].index_add_(0, iy, column_counts)
-            return out
+        k_lo, k_hi = span
+        out = torch.zeros(xbins, ybins + 1, dtype=torch.int64, device=x.device)
+        if k_lo == k_hi:  # every pair of the block is in x-bin k_lo
+            if y_counts is None:
+                y_counts = torch.bincount(iy, minlength=ybins + 1)
+            out[k_lo] = y_counts * x.shape[0]
+            return out[:, :ybins]
+        per_column = _counts_by_comparison(x, xedges, k_lo, k_hi, dim=0)
+        for k, column_counts in zip(range(k_lo, k_hi + 1), per_column):
+            column_counts = torch.as_tensor(column_counts, device=x.device)
+            column_counts = column_counts.expand(iy.shape).to(torch.int64)
+            out[k].index_add_(0, iy, column_counts)
+        return out[:, :ybins]
     ix = bin_index(x, xedges, limits[0], clamps[0]).to(itype)
-    iy = bin_index(y, yedges, limits[1], clamps[1]).to(itype).unsqueeze(0)
+    iy = iy.to(itype).unsqueeze(0)
     invalid = (ix == xbins) | (iy == ybins)
     flat = ix.mul_(ybins).add_(iy).masked_fill_(invalid, total)
     counts = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
     return counts.reshape(xbins, ybins)
+
+
+def outer_sample_bins(
+    delta: Tensor,
+    inputs: Tensor,
+    scale: float,
+    edges: Tensor,
+    limits: Range,
+    clamp: Range | None = None,
+) -> tuple[Tensor, Tensor] | None:
+    """Bins of the smallest and largest of each sample's ``(delta * inputs) * scale``.
+
+    For sample ``i`` the values ``v[a, b]`` are the rounded products of
+    ``delta[i, a]`` and ``inputs[i, b]``; rounding is monotone in the product, and
+    the products' extremes over the grid lie at its corners, so the extreme values
+    are among the four corner products of ``(min, max) delta[i]`` and
+    ``(min, max) inputs[i]``: exact, without forming the ``out * in`` values.
+
+    Args:
+        delta: ``[N, out]``.
+        inputs: ``[N, in]``.
+        scale: The factor applied after the product.
+        edges: The bin edges (dtype of the values).
+        limits: ``(lo, hi)`` of the bins.
+        clamp: Clamp range before binning (``None``: ``limits``).
+
+    Returns:
+        ``(k_lo, k_hi)``, ``int64`` of shape ``[N]``; ``None`` if a factor is not
+        finite or a sample has no values.
+    """
+    if delta.shape[1] == 0 or inputs.shape[1] == 0:
+        return None
+    if not bool(torch.isfinite(delta).all() & torch.isfinite(inputs).all()):
+        return None
+    d_lo, d_hi = torch.aminmax(delta, dim=1)
+    x_lo, x_hi = torch.aminmax(inputs, dim=1)
+    corners = torch.stack(
+        [_outer_values(d, x, scale) for d in (d_lo, d_hi) for x in (x_lo, x_hi)]
+    )
+    extremes = torch.stack([corners.amin(0), corners.amax(0)])
+    k_lo, k_hi = bin_index(extremes, edges, limits, clamp, correct_all=True).long()
+    return k_lo, k_hi
+
+
+def _zero_edge(edges: Tensor, k_lo: Tensor, k_hi: Tensor) -> int | None:
+    """Index ``k`` of an edge exactly at ``0``, if a sample spans bins ``k - 1, k``."""
+    zeros = (edges == 0).nonzero()
+    if zeros.numel() != 1:
+        return None
+    k = int(zeros)
+    if k == 0 or k == edges.numel() - 1:
+        return None
+    return k if bool(((k_lo == k - 1) & (k_hi == k)).any()) else None
+
+
+def outer_nonnegative_counts(
+    delta: Tensor, inputs: Tensor, scale: float
+) -> Tensor | None:
+    """``C[a, b] = #{i : (delta[i, a] * inputs[i, b]) * scale >= 0}``, exactly.
+
+    A rounded product is negative iff the factors have opposite signs and it does
+    not round to zero (``-0.0 >= 0``); when even the product of the smallest
+    non-zero magnitudes does not round to zero, no product does, and
+    ``#negative = [delta < 0]^T [x > 0] + [delta > 0]^T [x < 0]``: two matrix
+    products of 0/1 matrices, exact in float64 (counts far below ``2**53``).
+
+    Returns:
+        ``int64`` ``[out, in]``; ``None`` if a product could round to zero.
+    """
+    n = delta.shape[0]
+    nonzero_d = delta.abs()[delta != 0]
+    nonzero_x = inputs.abs()[inputs != 0]
+    if nonzero_d.numel() and nonzero_x.numel():
+        smallest = _outer_values(nonzero_d.min(), nonzero_x.min(), scale)
+        if float(smallest) == 0.0:
+            return None
+    dn, dp = (delta < 0).double(), (delta > 0).double()
+    xn, xp = (inputs < 0).double(), (inputs > 0).double()
+    negative = dn.T @ xp + dp.T @ xn
+    return n - negative.round().to(torch.int64)
+
+
+def _add_columns(grid: Tensor, row: int, y_index: Tensor, counts: Tensor) -> None:
+    """``grid[row, y_index[d]] += counts[d]``, dropping NaN parameters (``ybins``)."""
+    ybins = grid.shape[1]
+    keep = y_index < ybins
+    grid[row].index_add_(0, y_index[keep], counts[keep])
+
+
+def _factor_blocks(
+    factors: LinearFactors, samples: Tensor, max_elements: int = 1 << 18
+) -> Iterator[Tensor]:
+    """Yield ``g_i`` of the given samples (``[k, out, in]`` blocks), from the factors.
+
+    The values are those of ``FactoredLinearGradients.chunks`` (the same products).
+    """
+    n = factors.batch_size
+    shape = factors.shape
+    rows = max(1, max_elements // max(1, shape[1] * shape[2]))
+    for start in range(0, samples.numel(), rows):
+        chosen = samples[start : start + rows]
+        subset = LinearFactors(
+            factors.inputs.index_select(0, chosen),
+            factors.grad_output.index_select(0, chosen),
+        )
+        yield subset.materialize(scale=n)
 
 
 def linear_factors(view: ParamView) -> LinearFactors | None:
@@ -732,9 +849,54 @@ class GradHist2d(_Histogram):
         total = torch.zeros(
             math.prod(self.bins), dtype=torch.int64, device=view.param.device
         )
-        for block in view.individual_gradient_chunks():
+        y_index = bin_index(params, yedges, self.range[1], clamps[1]).long()
+        y_counts = torch.bincount(y_index, minlength=self.bins[1] + 1)
+        blocks = view.individual_gradient_chunks()
+        factors = linear_factors(view)
+        if factors is not None and factors.positions == 1:
+            spans = outer_sample_bins(
+                factors.grad_output[:, 0].detach(),
+                factors.inputs[:, 0].detach(),
+                float(factors.batch_size),
+                xedges,
+                self.range[0],
+                clamps[0],
+            )
+            if spans is not None:
+                # a sample whose values all lie in one x-bin adds the y-histogram
+                # of the parameter to that row; only the others are materialised
+                k_lo, k_hi = spans
+                single = k_lo == k_hi
+                rows = torch.bincount(k_lo[single], minlength=self.bins[0])
+                total += (rows[:, None] * y_counts[None, :-1]).reshape(-1)
+                rest = ~single
+                zero = _zero_edge(xedges, k_lo, k_hi)
+                if zero is not None:
+                    both = rest & (k_lo == zero - 1) & (k_hi == zero)
+                    at_least = outer_nonnegative_counts(
+                        factors.grad_output[:, 0].detach()[both],
+                        factors.inputs[:, 0].detach()[both],
+                        float(factors.batch_size),
+                    )
+                    if at_least is not None:
+                        grid = total.view(self.bins)
+                        below = int(both.sum()) - at_least
+                        _add_columns(grid, zero, y_index, at_least.reshape(-1))
+                        _add_columns(grid, zero - 1, y_index, below.reshape(-1))
+                        rest &= ~both
+                blocks = _factor_blocks(factors, rest.nonzero().squeeze(1))
+        for block in blocks:
             grads = block.detach().flatten(start_dim=1)
-            counts = histogram_2d(grads, params, xedges, yedges, self.range, clamps)
+            counts = histogram_2d(
+                grads,
+                params,
+                xedges,
+                yedges,
+                self.range,
+                clamps,
+                y_index=y_index,
+                y_counts=y_counts,
+            )
             total += counts.reshape(-1)
         return total
 
