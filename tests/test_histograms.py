@@ -279,18 +279,21 @@ def factored_view(delta, inputs, param):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("case", ["around-zero", "spread", "underflow", "non-finite"])
+@pytest.mark.parametrize(
+    "case",
+    ["around-zero", "spread", "underflow", "non-finite", "nan-weight", "no-zero-edge"],
+)
 def test_grad_hist_2d_from_linear_factors_equals_numpy(dtype, case, monkeypatch):
-    """Samples in one x-bin, straddling the edge at 0, or wider: all exact."""
+    """Rows in one x-bin, straddling the edge at 0, or wider: all exact."""
     taken = []
-    original = grad_hist.outer_nonnegative_counts
+    original = grad_hist._may_round_to_zero
 
     def recording(*args):
         result = original(*args)
-        taken.append(result is not None)
+        taken.append(not result)
         return result
 
-    monkeypatch.setattr(grad_hist, "outer_nonnegative_counts", recording)
+    monkeypatch.setattr(grad_hist, "_may_round_to_zero", recording)
     gen = torch.Generator().manual_seed(7)
     n, out, dim = 12, 9, 30
     delta = torch.randn(n, out, generator=gen, dtype=dtype) * 1e-3
@@ -308,25 +311,22 @@ def test_grad_hist_2d_from_linear_factors_equals_numpy(dtype, case, monkeypatch)
     if case == "non-finite":
         inputs[4, 6] = math.inf
     param = torch.randn(out, dim, generator=gen, dtype=dtype)
-    quantity = Q.GradHist2d(linear(1))
+    ranges = ((-1.0, 1.0), (-2.0, 2.0))
+    if case == "nan-weight":
+        param[2, 3] = math.nan
+    if case == "no-zero-edge":
+        ranges = ((-0.93, 1.07), (-2.0, 2.0))
+    quantity = Q.GradHist2d(linear(1), range=ranges)
     quantity.begin_step(0)
     got = quantity._count(0, factored_view(delta, inputs, param))
     grads = LinearFactors(inputs, delta).materialize(scale=n).reshape(n, -1)
-    want, _ = np_hist_2d(
-        [grads.numpy()], [param.reshape(-1).numpy()], (40, 50), ((-1, 1), (-2, 2))
-    )
+    want, _ = np_hist_2d([grads.numpy()], [param.reshape(-1).numpy()], (40, 50), ranges)
     assert got.reshape(40, 50).tolist() == want
     # the sign-counting path ran where it is exact, and only there
-    assert taken == {"around-zero": [True], "underflow": [False]}.get(case, [])
-
-
-def test_outer_nonnegative_counts_declines_underflow():
-    delta = torch.tensor([[1e-30, -1.0]])
-    inputs = torch.tensor([[-1e-30, 2.0]])
-    assert grad_hist.outer_nonnegative_counts(delta, inputs, 1.0) is None
-    delta[0, 0] = 1e-3
-    got = grad_hist.outer_nonnegative_counts(delta, inputs, 1.0)
-    assert got.tolist() == [[0, 1], [1, 0]]
+    if case in ("around-zero", "nan-weight"):
+        assert taken == [True]
+    if case in ("underflow", "no-zero-edge", "non-finite"):
+        assert True not in taken
 
 
 # --- GradHist1d -----------------------------------------------------------------------

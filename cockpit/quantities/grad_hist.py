@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -399,110 +399,130 @@ def histogram_2d(
     return counts.reshape(xbins, ybins)
 
 
-def outer_sample_bins(
+def histogram_2d_outer(
     delta: Tensor,
     inputs: Tensor,
     scale: float,
-    edges: Tensor,
+    y_index: Tensor,
+    xedges: Tensor,
+    ybins: int,
     limits: Range,
-    clamp: Range | None = None,
-) -> tuple[Tensor, Tensor] | None:
-    """Bins of the smallest and largest of each sample's ``(delta * inputs) * scale``.
+    clamp: Range,
+    max_elements: int = 1 << 18,
+) -> Tensor | None:
+    """2-D counts of the pairs ``(v[i, a, b], y[a, b])`` of an outer product.
 
-    For sample ``i`` the values ``v[a, b]`` are the rounded products of
-    ``delta[i, a]`` and ``inputs[i, b]``; rounding is monotone in the product, and
-    the products' extremes over the grid lie at its corners, so the extreme values
-    are among the four corner products of ``(min, max) delta[i]`` and
-    ``(min, max) inputs[i]``: exact, without forming the ``out * in`` values.
+    ``v[i, a, b] = (delta[i, a] * inputs[i, b]) * scale`` (rounded twice).
+
+    The per-sample gradients of a ``Linear`` weight (one position per sample)
+    against the weight's values, counted exactly as :func:`histogram_2d` counts the
+    materialised values, row ``(i, a)`` by row:
+
+    * the row's values are a monotone function of ``inputs[i, b]`` (see
+      :func:`histogram_1d_outer`), so its smallest and largest values, hence its
+      x-bins, come from the two extreme inputs;
+    * a row inside one x-bin ``k`` adds the y-histogram of weight row ``a`` to
+      x-bin ``k`` (all rows at once: one matrix product);
+    * a row in the two x-bins around an edge at exactly ``0`` has ``v >= 0`` iff
+      ``inputs[i, b] >= 0`` (``delta > 0``) or ``<= 0`` (``delta < 0``), unless a
+      product rounds to zero (then this step is skipped); the counts per weight
+      ``(a, b)`` are two matrix products of 0/1 matrices, exact in float64;
+    * only the remaining rows are formed (``[rows, in]`` blocks) and binned.
 
     Args:
         delta: ``[N, out]``.
         inputs: ``[N, in]``.
-        scale: The factor applied after the product.
-        edges: The bin edges (dtype of the values).
-        limits: ``(lo, hi)`` of the bins.
-        clamp: Clamp range before binning (``None``: ``limits``).
+        scale: The factor applied after the product (``N`` for unscaled ``g_i``).
+        y_index: The weight's y-bin indices, ``[out * in]`` (``ybins`` for NaN).
+        xedges: The x-edges in the dtype of the values.
+        ybins: Number of y-bins.
+        limits: ``(lo, hi)`` of the x-axis.
+        clamp: The x clamp range.
+        max_elements: Size of the blocks of remaining rows.
 
     Returns:
-        ``(k_lo, k_hi)``, ``int64`` of shape ``[N]``; ``None`` if a factor is not
-        finite or a sample has no values.
+        ``int64`` counts ``[xbins, ybins]``; ``None`` if a factor is not finite.
     """
-    if delta.shape[1] == 0 or inputs.shape[1] == 0:
-        return None
+    n, out = delta.shape
+    dim = inputs.shape[1]
+    xbins = xedges.numel() - 1
+    device = delta.device
+    if n * out * dim == 0:
+        return torch.zeros(xbins, ybins, dtype=torch.int64, device=device)
     if not bool(torch.isfinite(delta).all() & torch.isfinite(inputs).all()):
         return None
-    d_lo, d_hi = torch.aminmax(delta, dim=1)
-    x_lo, x_hi = torch.aminmax(inputs, dim=1)
-    corners = torch.stack(
-        [_outer_values(d, x, scale) for d in (d_lo, d_hi) for x in (x_lo, x_hi)]
+    iy = y_index.reshape(out, dim)
+    # y-histogram of every weight row, [out, ybins + 1] (last column: NaN weights)
+    rows_y = torch.zeros(out, ybins + 1, dtype=torch.float64, device=device)
+    rows_y.scatter_add_(1, iy, torch.ones_like(iy, dtype=torch.float64))
+    x_lo, x_hi = torch.aminmax(inputs, dim=1, keepdim=True)
+    first, last = _outer_values(delta, x_lo, scale), _outer_values(delta, x_hi, scale)
+    extremes = torch.stack([torch.minimum(first, last), torch.maximum(first, last)])
+    k_lo, k_hi = bin_index(extremes, xedges, limits, clamp, correct_all=True).long()
+    grid = torch.zeros(xbins, ybins + 1, dtype=torch.float64, device=device)
+    # rows inside one x-bin: grid[k] += sum over those rows (i, a) of rows_y[a]
+    single = k_lo == k_hi
+    per_bin = torch.zeros(xbins, out, dtype=torch.float64, device=device)
+    per_bin.index_put_(
+        (k_lo[single], single.nonzero()[:, 1]),
+        torch.ones((), dtype=torch.float64, device=device),
+        accumulate=True,
     )
-    extremes = torch.stack([corners.amin(0), corners.amax(0)])
-    k_lo, k_hi = bin_index(extremes, edges, limits, clamp, correct_all=True).long()
-    return k_lo, k_hi
+    grid += per_bin @ rows_y
+    rest = ~single
+    zero = _zero_edge(xedges)
+    if zero is not None:
+        both = rest & (k_lo == zero - 1) & (k_hi == zero)
+        if bool(both.any()) and not _may_round_to_zero(delta, inputs, scale, both):
+            positive = (both & (delta > 0)).double()
+            negative = (both & (delta < 0)).double()
+            at_least = positive.T @ (inputs >= 0).double()
+            at_least += negative.T @ (inputs <= 0).double()  # [out, in]
+            below = both.double().sum(0, keepdim=True).T - at_least
+            grid[zero].index_add_(0, y_index, at_least.reshape(-1))
+            grid[zero - 1].index_add_(0, y_index, below.reshape(-1))
+            rest &= ~both
+    counts = grid.round().to(torch.int64)[:, :ybins]
+    samples, outputs = rest.nonzero().unbind(1)
+    step = max(1, max_elements // dim)
+    total = xbins * ybins
+    for start in range(0, samples.numel(), step):
+        i, a = samples[start : start + step], outputs[start : start + step]
+        values = _outer_values(
+            delta[i, a].unsqueeze(1), inputs.index_select(0, i), scale
+        )
+        ix = bin_index(values, xedges, limits, clamp).long()
+        rows_iy = iy.index_select(0, a)
+        flat = ix.mul_(ybins).add_(rows_iy).masked_fill_(rows_iy == ybins, total)
+        block = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
+        counts += block.reshape(xbins, ybins)
+    return counts
 
 
-def _zero_edge(edges: Tensor, k_lo: Tensor, k_hi: Tensor) -> int | None:
-    """Index ``k`` of an edge exactly at ``0``, if a sample spans bins ``k - 1, k``."""
+def _zero_edge(edges: Tensor) -> int | None:
+    """Index ``k`` of an inner edge exactly at ``0``, if there is one."""
     zeros = (edges == 0).nonzero()
     if zeros.numel() != 1:
         return None
     k = int(zeros)
-    if k == 0 or k == edges.numel() - 1:
-        return None
-    return k if bool(((k_lo == k - 1) & (k_hi == k)).any()) else None
+    return k if 0 < k < edges.numel() - 1 else None
 
 
-def outer_nonnegative_counts(
-    delta: Tensor, inputs: Tensor, scale: float
-) -> Tensor | None:
-    """``C[a, b] = #{i : (delta[i, a] * inputs[i, b]) * scale >= 0}``, exactly.
+def _may_round_to_zero(
+    delta: Tensor, inputs: Tensor, scale: float, rows: Tensor
+) -> bool:
+    """Whether a product of non-zero factors in ``rows`` could round to zero.
 
-    A rounded product is negative iff the factors have opposite signs and it does
-    not round to zero (``-0.0 >= 0``); when even the product of the smallest
-    non-zero magnitudes does not round to zero, no product does, and
-    ``#negative = [delta < 0]^T [x > 0] + [delta > 0]^T [x < 0]``: two matrix
-    products of 0/1 matrices, exact in float64 (counts far below ``2**53``).
-
-    Returns:
-        ``int64`` ``[out, in]``; ``None`` if a product could round to zero.
+    Rounding is monotone in the magnitude, so it suffices that the product of the
+    smallest non-zero magnitudes does not (taken over all samples with such a row:
+    a safe over-estimate).
     """
-    n = delta.shape[0]
-    nonzero_d = delta.abs()[delta != 0]
-    nonzero_x = inputs.abs()[inputs != 0]
-    if nonzero_d.numel() and nonzero_x.numel():
-        smallest = _outer_values(nonzero_d.min(), nonzero_x.min(), scale)
-        if float(smallest) == 0.0:
-            return None
-    dn, dp = (delta < 0).double(), (delta > 0).double()
-    xn, xp = (inputs < 0).double(), (inputs > 0).double()
-    negative = dn.T @ xp + dp.T @ xn
-    return n - negative.round().to(torch.int64)
-
-
-def _add_columns(grid: Tensor, row: int, y_index: Tensor, counts: Tensor) -> None:
-    """``grid[row, y_index[d]] += counts[d]``, dropping NaN parameters (``ybins``)."""
-    ybins = grid.shape[1]
-    keep = y_index < ybins
-    grid[row].index_add_(0, y_index[keep], counts[keep])
-
-
-def _factor_blocks(
-    factors: LinearFactors, samples: Tensor, max_elements: int = 1 << 18
-) -> Iterator[Tensor]:
-    """Yield ``g_i`` of the given samples (``[k, out, in]`` blocks), from the factors.
-
-    The values are those of ``FactoredLinearGradients.chunks`` (the same products).
-    """
-    n = factors.batch_size
-    shape = factors.shape
-    rows = max(1, max_elements // max(1, shape[1] * shape[2]))
-    for start in range(0, samples.numel(), rows):
-        chosen = samples[start : start + rows]
-        subset = LinearFactors(
-            factors.inputs.index_select(0, chosen),
-            factors.grad_output.index_select(0, chosen),
-        )
-        yield subset.materialize(scale=n)
+    d = delta.abs()[rows & (delta != 0)]
+    x = inputs.abs()[rows.any(1)]
+    x = x[x != 0]
+    if d.numel() == 0 or x.numel() == 0:
+        return False
+    return float(_outer_values(d.min(), x.min(), scale)) == 0.0
 
 
 def linear_factors(view: ParamView) -> LinearFactors | None:
@@ -851,40 +871,21 @@ class GradHist2d(_Histogram):
         )
         y_index = bin_index(params, yedges, self.range[1], clamps[1]).long()
         y_counts = torch.bincount(y_index, minlength=self.bins[1] + 1)
-        blocks = view.individual_gradient_chunks()
         factors = linear_factors(view)
         if factors is not None and factors.positions == 1:
-            spans = outer_sample_bins(
+            counts = histogram_2d_outer(
                 factors.grad_output[:, 0].detach(),
                 factors.inputs[:, 0].detach(),
                 float(factors.batch_size),
+                y_index,
                 xedges,
+                self.bins[1],
                 self.range[0],
                 clamps[0],
             )
-            if spans is not None:
-                # a sample whose values all lie in one x-bin adds the y-histogram
-                # of the parameter to that row; only the others are materialised
-                k_lo, k_hi = spans
-                single = k_lo == k_hi
-                rows = torch.bincount(k_lo[single], minlength=self.bins[0])
-                total += (rows[:, None] * y_counts[None, :-1]).reshape(-1)
-                rest = ~single
-                zero = _zero_edge(xedges, k_lo, k_hi)
-                if zero is not None:
-                    both = rest & (k_lo == zero - 1) & (k_hi == zero)
-                    at_least = outer_nonnegative_counts(
-                        factors.grad_output[:, 0].detach()[both],
-                        factors.inputs[:, 0].detach()[both],
-                        float(factors.batch_size),
-                    )
-                    if at_least is not None:
-                        grid = total.view(self.bins)
-                        below = int(both.sum()) - at_least
-                        _add_columns(grid, zero, y_index, at_least.reshape(-1))
-                        _add_columns(grid, zero - 1, y_index, below.reshape(-1))
-                        rest &= ~both
-                blocks = _factor_blocks(factors, rest.nonzero().squeeze(1))
+            if counts is not None:
+                return counts.reshape(-1)
+        blocks = view.individual_gradient_chunks()
         for block in blocks:
             grads = block.detach().flatten(start_dim=1)
             counts = histogram_2d(
