@@ -97,7 +97,7 @@ def bin_index(
     delta = 16 * eps * bins * (1 + max(abs(lo), abs(hi)) / (hi - lo))
     centred = position.frac_().sub_(0.5).abs_()  # NaN stays NaN
     suspicious = torch.le(centred, 0.5 - delta).logical_not_().reshape(-1)
-    if int(suspicious.sum()) * 8 > suspicious.numel():
+    if int(torch.count_nonzero(suspicious)) * 8 > suspicious.numel():
         return _correct(v, index, edges)  # many (e.g. exact zeros): all at once
     where = suspicious.nonzero().squeeze(1)
     if where.numel():
@@ -372,7 +372,6 @@ def histogram_2d(
     """
     xbins, ybins = xedges.numel() - 1, yedges.numel() - 1
     total = xbins * ybins
-    itype = _index_dtype(total + 1)
     if y_index is None:
         y_index = bin_index(y, yedges, limits[1], clamps[1], correct_all=True)
     iy = y_index.long()  # NaN: ybins, an overflow column dropped at the end
@@ -391,10 +390,12 @@ def histogram_2d(
             column_counts = column_counts.expand(iy.shape).to(torch.int64)
             out[k].index_add_(0, iy, column_counts)
         return out[:, :ybins]
+    # a NaN x has index xbins, a NaN y is sent to `total`: both flat indices end
+    # up at or above `total`, in slots that are dropped (no mask over the pairs)
+    itype = _index_dtype(2 * total + 1)
     ix = bin_index(x, xedges, limits[0], clamps[0]).to(itype)
-    iy = iy.to(itype).unsqueeze(0)
-    invalid = (ix == xbins) | (iy == ybins)
-    flat = ix.mul_(ybins).add_(iy).masked_fill_(invalid, total)
+    iy = iy.masked_fill(iy == ybins, total).to(itype).unsqueeze(0)
+    flat = ix.mul_(ybins).add_(iy)
     counts = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
     return counts.reshape(xbins, ybins)
 
@@ -486,6 +487,7 @@ def histogram_2d_outer(
     samples, outputs = rest.nonzero().unbind(1)
     step = max(1, max_elements // dim)
     total = xbins * ybins
+    iy = iy.masked_fill(iy == ybins, total)  # NaN weights: dropped slots
     for start in range(0, samples.numel(), step):
         i, a = samples[start : start + step], outputs[start : start + step]
         values = _outer_values(
@@ -493,7 +495,7 @@ def histogram_2d_outer(
         )
         ix = bin_index(values, xedges, limits, clamp).long()
         rows_iy = iy.index_select(0, a)
-        flat = ix.mul_(ybins).add_(rows_iy).masked_fill_(rows_iy == ybins, total)
+        flat = ix.mul_(ybins).add_(rows_iy)
         block = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
         counts += block.reshape(xbins, ybins)
     return counts
