@@ -10,8 +10,8 @@ GradHist1d (``Linear`` weights as their two factors, the rest as tensors). Then,
 one torch thread, process CPU time, interleaved (A B C A B C ...), median of
 ``--repeats`` rounds, the same values are counted by:
 
-* ``blocks + histogram_1d``: the code before the outer-product path: every value
-  materialised block by block and binned exactly (:func:`histogram_1d`);
+* ``blocks + histogram_1d``: every value materialised block by block and binned
+  exactly (:func:`histogram_1d`), the reference the quantity must equal;
 * ``blocks + torch.histc``: the same blocks, clamped and counted by ``torch.histc``
   (approximate at the edges; the speed to beat);
 * ``GradHist1d now``: the quantity's own counting (``GradHist1d._count``):
@@ -19,8 +19,11 @@ one torch thread, process CPU time, interleaved (A B C A B C ...), median of
   every other parameter block by block as before;
 * 2-D: ``GradHist2d._count`` against ``torch.histogramdd`` on the same pairs.
 
-The exact variants must agree bit for bit (checked; the 2-D counts against every
-block counted on its own by :func:`histogram_2d`). Times are also given in units
+With ``--baseline`` another version of ``grad_hist.py`` (e.g. the one before this
+work: ``git show 70e00a7:cockpit/quantities/grad_hist.py > /tmp/base.py``) has its
+GradHist1d/2d timed in the same rounds. The exact variants must agree bit for
+bit (checked; the 2-D counts against every block counted on its own by
+:func:`histogram_2d`). Times are also given in units
 of one plain training step (zero_grad, forward, backward, SGD step of the model
 without BackPACK), measured the same way. Results go to
 ``benchmarks/kernels_results.md``.
@@ -30,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -150,7 +155,16 @@ def plain_step_seconds(bench, repeats):
     return statistics.median(times[2:])
 
 
-def measure(name, repeats):
+def load_baseline(path):
+    """Load another version of ``grad_hist.py`` (e.g. from an older commit)."""
+    spec = importlib.util.spec_from_file_location("baseline_grad_hist", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(name, repeats, baseline=None):
     bench = make(name)
     captured = capture(bench)
     values = sum(ind.batch_size * p.numel() for p, ind in captured)
@@ -161,9 +175,7 @@ def measure(name, repeats):
     hist_1d = Q.GradHist1d(lambda step: True, bins=BINS, range=RANGE)
     hist_2d = Q.GradHist2d(lambda step: True, bins=BINS_2D, range=RANGE_2D)
     variants = {
-        "1-D: blocks + histogram_1d (before)": lambda: blocks_histogram_1d(
-            captured, edges
-        ),
+        "1-D: blocks + histogram_1d": lambda: blocks_histogram_1d(captured, edges),
         "1-D: blocks + torch.histc": lambda: blocks_histc(captured, edges),
         "1-D: GradHist1d now": lambda: grad_hist_now(hist_1d, captured),
         "2-D: GradHist2d now": lambda: grad_hist_now(hist_2d, captured).reshape(
@@ -173,10 +185,22 @@ def measure(name, repeats):
             captured, xedges, yedges
         ),
     }
+    if baseline is not None:
+        old_1d = baseline.GradHist1d(lambda step: True, bins=BINS, range=RANGE)
+        old_2d = baseline.GradHist2d(lambda step: True, bins=BINS_2D, range=RANGE_2D)
+        variants["1-D: GradHist1d baseline"] = lambda: grad_hist_now(old_1d, captured)
+        variants["2-D: GradHist2d baseline"] = lambda: grad_hist_now(
+            old_2d, captured
+        ).reshape(BINS_2D)
     results = {key: fn() for key, fn in variants.items()}  # warm-up, and the counts
-    before = results["1-D: blocks + histogram_1d (before)"]
+    before = results["1-D: blocks + histogram_1d"]
     assert torch.equal(results["1-D: GradHist1d now"], before), "not exact"
     assert int(before.sum()) == values
+    if baseline is not None:
+        assert torch.equal(results["1-D: GradHist1d baseline"], before)
+        assert torch.equal(
+            results["2-D: GradHist2d baseline"], results["2-D: GradHist2d now"]
+        )
     reference_2d = blocks_histogram_2d(captured, xedges, yedges)
     assert torch.equal(results["2-D: GradHist2d now"], reference_2d), "not exact"
     times = {key: [] for key in variants}
@@ -190,13 +214,60 @@ def measure(name, repeats):
     return values, plain, medians
 
 
+def hvp_counts(name, steps):
+    """Hessian-vector products per tracked step of HessMaxEV over a short SGD run.
+
+    Every step tracked (warm start from the previous step), lr 0.01, the problem's
+    cycled random batches. Returns the products and the values per step.
+    """
+    bench = make(name, need_plain=False)
+    quantity = Q.HessMaxEV(lambda step: True)
+    params = list(bench.extended.parameters())
+    cockpit = Cockpit(params, [quantity])
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    spent, values = [], []
+    for step in range(steps):
+        x, y = bench.batch(step)
+        optimizer.zero_grad()
+        loss = bench.loss_fn(bench.extended(x), y)
+        with cockpit(step, info={"loss": loss, "batch_size": x.shape[0]}):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        spent.append(quantity.last_num_hvps)
+        values.append(cockpit.get_output()[step]["HessMaxEV"])
+    return spent, values
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default="mlp,3c3d")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--baseline",
+        help="path of another grad_hist.py whose GradHist1d/2d are timed alongside, "
+        "e.g. from `git show <commit>:cockpit/quantities/grad_hist.py`",
+    )
     parser.add_argument("--out", default="benchmarks/kernels_results.md")
+    parser.add_argument(
+        "--hvp-steps",
+        type=int,
+        default=0,
+        help="instead: count HessMaxEV's Hessian-vector products over this many "
+        "SGD steps of each problem (printed, not written)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.hvp_steps:
+        for name in args.problems.split(","):
+            spent, values = hvp_counts(name, args.hvp_steps)
+            print(f"{name}: products per step {spent}")
+            print(
+                f"{name}: mean {statistics.mean(spent):.1f}, median "
+                f"{statistics.median(spent)}, min {min(spent)}, max {max(spent)}; "
+                f"values {[round(v, 5) for v in values]}",
+                flush=True,
+            )
+        return
     lines = [
         "# Gradient-histogram kernels",
         "",
@@ -208,21 +279,30 @@ def main(argv=None):
         "",
     ]
     for name in args.problems.split(","):
-        values, plain, medians = measure(name, args.repeats)
-        before = medians["1-D: blocks + histogram_1d (before)"]
-        histc = medians["1-D: blocks + torch.histc"]
+        baseline = load_baseline(args.baseline) if args.baseline else None
+        values, plain, medians = measure(name, args.repeats, baseline)
+        torch_kernel = {
+            "1-D": medians["1-D: blocks + torch.histc"],
+            "2-D": medians["2-D: blocks + torch.histogramdd"],
+        }
         lines += [
             f"## {name}",
             "",
-            f"{values / 1e6:.1f} M values; plain step {plain * 1e3:.1f} ms.",
+            f"{values / 1e6:.1f} M values; plain step {plain * 1e3:.1f} ms. Speed-up "
+            "= other time / this time (> 1: this is faster); the torch kernel is "
+            "torch.histc (1-D) or torch.histogramdd (2-D) on the same blocks.",
             "",
-            "| kernel | ms | plain steps | vs before | vs torch.histc |",
+            "| kernel | ms | plain steps | speed-up vs torch kernel | "
+            "speed-up vs baseline |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
         for key, seconds in medians.items():
+            dim = key[:3]
+            old = medians.get(f"{dim}: GradHist{dim[0]}d baseline")
+            versus = f"{old / seconds:.2f}x" if old else "-"
             lines.append(
                 f"| {key} | {seconds * 1e3:.1f} | {seconds / plain:.1f} | "
-                f"{before / seconds:.2f}x | {histc / seconds:.2f}x |"
+                f"{torch_kernel[dim] / seconds:.2f}x | {versus} |"
             )
         lines.append("")
         print("\n".join(lines[-len(medians) - 6 :]), flush=True)
