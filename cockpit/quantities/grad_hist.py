@@ -3,10 +3,18 @@
 Both histograms are counted per parameter inside the backward pass, from that
 parameter's per-sample gradients ``g_i`` (shape ``[N, *shape]``), and summed over the
 parameters; only the integer counts are kept, so the per-sample gradients of a module
-can be freed as soon as BackPACK is done with it. Counting turns every value into a
-flat integer bin index and calls ``torch.bincount`` once per parameter: the counts are
-exact integers and do not depend on the order of the values (deterministic, also on
-GPUs).
+can be freed as soon as BackPACK is done with it. The counts are exact integers and do
+not depend on the order of the values (deterministic, also on GPUs). Three ways to
+count, all giving the counts of the binning rule below:
+
+* values spread over many bins: a flat integer bin index per value and
+  ``torch.bincount`` (:func:`bin_index`);
+* a block whose values span at most :data:`FEW_BINS` bins: ``#(v >= e_k)`` by
+  comparisons;
+* a ``Linear`` weight (per-sample gradients kept as two factors,
+  ``g_i[a, b] = (delta_ia * x_ib) * N``): without forming the values, from each
+  sample's sorted inputs (:func:`histogram_1d_outer`, :func:`histogram_2d_outer`),
+  since every row ``a`` of ``g_i`` is a monotone function of ``x_i``.
 
 Binning rule (shared by both histograms). For ``bins`` equal-width bins on
 ``[lo, hi]`` the published edges are ``e_k = lo + k * ((hi - lo) / bins)`` for
