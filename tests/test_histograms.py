@@ -16,6 +16,8 @@ from backpack.extensions import BatchGrad
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
+from cockpit.param_view import ParamResults, ParamView
+from cockpit.per_sample import FactoredLinearGradients, LinearFactors
 from cockpit.quantities import grad_hist
 from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
 from cockpit.quantities.grad_hist import (
@@ -181,6 +183,150 @@ def test_concentrated_values_take_the_comparison_path_and_stay_exact(
     got = histogram_2d(x, y, xedges, yedges, ((lo, hi), (-2.0, 2.0)), clamps)
     want, _ = np_hist_2d([x.numpy()], [y.numpy()], (100, 50), ((lo, hi), (-2, 2)))
     assert got.tolist() == want
+
+
+# --- the outer-product path (Linear weights) ------------------------------------------
+def outer_case(dtype, seed, n=9, out=11, dim=40, scale=8.0, spread=0.05):
+    """Factors with zeros, ties, both signs, and products landing exactly on edges."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.randn(n, out, generator=gen, dtype=dtype) * spread
+    delta[:, 0] = 0.0
+    delta[:, 1] = 2.0**-6  # exact products: inputs on edges give values on edges
+    delta[:, 2] = -(2.0**-6)
+    inputs = torch.randn(n, dim, generator=gen, dtype=dtype)
+    inputs[:, : dim // 8] = 0.0
+    inputs[:, dim // 8 : dim // 4] = inputs[:, dim // 4 : 3 * dim // 8]  # ties
+    return delta, inputs, scale
+
+
+def materialized_counts(delta, inputs, scale, edges, limits):
+    factors = LinearFactors(inputs, delta)
+    return histogram_1d(factors.materialize(scale=scale), edges, limits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bins,lo,hi", RANGES_1D)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_outer_product_counts_equal_the_materialised_ones(dtype, bins, lo, hi, seed):
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    spread = (hi - lo) / 4 + abs(lo + hi) / 2
+    delta, inputs, scale = outer_case(dtype, seed, spread=spread)
+    # inputs that put (delta * x) * scale exactly on every edge for delta = 2**-6
+    on_edges = (edges / scale * 2.0**6)[: inputs.shape[1] // 2]
+    inputs[0, : on_edges.numel()] = on_edges
+    inputs[1, : on_edges.numel()] = -on_edges
+    for force in (True, False):
+        got = grad_hist.histogram_1d_outer(
+            delta, inputs, scale, edges, (lo, hi), force=force
+        )
+        if got is not None:
+            want = materialized_counts(delta, inputs, scale, edges, (lo, hi))
+            assert got.tolist() == want.tolist()
+            assert int(got.sum()) == delta.numel() * inputs.shape[1]
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 16, 17])
+@pytest.mark.parametrize("scale", [1.0, 6.0, 128.0])
+def test_outer_product_counts_for_any_row_length_and_scale(dim, scale):
+    edges = histogram_edges(-0.3, 0.2, 13)
+    delta, inputs, _ = outer_case(torch.float64, dim, dim=dim, spread=0.1)
+    got = grad_hist.histogram_1d_outer(
+        delta, inputs, scale, edges, (-0.3, 0.2), force=True
+    )
+    want = materialized_counts(delta, inputs, scale, edges, (-0.3, 0.2))
+    assert got.tolist() == want.tolist()
+
+
+def test_outer_product_path_declines_non_finite_factors():
+    edges = histogram_edges(-2.0, 2.0, 10)
+    delta, inputs, scale = outer_case(torch.float64, 3)
+    inputs[2, 5] = math.inf  # inf * 0 would be NaN
+    assert grad_hist.histogram_1d_outer(delta, inputs, scale, edges, (-2, 2)) is None
+    empty = grad_hist.histogram_1d_outer(
+        delta[:, :0], inputs, scale, edges, (-2, 2), force=True
+    )
+    assert empty.tolist() == [0] * 10
+
+
+def test_grad_hist_1d_through_the_outer_product_path(problem, monkeypatch):
+    """Forced onto every Linear weight, the counts still equal the numpy twin."""
+    monkeypatch.setattr(grad_hist, "OUTER_COST_FRACTION", math.inf)
+    taken = [0]
+    original = grad_hist.histogram_1d_outer
+
+    def counting(*args, **kwargs):
+        result = original(*args, **kwargs)
+        taken[0] += result is not None
+        return result
+
+    monkeypatch.setattr(grad_hist, "histogram_1d_outer", counting)
+    kwargs = {"bins": 7, "range": (-0.05, 0.05)}
+    result = run(problem, [Q.GradHist1d(linear(1), **kwargs)], steps=2)
+    linear_weights = sum(
+        isinstance(m, torch.nn.Linear) for m in problem.model.modules()
+    )
+    assert taken[0] == 2 * linear_weights > 0
+    for step in range(2):
+        grads = per_sample_gradients(problem, result.records[step])
+        values = np.concatenate([g.reshape(-1) for g in grads])
+        counts, _ = np_hist_1d(values, 7, -0.05, 0.05)
+        assert result.output[step]["GradHist1d"]["hist"] == counts
+
+
+def factored_view(delta, inputs, param):
+    individual = FactoredLinearGradients(LinearFactors(inputs, delta))
+    return ParamView(param, 0, ParamResults(individual=individual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "case",
+    ["around-zero", "spread", "underflow", "non-finite", "nan-weight", "no-zero-edge"],
+)
+def test_grad_hist_2d_from_linear_factors_equals_numpy(dtype, case, monkeypatch):
+    """Rows in one x-bin, straddling the edge at 0, or wider: all exact."""
+    taken = []
+    original = grad_hist._may_round_to_zero
+
+    def recording(*args):
+        result = original(*args)
+        taken.append(not result)
+        return result
+
+    monkeypatch.setattr(grad_hist, "_may_round_to_zero", recording)
+    gen = torch.Generator().manual_seed(7)
+    n, out, dim = 12, 9, 30
+    delta = torch.randn(n, out, generator=gen, dtype=dtype) * 1e-3
+    inputs = torch.randn(n, dim, generator=gen, dtype=dtype)
+    inputs[:, :4] = 0.0
+    delta[0] = delta[0].abs()  # all values >= 0: one x-bin
+    delta[1] = 0.0
+    delta[2] *= 500  # spans several bins
+    if case == "spread":
+        delta *= 100
+    if case == "underflow":  # a product that rounds to zero: the path declines
+        delta[3] *= 0.1  # keeps sample 3 in the two bins around 0
+        delta[3, 0] = torch.finfo(dtype).tiny
+        inputs[3, 5] = 1e-30
+    if case == "non-finite":
+        inputs[4, 6] = math.inf
+    param = torch.randn(out, dim, generator=gen, dtype=dtype)
+    ranges = ((-1.0, 1.0), (-2.0, 2.0))
+    if case == "nan-weight":
+        param[2, 3] = math.nan
+    if case == "no-zero-edge":
+        ranges = ((-0.93, 1.07), (-2.0, 2.0))
+    quantity = Q.GradHist2d(linear(1), range=ranges)
+    quantity.begin_step(0)
+    got = quantity._count(0, factored_view(delta, inputs, param))
+    grads = LinearFactors(inputs, delta).materialize(scale=n).reshape(n, -1)
+    want, _ = np_hist_2d([grads.numpy()], [param.reshape(-1).numpy()], (40, 50), ranges)
+    assert got.reshape(40, 50).tolist() == want
+    # the sign-counting path ran where it is exact, and only there
+    if case in ("around-zero", "nan-weight"):
+        assert taken == [True]
+    if case in ("underflow", "no-zero-edge", "non-finite"):
+        assert True not in taken
 
 
 # --- GradHist1d -----------------------------------------------------------------------
