@@ -177,6 +177,14 @@ class ParamView:
         """Return the Gram matrix ``G_ij = g_i . g_j``, shape ``[N, N]``."""
         return self._cached("gram", lambda: self._individual().gram())
 
+    def linear_factors(self):
+        """The factors of a ``Linear`` weight's ``b_i = g_i / N``, or ``None``.
+
+        See :meth:`cockpit.per_sample.IndividualGradients.linear_factors`.
+        """
+        individual = self._results.individual
+        return None if individual is None else individual.linear_factors()
+
     def curvature(self, kind: str) -> Tensor:
         """Return a curvature diagonal (``"diag_h"``, ``"diag_ggn_exact"``, ...)."""
         try:

@@ -73,6 +73,14 @@ class IndividualGradients(abc.ABC):
         ``g_i / N``); it needs no batch size to reduce.
         """
 
+    def linear_factors(self) -> LinearFactors | None:
+        """The factors ``g_i = N * b_i`` of a ``Linear`` weight, if kept as such.
+
+        Statistics that profit from the outer-product structure (histograms)
+        use them; ``None`` for any other representation.
+        """
+        return None
+
 
 class DenseGradients(IndividualGradients):
     """Per-sample gradients as one tensor ``b`` with ``g_i = scale * b_i``.
@@ -321,3 +329,7 @@ class FactoredLinearGradients(IndividualGradients):
     def scaled_sum_grad_squared(self) -> Tensor:
         """Return ``sum_i b_i**2 = (1/N^2) sum_i g_i**2``."""
         return self._factors.sum_grad_squared()
+
+    def linear_factors(self) -> LinearFactors:
+        """The factors of ``b_i`` (``g_i = N * b_i``)."""
+        return self._factors

@@ -69,8 +69,8 @@ def test_only_internals_imports_cockpit():
     """Core names used by the benchmarks live in one module, for one place to fix."""
     offenders = []
     for path in sorted(BENCHMARKS.glob("*.py")):
-        if path.name in ("internals.py", "diagnosis_validation.py"):
-            continue  # the validation trains with the public API only
+        if path.name in ("internals.py", "diagnosis_validation.py", "kernels.py"):
+            continue  # the validation uses the public API; kernels test internals
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
-from cockpit.per_sample import FactoredLinearGradients, LinearFactors
+from cockpit.per_sample import LinearFactors
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.bin_adaptation import BinAdaptation, as_policy
 
@@ -539,19 +539,10 @@ def linear_factors(view: ParamView) -> LinearFactors | None:
     """The factors of a ``Linear`` weight's per-sample gradients, if the view has them.
 
     ``g_i = N * b_i`` with ``b_i`` from :class:`~cockpit.per_sample.LinearFactors`.
-    Reads ``view.linear_factors()`` where the view offers it; otherwise looks behind
-    :class:`~cockpit.per_sample.FactoredLinearGradients` (``None`` when anything is
-    not as expected: the histograms then count the materialised blocks).
+    ``None`` for any other representation: the histograms then count the
+    materialised blocks.
     """
-    getter = getattr(view, "linear_factors", None)
-    if callable(getter):
-        factors = getter()
-    else:
-        results = getattr(view, "_results", None)
-        individual = getattr(results, "individual", None)
-        if not isinstance(individual, FactoredLinearGradients):
-            return None
-        factors = getattr(individual, "_factors", None)
+    factors = view.linear_factors()
     return factors if isinstance(factors, LinearFactors) else None
 
 
