@@ -20,6 +20,10 @@ from torch import Tensor
 
 from cockpit.checkpoint import STATE_VERSION, cockpit_state, load_cockpit_state
 from cockpit.checks import NONFINITE_KEY, Diagnostics
+from cockpit.engines import autograd as autograd_engine
+from cockpit.engines import backpack as backpack_engine
+from cockpit.engines.coverage import Coverage, static_coverage
+from cockpit.engines.routing import Router
 from cockpit.history import History, json_path
 from cockpit.log_stream import LogStream
 from cockpit.planner import StepPlan, plan_step
@@ -77,6 +81,10 @@ class Cockpit:
             JSON record per tracked step, flushed when the step is done). Without
             a ``.json``/``.jsonl`` suffix, ``.jsonl`` is appended. A new run
             replaces the file; a run resumed with :meth:`load_state_dict` appends.
+        strict: Raise :class:`~cockpit.engines.coverage.CoverageError` at a step
+            where a value would be estimated or missing instead of exact (by
+            default such values are recorded as missing, warned once; see
+            :meth:`coverage`).
 
     Raises:
         ValueError: If a parameter does not require gradients or is given twice,
@@ -89,13 +97,19 @@ class Cockpit:
 
     #: Use BackPACK's low-memory algorithm for convolution weight Jacobians.
     BACKPACK_CONV_SAVE_MEMORY = True
+    #: Samples per batched backward pass of the autograd engine (memory vs. speed).
+    PER_SAMPLE_CHUNK = autograd_engine.DEFAULT_CHUNK
+    #: Per-sample gradient numbers the autograd engine holds at once.
+    PER_SAMPLE_MAX_ELEMENTS = autograd_engine.DEFAULT_MAX_ELEMENTS
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[tuple[str, Tensor]],
         quantities: Iterable[Quantity] | None = None,
         logpath: str | None = None,
+        strict: bool = False,
     ):
+        self.strict = bool(strict)
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []
@@ -126,6 +140,10 @@ class Cockpit:
         if self._stream is not None:
             self.recorder.subscribe(StreamWriter(self._stream))
         self._diagnostics = Diagnostics(self.params, self.param_names)
+        self._router = Router(
+            self.params, backpack_engine.rule_problem, backpack_engine.quiet_backward
+        )
+        self._coverage: Coverage | None = None
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
         self.last_step: int | None = None
@@ -196,6 +214,19 @@ class Cockpit:
             self._plan = plan_step(self.quantities, global_step)
         return self._plan
 
+    def coverage(self) -> Coverage:
+        """Say, for every parameter, which engine computes which quantity, and how.
+
+        After a tracked step with per-sample work, the report of the latest such
+        step; before, one from the model's structure (weight tying, batch layouts
+        and the per-sample losses are checked at every step). ``str()`` of it is a
+        readable table; ``.problems()`` lists what is estimated or not covered.
+        """
+        if self._coverage is not None:
+            return self._coverage
+        labels = [self._diagnostics.param_label(i) for i in range(len(self.params))]
+        return static_coverage(self._router, self.quantities, labels)
+
     def create_graph(self, global_step: int) -> bool:
         """Return whether ``loss.backward`` needs ``create_graph=True`` at this step."""
         return self.plan(_as_step(global_step)).create_graph
@@ -259,7 +290,15 @@ class Cockpit:
             self.recorder,
             save_memory=self.BACKPACK_CONV_SAVE_MEMORY,
             debug=debug,
+            router=self._router,
+            strict=self.strict,
+            chunk=self.PER_SAMPLE_CHUNK,
+            max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
         )
+        if run.coverage is not None:
+            if self._coverage is None:
+                _LOG.info(run.coverage.summary())
+            self._coverage = run.coverage
         run.open()
         self._open = run
 

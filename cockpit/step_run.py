@@ -14,11 +14,26 @@ import contextlib
 import warnings
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.context import StepInfo
+from cockpit.engines import autograd as autograd_engine
 from cockpit.engines import backpack as engine
+from cockpit.engines.coverage import (
+    CURVATURE_NEEDS,
+    MISSING,
+    PER_SAMPLE_NEEDS,
+    Coverage,
+    CoverageError,
+    ParamCoverage,
+    Status,
+    status_for,
+)
+from cockpit.engines.routing import AUTOGRAD, Route, Router
+from cockpit.param_view import ParamResults
+from cockpit.per_sample import DenseGradients
 from cockpit.planner import StepPlan
 from cockpit.quantities.base import Quantity, TrackContext
 from cockpit.recorder import Recorder
@@ -51,6 +66,79 @@ class _Guarded:
             self.error = error
 
 
+_MISSING_LOSSES = (
+    "the autograd engine needs info['individual_losses'] with its autograd graph "
+    "for the parameters BackPACK has no rule for. Fix: pass the per-sample losses "
+    "of this forward pass, computed with reduction='none' and not detached"
+)
+
+
+class StepRouting:
+    """Which engine computes what at one step, and the quantities left out.
+
+    Args:
+        plan: The step's plan (before any quantity is left out).
+        info: The step's info.
+        router: The cockpit's router (module map and probe cache).
+    """
+
+    def __init__(self, plan: StepPlan, info: StepInfo, router: Router):
+        self.routes: list[Route] | None = None
+        self.autograd: list[int] = []
+        self.losses: Tensor | None = None
+        #: ``id(quantity)`` -> (quantity, why it has no value at this step).
+        self.dropped: dict[int, tuple[Quantity, str]] = {}
+        self.curvature_problem: str | None = None
+        if not plan.consumers:
+            return
+        losses = (
+            info.get("individual_losses") if info.has("individual_losses") else None
+        )
+        if isinstance(losses, Tensor) and losses.grad_fn is not None:
+            self.losses = losses
+        first = engine.first_order(plan.requested)
+        self.routes = router.route(first, self.losses)
+        wanted = [i for i, r in enumerate(self.routes) if r.engine == AUTOGRAD]
+        step = plan.global_step
+        per_sample = [q for q in plan.consumers if q.needs_at(step) & PER_SAMPLE_NEEDS]
+        if wanted and per_sample and self.losses is None:
+            for q in per_sample:
+                self.dropped[id(q)] = (q, _MISSING_LOSSES)
+        elif per_sample:
+            self.autograd = wanted
+        curvature = engine.curvature(plan.requested)
+        if curvature:
+            problem = router.curvature_problem(self.routes, curvature)
+            if problem is not None:
+                self.curvature_problem = (
+                    f"BackPACK cannot compute curvature diagonals for this model: "
+                    f"{problem}"
+                )
+                for q in plan.consumers:
+                    if q.needs_at(step) & CURVATURE_NEEDS:
+                        self.dropped[id(q)] = (q, self.curvature_problem)
+
+    def coverage(
+        self, plan: StepPlan, params: list[Tensor], labels: list[str]
+    ) -> Coverage | None:
+        """The coverage report of the step (``None`` if nothing per-sample ran)."""
+        if self.routes is None:
+            return None
+        rows = []
+        step = plan.global_step
+        for index, route in enumerate(self.routes):
+            statuses = {}
+            for q in plan.active:
+                if id(q) in self.dropped:
+                    statuses[q.key] = Status(MISSING, self.dropped[id(q)][1])
+                else:
+                    statuses[q.key] = status_for(
+                        q.needs_at(step), route, self.curvature_problem
+                    )
+            rows.append(ParamCoverage(index, labels[index], route, statuses))
+        return Coverage(step, rows)
+
+
 class StepRun:
     """One tracked step, from before ``loss.backward()`` to the recorded values.
 
@@ -75,19 +163,35 @@ class StepRun:
         recorder: Recorder,
         save_memory: bool,
         debug: bool = False,
+        router: Router | None = None,
+        strict: bool = False,
+        chunk: int = autograd_engine.DEFAULT_CHUNK,
+        max_elements: int = autograd_engine.DEFAULT_MAX_ELEMENTS,
     ):
         self.plan, self.info, self.params = plan, info, params
         self.diagnostics, self.recorder = diagnostics, recorder
         diagnostics.before(plan, info)
+        self.routing = StepRouting(plan, info, router) if router is not None else None
+        self.coverage: Coverage | None = None
+        if self.routing is not None:
+            plan = self._apply_routing(plan, strict)
+            self.plan = plan
         self.setup = plan.backward_setup(extensions)
         self.guards = [_Guarded(q) for q in plan.consumers]
+        autograd = self.routing.autograd if self.routing is not None else []
         self.hook = engine.ExtensionHook(
             index={id(p): i for i, p in enumerate(params)},
             consumers=self.guards,
             global_step=plan.global_step,
             needed=self.setup.needed,
             free=self.setup.free_in_hook,
+            elsewhere=frozenset(autograd),
         )
+        if autograd:
+            engine.leave_to_autograd(
+                self.setup.extensions, router.modules_only_in(autograd)
+            )
+        self._chunk, self._max_elements = chunk, max_elements
         self.grads_before = [
             (p.grad, p.grad._version if p.grad is not None else None) for p in params
         ]
@@ -102,11 +206,47 @@ class StepRun:
         self._save_memory = save_memory
         self._debug = debug
 
+    def _apply_routing(self, plan: StepPlan, strict: bool) -> StepPlan:
+        """Report coverage, enforce ``strict``, leave out what cannot be computed."""
+        routing = self.routing
+        labels = [self.diagnostics.param_label(i) for i in range(len(self.params))]
+        self.coverage = routing.coverage(plan, self.params, labels)
+        step = plan.global_step
+        if strict and self.coverage is not None and self.coverage.problems():
+            problems = self.coverage.problems()
+            raise CoverageError(
+                f"strict=True, but at step {step} {len(problems)} value(s) would not "
+                f"be exact: {'; '.join(problems[:3])}"
+                f"{' ...' if len(problems) > 3 else ''}. Fix: see "
+                "cockpit.coverage() for who computes what, drop these quantities, "
+                "or use Cockpit(..., strict=False) to record them as missing."
+            )
+        for quantity, reason in routing.dropped.values():
+            self.diagnostics.warn_once(
+                ("not-covered", quantity.key, reason),
+                f"{quantity.key} has no value at step {step} (and later steps like "
+                f"it): {reason}. Fix: see cockpit.coverage() for who computes what; "
+                "for curvature, build the model from nn.Sequential with layers "
+                "BackPACK supports, or drop the quantity. (Warned once.)",
+            )
+        if routing.dropped:
+            plan = plan.without(q for q, _ in routing.dropped.values())
+        if not any(q.needs_at(step) & PER_SAMPLE_NEEDS for q in plan.consumers):
+            routing.autograd = []
+        return plan
+
     # --- opening and closing -------------------------------------------------------
     def open(self) -> None:
-        """Prepare the quantities and enter the backward context."""
+        """Prepare the quantities and enter the backward context.
+
+        Parameters BackPACK has no rule for get their per-sample gradients from
+        the autograd engine here, before the user's backward pass frees the
+        graph, and are shown to the quantities right away.
+        """
         for q in self.plan.active:
             q.begin_step(self.plan.global_step, self.info)
+        if self.routing is not None and self.routing.autograd:
+            self._run_autograd(self.routing.autograd, self.routing.losses)
         stack = self._stack
         if self.plan.create_graph:
             # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
@@ -120,6 +260,19 @@ class StepRun:
                 self.setup.extensions, self.hook, self._save_memory, self._debug
             )
         )
+
+    def _run_autograd(self, indices: list[int], losses: Tensor) -> None:
+        params = [self.params[i] for i in indices]
+        with engine.quiet_backward():
+            results = autograd_engine.per_sample_gradients(
+                losses, params, self._chunk, self._max_elements
+            )
+            for position, grads in results:
+                index = indices[position]
+                self.hook.visited.add(index)
+                individual = DenseGradients(grads, scale=1)
+                with torch.no_grad():
+                    self.hook.show(params[position], index, ParamResults(individual))
 
     def fail(self, error: BaseException) -> Exception | None:
         """Abandon the step after ``error`` in the backward pass.
