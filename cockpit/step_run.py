@@ -68,8 +68,13 @@ class _Guarded:
 
 _MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
-    "for the parameters BackPACK has no rule for. Fix: pass the per-sample losses "
-    "of this forward pass, computed with reduction='none' and not detached"
+    "for the parameters BackPACK has no rule for",
+    "pass the per-sample losses of this forward pass, computed with "
+    "reduction='none' and not detached",
+)
+_CURVATURE_FIX = (
+    "build the model from nn.Sequential with layers BackPACK supports, or drop the "
+    "quantity"
 )
 
 
@@ -86,8 +91,8 @@ class StepRouting:
         self.routes: list[Route] | None = None
         self.autograd: list[int] = []
         self.losses: Tensor | None = None
-        #: ``id(quantity)`` -> (quantity, why it has no value at this step).
-        self.dropped: dict[int, tuple[Quantity, str]] = {}
+        #: ``id(quantity)`` -> (quantity, why it has no value at the step, fix).
+        self.dropped: dict[int, tuple[Quantity, str, str]] = {}
         self.curvature_problem: str | None = None
         if not plan.consumers:
             return
@@ -102,8 +107,9 @@ class StepRouting:
         step = plan.global_step
         per_sample = [q for q in plan.consumers if q.needs_at(step) & PER_SAMPLE_NEEDS]
         if wanted and per_sample and self.losses is None:
+            _refuse_unextended(self.routes, router, per_sample)
             for q in per_sample:
-                self.dropped[id(q)] = (q, _MISSING_LOSSES)
+                self.dropped[id(q)] = (q, *_MISSING_LOSSES)
         elif per_sample:
             self.autograd = wanted
         curvature = engine.curvature(plan.requested)
@@ -116,7 +122,11 @@ class StepRouting:
                 )
                 for q in plan.consumers:
                     if q.needs_at(step) & CURVATURE_NEEDS:
-                        self.dropped[id(q)] = (q, self.curvature_problem)
+                        self.dropped[id(q)] = (
+                            q,
+                            self.curvature_problem,
+                            _CURVATURE_FIX,
+                        )
 
     def coverage(
         self, plan: StepPlan, params: list[Tensor], labels: list[str]
@@ -192,6 +202,7 @@ class StepRun:
                 self.setup.extensions, router.modules_only_in(autograd)
             )
         self._chunk, self._max_elements = chunk, max_elements
+        self._strict = strict
         self.grads_before = [
             (p.grad, p.grad._version if p.grad is not None else None) for p in params
         ]
@@ -221,16 +232,15 @@ class StepRun:
                 "cockpit.coverage() for who computes what, drop these quantities, "
                 "or use Cockpit(..., strict=False) to record them as missing."
             )
-        for quantity, reason in routing.dropped.values():
+        for quantity, reason, fix in routing.dropped.values():
             self.diagnostics.warn_once(
                 ("not-covered", quantity.key, reason),
-                f"{quantity.key} has no value at step {step} (and later steps like "
-                f"it): {reason}. Fix: see cockpit.coverage() for who computes what; "
-                "for curvature, build the model from nn.Sequential with layers "
-                "BackPACK supports, or drop the quantity. (Warned once.)",
+                f"{quantity.key} has no value at step {step} (nor at later steps "
+                f"like it): {reason}. Fix: {fix}. cockpit.coverage() says who "
+                "computes what. (Warned once.)",
             )
         if routing.dropped:
-            plan = plan.without(q for q, _ in routing.dropped.values())
+            plan = plan.without(entry[0] for entry in routing.dropped.values())
         if not any(q.needs_at(step) & PER_SAMPLE_NEEDS for q in plan.consumers):
             routing.autograd = []
         return plan
@@ -339,6 +349,9 @@ class StepRun:
         try:
             results = quantity.track(ctx.global_step, ctx)
         except Exception as error:
+            if _no_double_backward(error):
+                self._without_double_backward(quantity, error)
+                return
             if not tolerant:
                 raise
             self._drop(quantity, error)  # a non-finite step must not crash
@@ -346,6 +359,25 @@ class StepRun:
         for save_step, value in results:
             if value is not None:
                 self.recorder.record(save_step, quantity.key, value)
+
+    def _without_double_backward(self, quantity: Quantity, error: Exception) -> None:
+        """A quantity whose second derivatives PyTorch cannot compute: say the fix."""
+        step = self.plan.global_step
+        quantity.abort_step(step)
+        message = (
+            f"{quantity.key} needs second derivatives (Hessian-vector products), but "
+            f"PyTorch has no double backward for an operation of the model "
+            f"({error}). Fix: for fused attention (F.scaled_dot_product_attention, "
+            "nn.MultiheadAttention, nn.TransformerEncoderLayer) run the forward "
+            "pass of tracked steps inside `with torch.nn.attention.sdpa_kernel("
+            "torch.nn.attention.SDPBackend.MATH):`; otherwise drop the quantity."
+        )
+        if self._strict:
+            raise CoverageError(f"strict=True: {message}") from error
+        self.diagnostics.warn_once(
+            ("no-double-backward", quantity.key),
+            f"{message} It has no value at step {step}. (Warned once.)",
+        )
 
     def _drop(self, quantity: Quantity, error: Exception) -> None:
         """Skip a quantity that failed on a non-finite step (warned once per key)."""
@@ -376,6 +408,43 @@ class StepRun:
         for p in self.params:
             if p.grad is not None and p.grad.grad_fn is not None:
                 p.grad = p.grad.detach()
+
+
+def _refuse_unextended(routes: list[Route], router: Router, who) -> None:
+    """Fail when a module that BackPACK could handle was not extended.
+
+    Without the per-sample losses the autograd engine cannot step in, and a
+    forgotten ``backpack.extend`` is the likelier mistake.
+
+    Raises:
+        RuntimeError: Naming the parameters and both fixes.
+    """
+    unextended = [
+        i for i, r in enumerate(routes) if "is not backpack.extend-ed" in r.reason
+    ]
+    if unextended:
+        names = ", ".join(q.key for q in who)
+        shapes = ", ".join(
+            f"#{i} (shape {tuple(router.params[i].shape)})" for i in unextended
+        )
+        raise RuntimeError(
+            f"BackPACK produced no results for parameter(s) {shapes}, which {names} "
+            "need: their modules are not extended. Fix: call backpack.extend() on "
+            "the model and on the loss function before the forward pass, or pass "
+            "info['individual_losses'] (reduction='none', with its graph) so that "
+            "cockpit computes them with autograd."
+        )
+
+
+def _no_double_backward(error: Exception) -> bool:
+    """Whether ``error`` is PyTorch's missing derivative of a backward operator."""
+    text = str(error)
+    return (
+        isinstance(error, RuntimeError)
+        and "derivative for" in text
+        and "backward" in text
+        and "not implemented" in text
+    )
 
 
 def as_info(global_step: int, info: dict[str, Any] | None) -> StepInfo:

@@ -175,12 +175,22 @@ def _mse_step(model, cockpit, step=0, loss_fn=None, x=None):
 
 
 def test_model_not_extended():
+    # with the per-sample losses, the autograd engine computes what BackPACK cannot
     model = torch.nn.Linear(3, 2).double()
     cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])
+    _mse_step(model, cockpit)
+    assert len(cockpit.get_output()[0]["Variance"]) == 2
+    route = cockpit.coverage().params[0].route
+    assert route.engine == "autograd" and "not backpack.extend-ed" in route.reason
+    # without them, a forgotten extend() is the error
+    cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])
+    x = torch.randn(6, 3, dtype=torch.float64)
+    loss = torch.nn.MSELoss()(model(x), torch.zeros(6, 2, dtype=torch.float64))
     with pytest.raises(
         RuntimeError, match=r"no results for parameter.*backpack.extend"
     ):
-        _mse_step(model, cockpit)
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()
 
 
 def test_loss_not_extended_for_curvature():
@@ -202,30 +212,28 @@ def _layernorm_net():
     )
 
 
-def test_unsupported_layer_for_per_sample_quantities_is_named():
+def test_layer_without_backpack_rule_goes_to_autograd_and_is_named():
     model, cockpit = _mse_setup(_layernorm_net(), [Q.Variance(EVERY)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # BackPACK's own warning
-        with pytest.raises(NotImplementedError, match=r"LayerNorm '1', needed by Var"):
-            _mse_step(model, cockpit)
-    # leaving the LayerNorm's parameters out, as the message suggests, works
-    model = extend(_layernorm_net().double())
-    params = [p for name, p in model.named_parameters() if not name.startswith("1.")]
-    cockpit = Cockpit(params, [Q.Variance(EVERY)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():  # neither BackPACK nor cockpit warns
+        warnings.simplefilter("error", CockpitWarning)
+        warnings.filterwarnings("error", message=".*does not have an extension")
         _mse_step(model, cockpit)
-    assert len(cockpit.get_output()[0]["Variance"]) == 4
+    assert len(cockpit.get_output()[0]["Variance"]) == 6
+    rows = cockpit.coverage().params
+    assert [row.route.engine for row in rows] == ["backpack"] * 2 + ["autograd"] * 2 + [
+        "backpack"
+    ] * 2
+    assert "'1.weight'" in rows[2].label and "LayerNorm" in rows[2].route.reason
 
 
-def test_unsupported_layer_for_curvature_is_named_and_chained():
+def test_curvature_without_backpack_rule_is_missing_or_strict_error():
     model, cockpit = _mse_setup(_layernorm_net(), [Q.HessTrace(EVERY)], named=False)
-    with pytest.raises(NotImplementedError, match=r"DiagHessian for LayerNorm") as info:
+    with pytest.warns(CockpitWarning, match=r"HessTrace has no value.*LayerNorm.*Fix"):
         _mse_step(model, cockpit)
-    message = str(info.value)
-    assert "owns parameter #2, #3" in message and "needed by HessTrace" in message
-    assert "Fix" in message
-    assert isinstance(info.value.__cause__, NotImplementedError)  # BackPACK's error
+    assert "HessTrace" not in cockpit.get_output().get(0, {})
+    strict = Cockpit(model.parameters(), [Q.HessTrace(EVERY)], strict=True)
+    with pytest.raises(RuntimeError, match=r"strict=True.*HessTrace.*#2.*LayerNorm"):
+        _mse_step(model, strict)
 
 
 def _batchnorm_net():

@@ -103,6 +103,10 @@ REQUIRED_API: tuple[tuple[str, str], ...] = (
         "backpack.extensions.firstorder.batch_grad.rnn",
         "hasattr(BatchGradLSTM(), '_derivatives')",
     ),
+    (
+        "backpack.extensions.firstorder.batch_l2_grad.rnn",
+        "hasattr(BatchL2LSTM(), 'derivatives')",
+    ),
     ("backpack.core.derivatives.rnn", "callable(RNNDerivatives._check_parameters)"),
     # savefields BackPACK's extensions write, which cockpit reads
     ("backpack.extensions", "BatchGrad().savefield == 'grad_batch'"),
@@ -303,7 +307,9 @@ def rule_problem(module: Module, extension: BackpropExtension) -> str | None:
         if problem is not None:
             return f"cockpit's {type(module).__name__} rule: {problem}"
         return None
-    derivatives = getattr(rule, "_derivatives", None)
+    derivatives = getattr(rule, "_derivatives", None) or getattr(
+        rule, "derivatives", None
+    )
     check = getattr(derivatives, "_check_parameters", None)
     if check is not None:
         try:

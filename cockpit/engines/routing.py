@@ -210,6 +210,7 @@ class Router:
             return routes
         nodes, uses = graph_uses([individual_losses.grad_fn])
         n = individual_losses.shape[0]
+        self._check_batch_size(routes, nodes, individual_losses)
         candidates: dict[int, Module] = {}
         for index, route in enumerate(routes):
             param = self.params[index]
@@ -240,6 +241,37 @@ class Router:
                     route.module,
                 )
         return routes
+
+    def _check_batch_size(self, routes, nodes, losses: Tensor) -> None:
+        """Fail if no layer of the forward pass saw as many samples as there are losses.
+
+        Raises:
+            ValueError: If ``losses`` has a length no BackPACK layer's batch has.
+        """
+        sizes: Counter = Counter()
+        for index, route in enumerate(routes):
+            if route.engine != BACKPACK:
+                continue
+            module, _ = self.modules.owners[id(self.params[index])][0]
+            inputs = getattr(module, "input0", None)
+            output = getattr(module, "output", None)
+            if (
+                isinstance(inputs, Tensor)
+                and inputs.dim() > 0
+                and isinstance(output, Tensor)
+                and output.grad_fn in nodes
+            ):
+                sizes[inputs.shape[0]] += 1
+        n = losses.shape[0]
+        if sizes and n not in sizes:
+            expected = sizes.most_common(1)[0][0]
+            raise ValueError(
+                f"info['individual_losses'] has shape {tuple(losses.shape)}, but the "
+                f"layers of the forward pass saw {expected} samples: expected shape "
+                f"[{expected}] (one loss per sample). Fix: pass the per-sample losses "
+                "of this forward pass, computed with reduction='none', e.g. "
+                "torch.nn.CrossEntropyLoss(reduction='none')(outputs, targets)."
+            )
 
     def _use_problem(self, module: Module, count: int, nodes, n: int) -> str | None:
         if count > 1 and not isinstance(module, torch.nn.RNNBase):
