@@ -12,11 +12,11 @@ autograd engine (:mod:`cockpit.engines.autograd`). A parameter goes to BackPACK 
 3. the autograd graph of the per-sample losses uses the parameter once (a second
    use, as with weight tying, a shared layer or ``x @ layer.weight`` in forward
    code, is invisible to the module's rule),
-4. the module ran in this step's forward pass and the first axis of its input and
-   output is the batch (size ``N``, and the gradient of sample ``a``'s loss reaches
-   only slice ``a`` of the output: checked with two backward passes the first time
-   a module is seen with given shapes, skipped while a BatchNorm layer is in train
-   mode, where samples mix anyway).
+4. the module ran in this step's forward pass and the first axis of its output is
+   the sample axis: the gradient of sample ``a``'s loss reaches only slice ``a`` of
+   it (checked for the first and the last sample with two backward passes, the
+   first time a module is seen with given shapes; while a BatchNorm layer is in
+   train mode, where samples mix anyway, only the sizes are compared with ``N``).
 
 Everything else (LayerNorm, RMSNorm, GroupNorm, MultiheadAttention, GRU, raw
 ``nn.Parameter`` s used in forward code, custom modules, ...) goes to autograd, with
@@ -210,7 +210,6 @@ class Router:
             return routes
         nodes, uses = graph_uses([individual_losses.grad_fn])
         n = individual_losses.shape[0]
-        self._check_batch_size(routes, nodes, individual_losses)
         candidates: dict[int, Module] = {}
         for index, route in enumerate(routes):
             param = self.params[index]
@@ -228,7 +227,12 @@ class Router:
                 routes[index] = Route(AUTOGRAD, problem, route.module)
             elif not _is_training_batchnorm(module):
                 candidates[id(module)] = module
-        failed = self._probe(individual_losses, list(candidates.values()))
+        if n < 2:  # nothing to tell apart; a wrong length fails in the quantities
+            failed: set[int] = set()
+        elif self._can_probe(n):
+            failed = self._probe(individual_losses, list(candidates.values()))
+        else:  # samples mix anyway (BatchNorm in train mode): shapes only
+            failed = {key for key, m in candidates.items() if self._shape_problem(m, n)}
         for index, route in enumerate(routes):
             if route.engine != BACKPACK:
                 continue
@@ -236,42 +240,12 @@ class Router:
             if id(module) in failed:
                 routes[index] = Route(
                     AUTOGRAD,
-                    f"the first axis of {describe(module)}'s output is not the "
+                    self._shape_problem(module, n)
+                    or f"the first axis of {describe(module)}'s output is not the "
                     "sample axis (e.g. a batch_first=False layout)",
                     route.module,
                 )
         return routes
-
-    def _check_batch_size(self, routes, nodes, losses: Tensor) -> None:
-        """Fail if no layer of the forward pass saw as many samples as there are losses.
-
-        Raises:
-            ValueError: If ``losses`` has a length no BackPACK layer's batch has.
-        """
-        sizes: Counter = Counter()
-        for index, route in enumerate(routes):
-            if route.engine != BACKPACK:
-                continue
-            module, _ = self.modules.owners[id(self.params[index])][0]
-            inputs = getattr(module, "input0", None)
-            output = getattr(module, "output", None)
-            if (
-                isinstance(inputs, Tensor)
-                and inputs.dim() > 0
-                and isinstance(output, Tensor)
-                and output.grad_fn in nodes
-            ):
-                sizes[inputs.shape[0]] += 1
-        n = losses.shape[0]
-        if sizes and n not in sizes:
-            expected = sizes.most_common(1)[0][0]
-            raise ValueError(
-                f"info['individual_losses'] has shape {tuple(losses.shape)}, but the "
-                f"layers of the forward pass saw {expected} samples: expected shape "
-                f"[{expected}] (one loss per sample). Fix: pass the per-sample losses "
-                "of this forward pass, computed with reduction='none', e.g. "
-                "torch.nn.CrossEntropyLoss(reduction='none')(outputs, targets)."
-            )
 
     def _use_problem(self, module: Module, count: int, nodes, n: int) -> str | None:
         if count > 1 and not isinstance(module, torch.nn.RNNBase):
@@ -280,32 +254,45 @@ class Router:
                 "layer or forward code reading the parameter)"
             )
         output = getattr(module, "output", None)
-        inputs = getattr(module, "input0", None)
         if not isinstance(output, Tensor) or output.grad_fn not in nodes:
             return (
                 f"{describe(module)} did not run in this forward pass (its parameters "
                 "are used by other code)"
             )
-        for what, tensor in (("input", inputs), ("output", output)):
+        return None
+
+    @staticmethod
+    def _shape_problem(module: Module, n: int) -> str | None:
+        """A first axis of another size than ``n`` (used where no probe can run)."""
+        for what in ("input0", "output"):
+            tensor = getattr(module, what, None)
             if isinstance(tensor, Tensor) and (
                 tensor.dim() == 0 or tensor.shape[0] != n
             ):
                 size = tensor.shape[0] if tensor.dim() else "none"
                 return (
-                    f"the first axis of {describe(module)}'s {what} has size {size}, "
+                    f"the first axis of {describe(module)}'s "
+                    f"{'input' if what == 'input0' else 'output'} has size {size}, "
                     f"not the batch size {n} (e.g. a batch_first=False layout)"
                 )
         return None
 
-    def _probe(self, losses: Tensor, modules: list[Module]) -> set[int]:
-        """Return ids of modules whose output's first axis is not the sample axis."""
-        n = losses.shape[0]
-        if n < 2 or any(
+    def _can_probe(self, n: int) -> bool:
+        """Whether the probe can tell the sample axis (no BatchNorm mixes samples)."""
+        return not any(
             _is_training_batchnorm(m)
             for owners in self.modules.owners.values()
             for m, _ in owners
-        ):
-            return set()
+        )
+
+    def _probe(self, losses: Tensor, modules: list[Module]) -> set[int]:
+        """Return ids of modules whose output's first axis is not the sample axis.
+
+        The gradient of sample ``a``'s loss must reach only slice ``a`` of the
+        output's first axis (checked for the first and the last sample, once per
+        module and shapes).
+        """
+        n = losses.shape[0]
         keys = {id(m): _probe_key(m) for m in modules}
         todo = [m for m in modules if keys[id(m)] not in self._probed]
         if todo:

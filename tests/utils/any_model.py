@@ -138,6 +138,11 @@ ARCHITECTURES = {
         lambda gen, n: torch.randn(n, n, 3, generator=gen, dtype=DTYPE),  # T = N
         False,
     ),
+    "lstm-seq-first-t3": (
+        SequenceFirstLSTM,
+        lambda gen, n: torch.randn(3, n, 3, generator=gen, dtype=DTYPE),  # T != N
+        False,
+    ),
     "tied-custom": (
         TiedCustom,
         lambda gen, n: torch.randint(0, 6, (n, 3), generator=gen),
