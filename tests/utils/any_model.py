@@ -64,8 +64,8 @@ class SequenceFirstLSTM(torch.nn.Module):
         self.per_step = torch.nn.Linear(hidden, hidden)
         self.head = torch.nn.Linear(hidden, classes)
 
-    def forward(self, x):  # x: [T, N, features]
-        out, _ = self.lstm(x)
+    def forward(self, x):  # x: [N, T, features], the LSTM sees [T, N, features]
+        out, _ = self.lstm(x.transpose(0, 1))
         return self.head(torch.tanh(self.per_step(out)).mean(0))
 
 
@@ -140,7 +140,7 @@ ARCHITECTURES = {
     ),
     "lstm-seq-first-t3": (
         SequenceFirstLSTM,
-        lambda gen, n: torch.randn(3, n, 3, generator=gen, dtype=DTYPE),  # T != N
+        lambda gen, n: torch.randn(n, 3, 3, generator=gen, dtype=DTYPE),  # T != N
         False,
     ),
     "tied-custom": (
