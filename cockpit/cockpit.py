@@ -101,6 +101,8 @@ class Cockpit:
     PER_SAMPLE_CHUNK = autograd_engine.DEFAULT_CHUNK
     #: Per-sample gradient numbers the autograd engine holds at once.
     PER_SAMPLE_MAX_ELEMENTS = autograd_engine.DEFAULT_MAX_ELEMENTS
+    #: Hessian-vector products per Hutchinson estimate (where BackPACK has none).
+    HUTCHINSON_PROBES = autograd_engine.DEFAULT_PROBES
 
     def __init__(
         self,
@@ -294,6 +296,7 @@ class Cockpit:
             strict=self.strict,
             chunk=self.PER_SAMPLE_CHUNK,
             max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
+            probes=self.HUTCHINSON_PROBES,
         )
         if run.coverage is not None:
             if self._coverage is None:

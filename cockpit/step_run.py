@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from cockpit.engines import autograd as autograd_engine
 from cockpit.engines import backpack as engine
 from cockpit.engines.coverage import (
     CURVATURE_NEEDS,
+    ESTIMATED,
     MISSING,
     PER_SAMPLE_NEEDS,
     Coverage,
@@ -32,7 +34,7 @@ from cockpit.engines.coverage import (
     status_for,
 )
 from cockpit.engines.routing import AUTOGRAD, Route, Router
-from cockpit.param_view import ParamResults
+from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import DenseGradients
 from cockpit.planner import StepPlan
 from cockpit.quantities.base import Quantity, TrackContext
@@ -66,6 +68,9 @@ class _Guarded:
             self.error = error
 
 
+#: History key suffix of an estimate's description and standard errors.
+ESTIMATE_SUFFIX = "_estimate"
+
 _MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
     "for the parameters BackPACK has no rule for",
@@ -94,6 +99,8 @@ class StepRouting:
         #: ``id(quantity)`` -> (quantity, why it has no value at the step, fix).
         self.dropped: dict[int, tuple[Quantity, str, str]] = {}
         self.curvature_problem: str | None = None
+        #: ``id(quantity)`` -> quantity whose curvature is estimated (Hutchinson).
+        self.estimated: dict[int, Quantity] = {}
         if not plan.consumers:
             return
         losses = (
@@ -121,7 +128,12 @@ class StepRouting:
                     f"{problem}"
                 )
                 for q in plan.consumers:
-                    if q.needs_at(step) & CURVATURE_NEEDS:
+                    wanted = q.needs_at(step) & CURVATURE_NEEDS
+                    if not wanted:
+                        continue
+                    if self.losses is not None and wanted <= q_estimable(q):
+                        self.estimated[id(q)] = q
+                    else:
                         self.dropped[id(q)] = (
                             q,
                             self.curvature_problem,
@@ -129,7 +141,11 @@ class StepRouting:
                         )
 
     def coverage(
-        self, plan: StepPlan, params: list[Tensor], labels: list[str]
+        self,
+        plan: StepPlan,
+        params: list[Tensor],
+        labels: list[str],
+        probes: int = autograd_engine.DEFAULT_PROBES,
     ) -> Coverage | None:
         """The coverage report of the step (``None`` if nothing per-sample ran)."""
         if self.routes is None:
@@ -141,6 +157,10 @@ class StepRouting:
             for q in plan.active:
                 if id(q) in self.dropped:
                     statuses[q.key] = Status(MISSING, self.dropped[id(q)][1])
+                elif id(q) in self.estimated:
+                    statuses[q.key] = Status(
+                        ESTIMATED, f"Hutchinson, {probes} Hessian-vector products"
+                    )
                 else:
                     statuses[q.key] = status_for(
                         q.needs_at(step), route, self.curvature_problem
@@ -177,8 +197,12 @@ class StepRun:
         strict: bool = False,
         chunk: int = autograd_engine.DEFAULT_CHUNK,
         max_elements: int = autograd_engine.DEFAULT_MAX_ELEMENTS,
+        probes: int = autograd_engine.DEFAULT_PROBES,
     ):
         self.plan, self.info, self.params = plan, info, params
+        self._probes = probes
+        self._router = router
+        self._skip: set[int] = set()
         self.diagnostics, self.recorder = diagnostics, recorder
         diagnostics.before(plan, info)
         self.routing = StepRouting(plan, info, router) if router is not None else None
@@ -221,7 +245,7 @@ class StepRun:
         """Report coverage, enforce ``strict``, leave out what cannot be computed."""
         routing = self.routing
         labels = [self.diagnostics.param_label(i) for i in range(len(self.params))]
-        self.coverage = routing.coverage(plan, self.params, labels)
+        self.coverage = routing.coverage(plan, self.params, labels, self._probes)
         step = plan.global_step
         if strict and self.coverage is not None and self.coverage.problems():
             problems = self.coverage.problems()
@@ -241,6 +265,14 @@ class StepRun:
             )
         if routing.dropped:
             plan = plan.without(entry[0] for entry in routing.dropped.values())
+        if routing.estimated:  # BackPACK computes no curvature; they read estimates
+            plan = replace(
+                plan,
+                requested=tuple(engine.first_order(plan.requested)),
+                consumers=tuple(
+                    q for q in plan.consumers if id(q) not in routing.estimated
+                ),
+            )
         if not any(q.needs_at(step) & PER_SAMPLE_NEEDS for q in plan.consumers):
             routing.autograd = []
         return plan
@@ -257,6 +289,10 @@ class StepRun:
             q.begin_step(self.plan.global_step, self.info)
         if self.routing is not None and self.routing.autograd:
             self._run_autograd(self.routing.autograd, self.routing.losses)
+        self.estimates: dict[int, list[Tensor]] = {}
+        self.estimate_guards: list[_Guarded] = []
+        if self.routing is not None and self.routing.estimated:
+            self._run_hutchinson(list(self.routing.estimated.values()))
         stack = self._stack
         if self.plan.create_graph:
             # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
@@ -283,6 +319,38 @@ class StepRun:
                 individual = DenseGradients(grads, scale=1)
                 with torch.no_grad():
                     self.hook.show(params[position], index, ParamResults(individual))
+
+    def _run_hutchinson(self, quantities: list[Quantity]) -> None:
+        """Show Hutchinson estimates of the Hessian diagonal to ``quantities``."""
+        try:
+            with engine.quiet_backward():
+                diagonals, errors = autograd_engine.hutchinson_diagonals(
+                    self.routing.losses,
+                    self.params,
+                    self._probes,
+                    self._router.generator,
+                )
+        except RuntimeError as error:
+            if not _no_double_backward(error):
+                raise
+            for quantity in quantities:
+                self._without_double_backward(quantity, error)
+                self._skip.add(id(quantity))
+            return
+        self.estimate_guards = [_Guarded(q) for q in quantities]
+        step = self.plan.global_step
+        with torch.no_grad():
+            for index, (param, diagonal) in enumerate(
+                zip(self.params, diagonals, strict=True)
+            ):
+                view = ParamView(
+                    param, index, ParamResults(curvatures={"diag_h": diagonal})
+                )
+                for guard in self.estimate_guards:
+                    guard.accumulate(step, view)
+                view.release()
+        for quantity in quantities:
+            self.estimates[id(quantity)] = errors
 
     def fail(self, error: BaseException) -> Exception | None:
         """Abandon the step after ``error`` in the backward pass.
@@ -327,12 +395,12 @@ class StepRun:
             param = self.params[index]
             fields = engine.savefields(self.plan.requested)
             self.hook.show(param, index, engine.zero_results(param, fields, batch_size))
-        failed = [g for g in self.guards if g.error is not None]
+        failed = [g for g in self.guards + self.estimate_guards if g.error is not None]
         if failed and not nonfinite:
             raise failed[0].error
         for guard in failed:
             self._drop(guard.quantity, guard.error)
-        dropped = {id(g.quantity) for g in failed}
+        dropped = {id(g.quantity) for g in failed} | self._skip
         ctx = TrackContext(step, self.params, self.info)
         tolerant = bool(nonfinite)
         for q in self.plan.first:
@@ -359,6 +427,17 @@ class StepRun:
         for save_step, value in results:
             if value is not None:
                 self.recorder.record(save_step, quantity.key, value)
+                errors = self.estimates.get(id(quantity))
+                if errors is not None:
+                    self.recorder.record(
+                        save_step,
+                        f"{quantity.key}{ESTIMATE_SUFFIX}",
+                        {
+                            "method": "hutchinson",
+                            "probes": self._probes,
+                            "stderr": torch.stack(errors).tolist(),
+                        },
+                    )
 
     def _without_double_backward(self, quantity: Quantity, error: Exception) -> None:
         """A quantity whose second derivatives PyTorch cannot compute: say the fix."""
@@ -408,6 +487,11 @@ class StepRun:
         for p in self.params:
             if p.grad is not None and p.grad.grad_fn is not None:
                 p.grad = p.grad.detach()
+
+
+def q_estimable(quantity: Quantity) -> frozenset:
+    """Curvature needs for which ``quantity`` accepts an unbiased estimate."""
+    return frozenset(getattr(quantity, "estimable", frozenset()))
 
 
 def _refuse_unextended(routes: list[Route], router: Router, who) -> None:

@@ -132,3 +132,77 @@ def per_sample_gradients(
             full = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
             blocks.clear()
             yield position, full
+
+
+#: Rademacher probes of the Hutchinson estimate (Hessian-vector products per step).
+DEFAULT_PROBES = 16
+
+
+def hutchinson_diagonals(
+    individual_losses: Tensor,
+    params: Sequence[Tensor],
+    probes: int = DEFAULT_PROBES,
+    generator: torch.Generator | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Estimate the Hessian diagonal of the mean loss, per parameter (Hutchinson).
+
+    With Rademacher vectors ``v_k`` (entries +-1) over all parameters,
+    ``v_k * (H v_k)`` is an unbiased estimate of ``diag(H)``; restricted to a
+    parameter's block its sum is an unbiased estimate of that block's trace (the
+    cross terms vanish in expectation). The estimates of ``probes`` vectors are
+    averaged; the standard error of each block's trace is the sample standard
+    deviation of the per-probe traces over ``sqrt(probes)``.
+
+    The Hessian is that of ``mean_i l_i`` (the mini-batch loss). The graph of
+    ``individual_losses`` is kept for the user's ``loss.backward()``.
+
+    Args:
+        individual_losses: The per-sample losses with their autograd graph.
+        params: The parameters.
+        probes: Number of Hessian-vector products (at least 2).
+        generator: Random source of the probes (CPU), for reproducible runs.
+
+    Returns:
+        The estimated diagonals (one per parameter) and the standard errors of
+        their sums (scalars).
+    """
+    probes = max(2, int(probes))
+    loss = sample_losses(individual_losses).mean()
+    grads = torch.autograd.grad(
+        loss, params, create_graph=True, retain_graph=True, allow_unused=True
+    )
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    used = [p for p, _ in pairs]
+    diagonals = [torch.zeros_like(p) for p in params]
+    traces = [[None] * len(params) for _ in range(probes)]
+    position = {id(p): i for i, p in enumerate(params)}
+    for k in range(probes):
+        vectors = [
+            (torch.randint(0, 2, p.shape, generator=generator) * 2 - 1).to(
+                device=p.device, dtype=p.dtype
+            )
+            for p in used
+        ]
+        products = torch.autograd.grad(
+            [g for _, g in pairs],
+            used,
+            grad_outputs=vectors,
+            retain_graph=True,
+            allow_unused=True,
+        )
+        for param, v, hv in zip(used, vectors, products, strict=True):
+            if hv is None:
+                continue
+            i = position[id(param)]
+            estimate = (v * hv).detach()
+            diagonals[i] += estimate
+            traces[k][i] = estimate.sum()
+    diagonals = [d / probes for d in diagonals]
+    errors = []
+    for i, param in enumerate(params):
+        column = [row[i] for row in traces]
+        if column[0] is None:  # the loss does not depend on it: exactly zero
+            errors.append(param.new_zeros(()))
+        else:
+            errors.append(torch.stack(column).std() / probes**0.5)
+    return diagonals, errors

@@ -145,6 +145,8 @@ class Router:
         self._quiet = quiet_backward
         self._map: ModuleMap | None = None
         self._probed: dict[tuple, bool] = {}
+        #: Random source of estimates (seeded: runs are reproducible).
+        self.generator = torch.Generator().manual_seed(0)
 
     @property
     def modules(self) -> ModuleMap:
