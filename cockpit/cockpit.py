@@ -219,8 +219,9 @@ class Cockpit:
     def coverage(self) -> Coverage:
         """Say, for every parameter, which engine computes which quantity, and how.
 
-        After a tracked step with per-sample work, the report of the latest such
-        step; before, one from the model's structure (weight tying, batch layouts
+        After tracked steps with per-sample work, the latest status of every
+        quantity (from the last step it was active at); before, one from the
+        model's structure (weight tying, batch layouts
         and the per-sample losses are checked at every step). ``str()`` of it is a
         readable table; ``.problems()`` lists what is estimated or not covered.
         """
@@ -301,7 +302,9 @@ class Cockpit:
         if run.coverage is not None:
             if self._coverage is None:
                 _LOG.info(run.coverage.summary())
-            self._coverage = run.coverage
+                self._coverage = run.coverage
+            else:
+                self._coverage = self._coverage.merged(run.coverage)
         run.open()
         self._open = run
 

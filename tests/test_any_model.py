@@ -188,7 +188,8 @@ def test_sequential_models_of_supported_layers_use_backpack_only():
 
 def test_curvature_without_backpack_rules_is_missing_warned_once_or_strict():
     problem = make_any_problem("rmsnorm-mlp")
-    quantities = [Q.HessTrace(linear(1)), Q.GradNorm(linear(1))]
+    ggn = "diag_ggn_exact"  # (the Hessian's trace is estimated instead)
+    quantities = [Q.HessTrace(linear(1), curvature=ggn), Q.GradNorm(linear(1))]
     with pytest.warns(CockpitWarning, match=r"HessTrace has no value.*Fix") as record:
         result = run(problem, quantities, steps=2)
     assert len([w for w in record if "HessTrace" in str(w.message)]) == 1
@@ -198,7 +199,12 @@ def test_curvature_without_backpack_rules_is_missing_warned_once_or_strict():
     assert problems and all(p.startswith("HessTrace for") for p in problems)
     assert "not covered" in problems[0]
     with pytest.raises(CoverageError, match=r"strict=True.*HessTrace.*Fix"):
-        run(make_any_problem("rmsnorm-mlp"), [Q.HessTrace(linear(1))], 1, **_strict())
+        run(
+            make_any_problem("rmsnorm-mlp"),
+            [Q.HessTrace(linear(1), curvature=ggn)],
+            1,
+            **_strict(),
+        )
 
 
 def _strict():

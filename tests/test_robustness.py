@@ -227,11 +227,15 @@ def test_layer_without_backpack_rule_goes_to_autograd_and_is_named():
 
 
 def test_curvature_without_backpack_rule_is_missing_or_strict_error():
-    model, cockpit = _mse_setup(_layernorm_net(), [Q.HessTrace(EVERY)], named=False)
+    # (the Hessian trace is estimated instead: tests/test_any_model_curvature.py)
+    def ggn():
+        return [Q.HessTrace(EVERY, curvature="diag_ggn_exact")]
+
+    model, cockpit = _mse_setup(_layernorm_net(), ggn(), named=False)
     with pytest.warns(CockpitWarning, match=r"HessTrace has no value.*LayerNorm.*Fix"):
         _mse_step(model, cockpit)
     assert "HessTrace" not in cockpit.get_output().get(0, {})
-    strict = Cockpit(model.parameters(), [Q.HessTrace(EVERY)], strict=True)
+    strict = Cockpit(model.parameters(), ggn(), strict=True)
     with pytest.raises(RuntimeError, match=r"strict=True.*HessTrace.*#2.*LayerNorm"):
         _mse_step(model, strict)
 

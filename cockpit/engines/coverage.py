@@ -79,6 +79,25 @@ class Coverage:
     step: int | None
     params: Sequence[ParamCoverage]
 
+    def merged(self, newer: Coverage) -> Coverage:
+        """Return this report updated by a later step's.
+
+        Quantities inactive at the later step keep their earlier status; the
+        routes are the later ones.
+        """
+        if len(newer.params) != len(self.params):
+            return newer
+        rows = [
+            ParamCoverage(
+                new.index,
+                new.label,
+                new.route,
+                {**dict(old.quantities), **dict(new.quantities)},
+            )
+            for old, new in zip(self.params, newer.params, strict=True)
+        ]
+        return Coverage(newer.step, rows)
+
     def problems(self) -> list[str]:
         """Everything not exact: ``"<quantity> for <parameter>: <status>"``."""
         found = []
