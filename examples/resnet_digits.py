@@ -1,10 +1,10 @@
 """A small ResNet with GroupNorm on scikit-learn's digits, tracked by cockpit.
 
-Residual connections live in ``forward()`` code and GroupNorm has no BackPACK rule:
-cockpit computes the convolutions' and the classifier's per-sample gradients with
-BackPACK, GroupNorm's with autograd, and estimates the Hessian trace with
-Hutchinson's method (BackPACK's exact diagonal needs an ``nn.Sequential`` of layers
-it knows). ``coverage()`` says who computed what. ReLUs are not in-place: an
+Residual connections live in ``forward()`` code and BackPACK has no GroupNorm rule:
+cockpit computes every per-sample gradient in BackPACK's backward pass (GroupNorm's
+with a rule of its own, from the layer's input and output gradient) and estimates
+the Hessian trace with Hutchinson's method (BackPACK's exact diagonal needs an
+``nn.Sequential`` of layers it knows). ``coverage()`` says who computed what. ReLUs are not in-place: an
 in-place activation on the output of an ``extend``-ed layer fails in the forward
 pass (see ``docs/any_model.md``).
 

@@ -212,18 +212,29 @@ def _layernorm_net():
     )
 
 
+class _Scale(torch.nn.Module):
+    """A custom layer with a raw parameter (BackPACK has no rule for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
 def test_layer_without_backpack_rule_goes_to_autograd_and_is_named():
-    model, cockpit = _mse_setup(_layernorm_net(), [Q.Variance(EVERY)])
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), _Scale(), torch.nn.Linear(4, 2))
+    model, cockpit = _mse_setup(net, [Q.Variance(EVERY)])
     with warnings.catch_warnings():  # neither BackPACK nor cockpit warns
         warnings.simplefilter("error", CockpitWarning)
         warnings.filterwarnings("error", message=".*does not have an extension")
         _mse_step(model, cockpit)
-    assert len(cockpit.get_output()[0]["Variance"]) == 6
+    assert len(cockpit.get_output()[0]["Variance"]) == 5
     rows = cockpit.coverage().params
-    assert [row.route.engine for row in rows] == ["backpack"] * 2 + ["autograd"] * 2 + [
-        "backpack"
-    ] * 2
-    assert "'1.weight'" in rows[2].label and "LayerNorm" in rows[2].route.reason
+    engines = [row.route.engine for row in rows]
+    assert engines == ["backpack"] * 2 + ["autograd"] + ["backpack"] * 2
+    assert "'1.scale'" in rows[2].label and "_Scale" in rows[2].route.reason
 
 
 def test_curvature_without_backpack_rule_is_missing_or_strict_error():

@@ -62,8 +62,8 @@ from backpack.extensions.secondorder.diag_ggn.conv2d import DiagGGNConv2d
 from backpack.extensions.secondorder.diag_hessian.conv2d import DiagHConv2d
 from backpack.utils import conv as conv_utils
 from torch import Tensor
-from torch.nn import Conv2d, Embedding, Linear
-from torch.nn.functional import unfold
+from torch.nn import Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RMSNorm
+from torch.nn.functional import group_norm, layer_norm, rms_norm, unfold
 
 from cockpit.per_sample import LinearFactors
 
@@ -263,19 +263,88 @@ class _EmbeddingSumGradSquared(FirstOrderModuleExtension):
         return embedding_per_sample(module, g_out).square_().sum(0)
 
 
+# --- normalisation layers ------------------------------------------------------------
+#: Normalisation layers with cockpit rules (BackPACK has none).
+NORM_LAYERS = (LayerNorm, GroupNorm, RMSNorm)
+
+
+def _normalised(module, x: Tensor) -> Tensor:
+    """The layer's input, normalised, before the affine weight and bias."""
+    if isinstance(module, GroupNorm):
+        return group_norm(x, module.num_groups, None, None, module.eps)
+    if isinstance(module, LayerNorm):
+        return layer_norm(x, module.normalized_shape, None, None, module.eps)
+    return rms_norm(x, module.normalized_shape, None, module.eps)
+
+
+def norm_per_sample(module, g_out, name: str) -> Tensor:
+    """Per-sample gradients ``b_i`` of a normalisation layer's ``weight`` or ``bias``.
+
+    ``y = x_hat * w + b`` elementwise (``w``, ``b`` broadcast over the batch and
+    the axes they do not cover), so ``b_i`` sums ``delta * x_hat`` (weight) or
+    ``delta`` (bias) over those axes of sample ``i``; ``x_hat`` is recomputed from
+    the stored input. Shape ``[N, *param.shape]``.
+    """
+    delta = g_out[0].detach()
+    if name == "weight":
+        delta = delta * _normalised(module, module.input0.detach())
+    if isinstance(module, GroupNorm):  # [N, C, *spatial] -> [N, C]
+        return delta.sum(dim=tuple(range(2, delta.dim()))) if delta.dim() > 2 else delta
+    kept = len(module.normalized_shape)  # trailing axes, after the batch and others
+    axes = tuple(range(1, delta.dim() - kept))
+    return delta.sum(dim=axes) if axes else delta
+
+
+class _NormRule(FirstOrderModuleExtension):
+    """LayerNorm, GroupNorm, RMSNorm: per-sample results from input and ``delta``.
+
+    Args:
+        reduce: What to save: ``"batch"`` (``b_i``), ``"l2"`` (``||b_i||^2``) or
+            ``"sgs"`` (``sum_i b_i**2``).
+        params: The layer's parameter names (RMSNorm has no bias).
+    """
+
+    def __init__(self, reduce: str, params: list[str]):
+        super().__init__(params=params)
+        self._reduce = reduce
+
+    def _result(self, per_sample: Tensor) -> Tensor:
+        if self._reduce == "l2":
+            return per_sample.flatten(start_dim=1).square().sum(1)
+        if self._reduce == "sgs":
+            return per_sample.square().sum(0)
+        return per_sample
+
+    def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """The weight's result."""
+        return self._result(norm_per_sample(module, g_out, "weight"))
+
+    def bias(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """The bias's result."""
+        return self._result(norm_per_sample(module, g_out, "bias"))
+
+
+def _with_norm_rules(extension: BackpropExtension, reduce: str) -> None:
+    for layer in NORM_LAYERS:
+        params = ["weight"] if layer is RMSNorm else ["weight", "bias"]
+        extension.set_module_extension(layer, _NormRule(reduce, params), overwrite=True)
+
+
 def lean_batch_l2() -> BatchL2Grad:
-    """Return BackPACK's ``BatchL2Grad`` with cockpit's ``Embedding`` rule."""
+    """Return BackPACK's ``BatchL2Grad`` with cockpit's Embedding and norm rules."""
     extension = BatchL2Grad()
     extension.set_module_extension(Embedding, _EmbeddingBatchL2(), overwrite=True)
+    _with_norm_rules(extension, "l2")
     return without_graph(extension)
 
 
 def lean_sum_grad_squared() -> SumGradSquared:
-    """Return BackPACK's ``SumGradSquared`` with cockpit's ``Embedding`` rule."""
+    """Return BackPACK's ``SumGradSquared`` with cockpit's Embedding and norm rules."""
     extension = SumGradSquared()
     extension.set_module_extension(
         Embedding, _EmbeddingSumGradSquared(), overwrite=True
     )
+    _with_norm_rules(extension, "sgs")
     return without_graph(extension)
 
 
@@ -296,6 +365,7 @@ class PerSampleGradients(BatchGrad):
         self.set_module_extension(Linear, _FactoredLinear(), overwrite=True)
         self.set_module_extension(Conv2d, _UnfoldConv2d(), overwrite=True)
         self.set_module_extension(Embedding, _EmbeddingBatchGrad(), overwrite=True)
+        _with_norm_rules(self, "batch")
         without_graph(self)
 
     @staticmethod
