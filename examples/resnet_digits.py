@@ -4,9 +4,9 @@ Residual connections live in ``forward()`` code and BackPACK has no GroupNorm ru
 cockpit computes every per-sample gradient in BackPACK's backward pass (GroupNorm's
 with a rule of its own, from the layer's input and output gradient) and estimates
 the Hessian trace with Hutchinson's method (BackPACK's exact diagonal needs an
-``nn.Sequential`` of layers it knows). ``coverage()`` says who computed what. ReLUs are not in-place: an
-in-place activation on the output of an ``extend``-ed layer fails in the forward
-pass (see ``docs/any_model.md``).
+``nn.Sequential`` of layers it knows). ``coverage()`` says who computed what.
+ReLUs are not in-place: an in-place activation on the output of an ``extend``-ed
+layer fails in the forward pass (see ``docs/any_model.md``).
 
 Run: ``python examples/resnet_digits.py [--steps 150] [--out resnet_digits_output]``.
 Writes ``<out>/log.json`` and ``<out>/dashboard.png``; prints the coverage report.
