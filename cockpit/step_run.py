@@ -90,9 +90,12 @@ class StepRouting:
         plan: The step's plan (before any quantity is left out).
         info: The step's info.
         router: The cockpit's router (module map and probe cache).
+        user: The user's extra BackPACK extensions of the step.
     """
 
-    def __init__(self, plan: StepPlan, info: StepInfo, router: Router):
+    def __init__(
+        self, plan: StepPlan, info: StepInfo, router: Router, user: tuple = ()
+    ):
         self.routes: list[Route] | None = None
         self.autograd: list[int] = []
         self.losses: Tensor | None = None
@@ -108,7 +111,8 @@ class StepRouting:
         )
         if isinstance(losses, Tensor) and losses.grad_fn is not None:
             self.losses = losses
-        first = engine.first_order(plan.requested)
+        # the extensions that will run: the user's extra ones may replace ours
+        first = engine.first_order(plan.backward_setup(user).extensions)
         self.routes = router.route(first, self.losses)
         wanted = [i for i, r in enumerate(self.routes) if r.engine == AUTOGRAD]
         step = plan.global_step
@@ -205,7 +209,9 @@ class StepRun:
         self._skip: set[int] = set()
         self.diagnostics, self.recorder = diagnostics, recorder
         diagnostics.before(plan, info)
-        self.routing = StepRouting(plan, info, router) if router is not None else None
+        self.routing = (
+            StepRouting(plan, info, router, extensions) if router is not None else None
+        )
         self.coverage: Coverage | None = None
         if self.routing is not None:
             plan = self._apply_routing(plan, strict)
