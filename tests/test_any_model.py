@@ -278,3 +278,44 @@ def test_fused_attention_without_double_backward_says_what_to_do():
     cockpit = Cockpit(problem.params, [Q.HessMaxEV(linear(1))])
     step(cockpit, problem, math=True)
     assert cockpit.get_output()[0]["HessMaxEV"] > 0
+
+
+def test_an_extra_batch_grad_of_the_user_keeps_its_results_and_routing_follows():
+    from backpack import extend
+    from backpack.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)
+        ).double()
+    )
+    cockpit = Cockpit(model.parameters(), [Q.Variance(linear(1))])
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    out = model(x)
+    loss = extend(torch.nn.CrossEntropyLoss())(out, y)
+    losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+    with cockpit(0, BatchGrad(), info={"loss": loss, "individual_losses": losses}):
+        loss.backward()
+    engines = [row.route.engine for row in cockpit.coverage().params]
+    assert engines == ["backpack"] * 2 + ["autograd"] * 2 + ["backpack"] * 2
+    assert model[0].weight.grad_batch.shape == (5, 4, 3)  # the user's, kept
+    G = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(
+                        torch.nn.functional.cross_entropy(
+                            model(x), y, reduction="none"
+                        )[i],
+                        list(model.parameters()),
+                    )
+                ]
+            )
+            for i in range(5)
+        ]
+    )
+    blocks = torch.split(G, [p.numel() for p in model.parameters()], dim=1)
+    want = torch.stack([(b - b.mean(0)).square().sum(1).mean() for b in blocks])
+    close(cockpit.get_output()[0]["Variance"], want, "Variance")
