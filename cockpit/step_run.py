@@ -113,6 +113,7 @@ class StepRouting:
             self.losses = losses
         # the extensions that will run: the user's extra ones may replace ours
         first = engine.first_order(plan.backward_setup(user).extensions)
+        first = first or engine.reference_first_order()
         self.routes = router.route(first, self.losses)
         wanted = [i for i, r in enumerate(self.routes) if r.engine == AUTOGRAD]
         step = plan.global_step

@@ -324,6 +324,21 @@ def first_order(extensions: Iterable[BackpropExtension]) -> list[BackpropExtensi
     return [e for e in extensions if e.savefield in FIRST_ORDER_SAVEFIELDS]
 
 
+_REFERENCE_FIRST_ORDER: list[BackpropExtension] = []
+
+
+def reference_first_order() -> list[BackpropExtension]:
+    """The per-sample gradient extension whose rules describe a step without one.
+
+    Routes of a step that only needs curvature still say who *would* compute
+    per-sample results (and a parameter without such a rule has no curvature
+    rule either). Never run; built once.
+    """
+    if not _REFERENCE_FIRST_ORDER:
+        _REFERENCE_FIRST_ORDER.append(PerSampleGradients())
+    return list(_REFERENCE_FIRST_ORDER)
+
+
 def curvature(extensions: Iterable[BackpropExtension]) -> list[BackpropExtension]:
     """The curvature extensions among ``extensions``."""
     return [e for e in extensions if e.savefield in CURVATURE_SAVEFIELDS]

@@ -176,7 +176,7 @@ def static_coverage(router, quantities: Sequence, labels: Sequence[str]) -> Cove
 
     needs = {id(q): frozenset(q.needs) for q in quantities}
     extensions = engine.extensions_for(frozenset().union(*needs.values()))
-    first = engine.first_order(extensions)
+    first = engine.first_order(extensions) or engine.reference_first_order()
     routes = [router.static_route(i, first) for i in range(len(labels))]
     curvature = engine.curvature(extensions)
     problem = router.curvature_problem(routes, curvature) if curvature else None
