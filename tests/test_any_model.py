@@ -34,7 +34,7 @@ SCALARS = ["NormTest", "InnerTest", "OrthoTest", "MeanGSNR"]
 PER_PARAMETER = ["GradNorm", "Variance"]
 BINS, RANGE = 30, (-0.3, 0.3)
 #: Models whose layers all have rules (cockpit's own for the normalisation layers).
-BACKPACK_ONLY = {"resnet-bn-eval", "rmsnorm-mlp"}
+BACKPACK_ONLY = {"resnet-bn-eval", "rmsnorm-mlp", "lstm-batch-first"}
 
 
 def close(actual, expected, what):
@@ -319,3 +319,18 @@ def test_an_extra_batch_grad_of_the_user_keeps_its_results_and_routing_follows()
     blocks = torch.split(G, [p.numel() for p in model.parameters()], dim=1)
     want = torch.stack([(b - b.mean(0)).square().sum(1).mean() for b in blocks])
     close(cockpit.get_output()[0]["Variance"], want, "Variance")
+
+
+def test_coverage_before_the_first_step_reads_the_structure():
+    problem = make_any_problem("transformer")
+    cockpit = Cockpit(
+        problem.model.named_parameters(),
+        [Q.Variance(linear(1)), Q.HessTrace(linear(1))],
+    )
+    coverage = cockpit.coverage()
+    assert coverage.step is None
+    by_name = {row.label.split("'")[1]: row for row in coverage.params}
+    assert by_name["norm1.weight"].route.engine == "backpack"  # cockpit's rule
+    assert by_name["attention.in_proj_weight"].route.engine == "autograd"
+    assert str(by_name["position"].quantities["HessTrace"]).startswith("not covered")
+    assert "attention.in_proj_weight" in str(coverage)

@@ -69,6 +69,18 @@ class SequenceFirstLSTM(torch.nn.Module):
         return self.head(torch.tanh(self.per_step(out)).mean(0))
 
 
+class BatchFirstLSTM(torch.nn.Module):
+    """LSTM with ``batch_first=True`` (BackPACK's rule) and a Linear head."""
+
+    def __init__(self, features=3, hidden=4, classes=3):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(features, hidden, batch_first=True)
+        self.head = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
 class TiedCustom(torch.nn.Module):
     """A raw scale, a custom gate and an output layer tied to the embedding."""
 
@@ -141,6 +153,11 @@ ARCHITECTURES = {
     "lstm-seq-first-t3": (
         SequenceFirstLSTM,
         lambda gen, n: torch.randn(n, 3, 3, generator=gen, dtype=DTYPE),  # T != N
+        False,
+    ),
+    "lstm-batch-first": (
+        BatchFirstLSTM,
+        lambda gen, n: torch.randn(n, 3, 3, generator=gen, dtype=DTYPE),
         False,
     ),
     "tied-custom": (
