@@ -228,7 +228,9 @@ class Cockpit:
         if self._coverage is not None:
             return self._coverage
         labels = [self._diagnostics.param_label(i) for i in range(len(self.params))]
-        return static_coverage(self._router, self.quantities, labels)
+        return static_coverage(
+            self._router, self.quantities, labels, self.HUTCHINSON_PROBES
+        )
 
     def create_graph(self, global_step: int) -> bool:
         """Return whether ``loss.backward`` needs ``create_graph=True`` at this step."""

@@ -164,13 +164,16 @@ def status_for(needs: frozenset[Need], route: Route, curvature: str | None) -> S
     return max(statuses, key=lambda s: (_RANK[s.kind], s.how != "gradient"))
 
 
-def static_coverage(router, quantities: Sequence, labels: Sequence[str]) -> Coverage:
+def static_coverage(
+    router, quantities: Sequence, labels: Sequence[str], probes: int = 16
+) -> Coverage:
     """The report before any step, from the model's structure alone.
 
     Args:
         router: The cockpit's :class:`~cockpit.engines.routing.Router`.
         quantities: The cockpit's quantities (all their needs, whatever the step).
         labels: A label per parameter.
+        probes: Hessian-vector products of a Hutchinson estimate.
     """
     from cockpit.engines import backpack as engine
 
@@ -180,8 +183,16 @@ def static_coverage(router, quantities: Sequence, labels: Sequence[str]) -> Cove
     routes = [router.static_route(i, first) for i in range(len(labels))]
     curvature = engine.curvature(extensions)
     problem = router.curvature_problem(routes, curvature) if curvature else None
+    estimate = Status(ESTIMATED, f"Hutchinson, {probes} Hessian-vector products")
     rows = []
     for index, route in enumerate(routes):
-        statuses = {q.key: status_for(needs[id(q)], route, problem) for q in quantities}
+        statuses = {}
+        for q in quantities:
+            wanted = needs[id(q)] & CURVATURE_NEEDS
+            estimable = frozenset(getattr(q, "estimable", frozenset()))
+            if problem is not None and wanted and wanted <= estimable:
+                statuses[q.key] = estimate
+            else:
+                statuses[q.key] = status_for(needs[id(q)], route, problem)
         rows.append(ParamCoverage(index, labels[index], route, statuses))
     return Coverage(None, rows)
