@@ -221,9 +221,10 @@ class Cockpit:
 
         After tracked steps with per-sample work, the latest status of every
         quantity (from the last step it was active at); before, one from the
-        model's structure (weight tying, batch layouts
-        and the per-sample losses are checked at every step). ``str()`` of it is a
-        readable table; ``.problems()`` lists what is estimated or not covered.
+        model's structure (weight tying, batch layouts and the per-sample losses
+        are checked at every step). ``str()`` of it is a readable table;
+        ``.problems()`` lists what is estimated or not covered. See
+        ``docs/any_model.md``.
         """
         if self._coverage is not None:
             return self._coverage

@@ -335,3 +335,23 @@ def test_coverage_before_the_first_step_reads_the_structure():
     hess_trace = str(by_name["position"].quantities["HessTrace"])
     assert hess_trace == "estimated (Hutchinson, 16 Hessian-vector products)"
     assert "attention.in_proj_weight" in str(coverage)
+
+
+def test_without_per_sample_losses_a_shared_layer_is_never_left_to_backpack():
+    from backpack import extend
+
+    torch.manual_seed(0)
+    layer, head = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 2).double()
+    model = extend(torch.nn.Sequential(layer, torch.nn.Tanh(), layer, head))
+    cockpit = Cockpit(
+        model.parameters(), [Q.Variance(linear(1)), Q.GradNorm(linear(1))]
+    )
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss = extend(torch.nn.CrossEntropyLoss())(model(x), y)
+    with pytest.warns(
+        CockpitWarning, match=r"Variance has no value.*individual_losses"
+    ):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()
+    assert set(cockpit.get_output()[0]) == {"GradNorm"}
+    assert "used 2 times" in cockpit.coverage().params[0].route.reason

@@ -195,23 +195,34 @@ class Router:
 
     # --- per step ------------------------------------------------------------------
     def route(
-        self, extensions: Sequence, individual_losses: Tensor | None
+        self,
+        extensions: Sequence,
+        individual_losses: Tensor | None,
+        loss: Tensor | None = None,
+        batch_size: int | None = None,
     ) -> list[Route]:
         """Route every parameter for a step whose first-order work is ``extensions``.
 
         Args:
             extensions: The step's first-order BackPACK extensions.
-            individual_losses: The per-sample losses with their graph (``None``: the
-                graph cannot be checked, so rules 3 and 4 are not applied).
+            individual_losses: The per-sample losses with their graph.
+            loss: The mini-batch loss; its graph stands in for the per-sample
+                losses' where those have none (uses are still counted; the sample
+                axis is then checked by sizes only, against ``batch_size``).
+            batch_size: N, where known.
 
         Returns:
             One :class:`Route` per parameter.
         """
         routes = [self.static_route(i, extensions) for i in range(len(self.params))]
-        if individual_losses is None or individual_losses.grad_fn is None:
+        per_sample = individual_losses is not None and individual_losses.grad_fn
+        if per_sample:
+            root, n = individual_losses, individual_losses.shape[0]
+        elif isinstance(loss, Tensor) and loss.grad_fn is not None:
+            root, n = loss, batch_size
+        else:
             return routes
-        nodes, uses = graph_uses([individual_losses.grad_fn])
-        n = individual_losses.shape[0]
+        nodes, uses = graph_uses([root.grad_fn])
         candidates: dict[int, Module] = {}
         for index, route in enumerate(routes):
             param = self.params[index]
@@ -229,8 +240,10 @@ class Router:
                 routes[index] = Route(AUTOGRAD, problem, route.module)
             elif not _is_training_batchnorm(module):
                 candidates[id(module)] = module
-        if n < 2:  # nothing to tell apart; a wrong length fails in the quantities
-            failed: set[int] = set()
+        if n is None or n < 2:  # nothing to tell apart (a wrong length of the
+            failed: set[int] = set()  # per-sample losses fails in the quantities)
+        elif not per_sample:
+            failed = {key for key, m in candidates.items() if self._shape_problem(m, n)}
         elif self._can_probe(n):
             failed = self._probe(individual_losses, list(candidates.values()))
         else:  # samples mix anyway (BatchNorm in train mode): shapes only
