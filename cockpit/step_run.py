@@ -114,9 +114,8 @@ class StepRouting:
         # the extensions that will run: the user's extra ones may replace ours
         first = engine.first_order(plan.backward_setup(user).extensions)
         first = first or engine.reference_first_order()
-        batch_size = info.get("batch_size") if info.has("batch_size") else None
         loss = info.get("loss") if info.has("loss") else None
-        self.routes = router.route(first, self.losses, loss, batch_size)
+        self.routes = router.route(first, self.losses, loss)
         wanted = [i for i, r in enumerate(self.routes) if r.engine == AUTOGRAD]
         step = plan.global_step
         per_sample = [q for q in plan.consumers if q.needs_at(step) & PER_SAMPLE_NEEDS]

@@ -199,7 +199,6 @@ class Router:
         extensions: Sequence,
         individual_losses: Tensor | None,
         loss: Tensor | None = None,
-        batch_size: int | None = None,
     ) -> list[Route]:
         """Route every parameter for a step whose first-order work is ``extensions``.
 
@@ -207,9 +206,8 @@ class Router:
             extensions: The step's first-order BackPACK extensions.
             individual_losses: The per-sample losses with their graph.
             loss: The mini-batch loss; its graph stands in for the per-sample
-                losses' where those have none (uses are still counted; the sample
-                axis is then checked by sizes only, against ``batch_size``).
-            batch_size: N, where known.
+                losses' where those have none (uses are still counted; the
+                sample axis cannot be checked then).
 
         Returns:
             One :class:`Route` per parameter.
@@ -219,7 +217,7 @@ class Router:
         if per_sample:
             root, n = individual_losses, individual_losses.shape[0]
         elif isinstance(loss, Tensor) and loss.grad_fn is not None:
-            root, n = loss, batch_size
+            root, n = loss, 0
         else:
             return routes
         nodes, uses = graph_uses([root.grad_fn])
@@ -240,10 +238,8 @@ class Router:
                 routes[index] = Route(AUTOGRAD, problem, route.module)
             elif not _is_training_batchnorm(module):
                 candidates[id(module)] = module
-        if n is None or n < 2:  # nothing to tell apart (a wrong length of the
-            failed: set[int] = set()  # per-sample losses fails in the quantities)
-        elif not per_sample:
-            failed = {key for key, m in candidates.items() if self._shape_problem(m, n)}
+        if not per_sample or n < 2:  # no sample axis to check (a wrong length of
+            failed: set[int] = set()  # the per-sample losses fails in the quantities)
         elif self._can_probe(n):
             failed = self._probe(individual_losses, list(candidates.values()))
         else:  # samples mix anyway (BatchNorm in train mode): shapes only
