@@ -21,6 +21,10 @@ from torch import Tensor
 
 from cockpit.checkpoint import STATE_VERSION, cockpit_state, load_cockpit_state
 from cockpit.checks import NONFINITE_KEY, Diagnostics
+from cockpit.engines import autograd as autograd_engine
+from cockpit.engines import backpack as backpack_engine
+from cockpit.engines.coverage import Coverage, static_coverage
+from cockpit.engines.routing import Router
 from cockpit.errors import CockpitWarning
 from cockpit.history import History, json_path
 from cockpit.log_stream import LogStream
@@ -83,6 +87,10 @@ class Cockpit:
         diagnose: Read the instruments while training and warn once per problem
             found (a :class:`~cockpit.errors.CockpitWarning` naming the evidence
             and the fix; see :mod:`cockpit.diagnosis`, ``cockpit report``).
+        strict: Raise :class:`~cockpit.engines.coverage.CoverageError` at a step
+            where a value would be estimated or missing instead of exact (by
+            default such values are recorded as missing, warned once; see
+            :meth:`coverage`).
 
     Raises:
         ValueError: If a parameter does not require gradients or is given twice,
@@ -95,6 +103,12 @@ class Cockpit:
 
     #: Use BackPACK's low-memory algorithm for convolution weight Jacobians.
     BACKPACK_CONV_SAVE_MEMORY = True
+    #: Samples per batched backward pass of the autograd engine (memory vs. speed).
+    PER_SAMPLE_CHUNK = autograd_engine.DEFAULT_CHUNK
+    #: Per-sample gradient numbers the autograd engine holds at once.
+    PER_SAMPLE_MAX_ELEMENTS = autograd_engine.DEFAULT_MAX_ELEMENTS
+    #: Hessian-vector products per Hutchinson estimate (where BackPACK has none).
+    HUTCHINSON_PROBES = autograd_engine.DEFAULT_PROBES
 
     def __init__(
         self,
@@ -102,7 +116,9 @@ class Cockpit:
         quantities: Iterable[Quantity] | None = None,
         logpath: str | None = None,
         diagnose: bool = True,
+        strict: bool = False,
     ):
+        self.strict = bool(strict)
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []
@@ -161,6 +177,10 @@ class Cockpit:
             self.recorder.subscribe(self.diagnosis)
         self._diagnostics = Diagnostics(self.params, self.param_names)
         self._loop = LoopChecks(self.params, self.recorder, self._diagnostics)
+        self._router = Router(
+            self.params, backpack_engine.rule_problem, backpack_engine.quiet_backward
+        )
+        self._coverage: Coverage | None = None
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
         self.last_step: int | None = None
@@ -226,6 +246,23 @@ class Cockpit:
             self._plan = plan_step(self.quantities, global_step)
         return self._plan
 
+    def coverage(self) -> Coverage:
+        """Say, for every parameter, which engine computes which quantity, and how.
+
+        After tracked steps with per-sample work, the latest status of every
+        quantity (from the last step it was active at); before, one from the
+        model's structure (weight tying, batch layouts and the per-sample losses
+        are checked at every step). ``str()`` of it is a readable table;
+        ``.problems()`` lists what is estimated or not covered. See
+        ``docs/any_model.md``.
+        """
+        if self._coverage is not None:
+            return self._coverage
+        labels = [self._diagnostics.param_label(i) for i in range(len(self.params))]
+        return static_coverage(
+            self._router, self.quantities, labels, self.HUTCHINSON_PROBES
+        )
+
     def create_graph(self, global_step: int) -> bool:
         """Return whether ``loss.backward`` needs ``create_graph=True`` at this step."""
         return self.plan(_as_step(global_step)).create_graph
@@ -289,7 +326,18 @@ class Cockpit:
             self.recorder,
             save_memory=self.BACKPACK_CONV_SAVE_MEMORY,
             debug=debug,
+            router=self._router,
+            strict=self.strict,
+            chunk=self.PER_SAMPLE_CHUNK,
+            max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
+            probes=self.HUTCHINSON_PROBES,
         )
+        if run.coverage is not None:
+            if self._coverage is None:
+                _LOG.info(run.coverage.summary())
+                self._coverage = run.coverage
+            else:
+                self._coverage = self._coverage.merged(run.coverage)
         run.open()
         self._open = run
 

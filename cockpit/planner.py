@@ -10,7 +10,7 @@ the step itself share it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from cockpit import needs as N
@@ -94,6 +94,17 @@ class StepPlan:
             free_in_hook=tuple(f for f in owned if f not in late),
             free_after=tuple(owned),
             needed=tuple(sorted(set(engine.savefields(requested)))),
+        )
+
+    def without(self, dropped: Iterable[Quantity]) -> StepPlan:
+        """Return the plan with ``dropped`` quantities left out of the step.
+
+        ``create_graph`` is kept: the user's backward pass already asked for it.
+        """
+        gone = {id(q) for q in dropped}
+        kept = [q for q in self.active if id(q) not in gone]
+        return replace(
+            plan_step(kept, self.global_step), create_graph=self.create_graph
         )
 
     def who_needs(self, savefields: Iterable[str]) -> str:

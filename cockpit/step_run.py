@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.context import StepInfo
+from cockpit.engines import autograd as autograd_engine
 from cockpit.engines import backpack as engine
+from cockpit.engines.coverage import (
+    CURVATURE_NEEDS,
+    ESTIMATED,
+    MISSING,
+    PER_SAMPLE_NEEDS,
+    Coverage,
+    CoverageError,
+    ParamCoverage,
+    Status,
+    status_for,
+)
+from cockpit.engines.routing import AUTOGRAD, Route, Router
+from cockpit.param_view import ParamResults, ParamView
+from cockpit.per_sample import DenseGradients
 from cockpit.planner import StepPlan
 from cockpit.quantities.base import Missing, Quantity, TrackContext
 from cockpit.recorder import Recorder
@@ -51,6 +68,113 @@ class _Guarded:
             self.error = error
 
 
+#: History key suffix of an estimate's description and standard errors.
+ESTIMATE_SUFFIX = "_estimate"
+
+_MISSING_LOSSES = (
+    "the autograd engine needs info['individual_losses'] with its autograd graph "
+    "for the parameters BackPACK has no rule for",
+    "pass the per-sample losses of this forward pass, computed with "
+    "reduction='none' and not detached",
+)
+_CURVATURE_FIX = (
+    "build the model from nn.Sequential with layers BackPACK supports, or drop the "
+    "quantity"
+)
+
+
+class StepRouting:
+    """Which engine computes what at one step, and the quantities left out.
+
+    Args:
+        plan: The step's plan (before any quantity is left out).
+        info: The step's info.
+        router: The cockpit's router (module map and probe cache).
+        user: The user's extra BackPACK extensions of the step.
+    """
+
+    def __init__(
+        self, plan: StepPlan, info: StepInfo, router: Router, user: tuple = ()
+    ):
+        self.routes: list[Route] | None = None
+        self.autograd: list[int] = []
+        self.losses: Tensor | None = None
+        #: ``id(quantity)`` -> (quantity, why it has no value at the step, fix).
+        self.dropped: dict[int, tuple[Quantity, str, str]] = {}
+        self.curvature_problem: str | None = None
+        #: ``id(quantity)`` -> quantity whose curvature is estimated (Hutchinson).
+        self.estimated: dict[int, Quantity] = {}
+        if not plan.consumers:
+            return
+        losses = (
+            info.get("individual_losses") if info.has("individual_losses") else None
+        )
+        if isinstance(losses, Tensor) and losses.grad_fn is not None:
+            self.losses = losses
+        # the extensions that will run: the user's extra ones may replace ours
+        first = engine.first_order(plan.backward_setup(user).extensions)
+        first = first or engine.reference_first_order()
+        loss = info.get("loss") if info.has("loss") else None
+        self.routes = router.route(first, self.losses, loss)
+        wanted = [i for i, r in enumerate(self.routes) if r.engine == AUTOGRAD]
+        step = plan.global_step
+        per_sample = [q for q in plan.consumers if q.needs_at(step) & PER_SAMPLE_NEEDS]
+        if wanted and per_sample and self.losses is None:
+            _refuse_unextended(self.routes, router, per_sample)
+            for q in per_sample:
+                self.dropped[id(q)] = (q, *_MISSING_LOSSES)
+        elif per_sample:
+            self.autograd = wanted
+        curvature = engine.curvature(plan.requested)
+        if curvature:
+            problem = router.curvature_problem(self.routes, curvature)
+            if problem is not None:
+                self.curvature_problem = (
+                    f"BackPACK cannot compute curvature diagonals for this model: "
+                    f"{problem}"
+                )
+                for q in plan.consumers:
+                    wanted = q.needs_at(step) & CURVATURE_NEEDS
+                    if not wanted:
+                        continue
+                    if self.losses is not None and wanted <= q_estimable(q):
+                        self.estimated[id(q)] = q
+                    else:
+                        self.dropped[id(q)] = (
+                            q,
+                            self.curvature_problem,
+                            _CURVATURE_FIX,
+                        )
+
+    def coverage(
+        self,
+        plan: StepPlan,
+        params: list[Tensor],
+        labels: list[str],
+        probes: int = autograd_engine.DEFAULT_PROBES,
+    ) -> Coverage | None:
+        """The coverage report of the step (``None`` if nothing per-sample ran)."""
+        if self.routes is None:
+            return None
+        rows = []
+        step = plan.global_step
+        for index, route in enumerate(self.routes):
+            statuses = {}
+            for q in plan.active:
+                if id(q) in self.dropped:
+                    statuses[q.key] = Status(MISSING, self.dropped[id(q)][1])
+                elif id(q) in self.estimated:
+                    statuses[q.key] = Status(
+                        ESTIMATED, f"Hutchinson, {probes} Hessian-vector products"
+                    )
+                else:
+                    statuses[q.key] = status_for(
+                        q.needs_at(step), route, self.curvature_problem
+                    )
+            rows.append(ParamCoverage(index, labels[index], route, statuses))
+        return Coverage(step, rows)
+
+
 class StepRun:
     """One tracked step, from before ``loss.backward()`` to the recorded values.
 
@@ -75,19 +199,42 @@ class StepRun:
         recorder: Recorder,
         save_memory: bool,
         debug: bool = False,
+        router: Router | None = None,
+        strict: bool = False,
+        chunk: int = autograd_engine.DEFAULT_CHUNK,
+        max_elements: int = autograd_engine.DEFAULT_MAX_ELEMENTS,
+        probes: int = autograd_engine.DEFAULT_PROBES,
     ):
         self.plan, self.info, self.params = plan, info, params
+        self._probes = probes
+        self._router = router
+        self._skip: set[int] = set()
         self.diagnostics, self.recorder = diagnostics, recorder
         diagnostics.before(plan, info)
+        self.routing = (
+            StepRouting(plan, info, router, extensions) if router is not None else None
+        )
+        self.coverage: Coverage | None = None
+        if self.routing is not None:
+            plan = self._apply_routing(plan, strict)
+            self.plan = plan
         self.setup = plan.backward_setup(extensions)
         self.guards = [_Guarded(q) for q in plan.consumers]
+        autograd = self.routing.autograd if self.routing is not None else []
         self.hook = engine.ExtensionHook(
             index={id(p): i for i, p in enumerate(params)},
             consumers=self.guards,
             global_step=plan.global_step,
             needed=self.setup.needed,
             free=self.setup.free_in_hook,
+            elsewhere=frozenset(autograd),
         )
+        if autograd:
+            engine.leave_to_autograd(
+                self.setup.extensions, router.modules_only_in(autograd)
+            )
+        self._chunk, self._max_elements = chunk, max_elements
+        self._strict = strict
         self.grads_before = [
             (p.grad, p.grad._version if p.grad is not None else None) for p in params
         ]
@@ -102,11 +249,59 @@ class StepRun:
         self._save_memory = save_memory
         self._debug = debug
 
+    def _apply_routing(self, plan: StepPlan, strict: bool) -> StepPlan:
+        """Report coverage, enforce ``strict``, leave out what cannot be computed."""
+        routing = self.routing
+        labels = [self.diagnostics.param_label(i) for i in range(len(self.params))]
+        self.coverage = routing.coverage(plan, self.params, labels, self._probes)
+        step = plan.global_step
+        if strict and self.coverage is not None and self.coverage.problems():
+            problems = self.coverage.problems()
+            raise CoverageError(
+                f"strict=True, but at step {step} {len(problems)} value(s) would not "
+                f"be exact: {'; '.join(problems[:3])}"
+                f"{' ...' if len(problems) > 3 else ''}. Fix: see "
+                "cockpit.coverage() for who computes what, drop these quantities, "
+                "or use Cockpit(..., strict=False) to record them as missing."
+            )
+        for quantity, reason, fix in routing.dropped.values():
+            self.recorder.note_missing(step, quantity.key, f"{reason}. Fix: {fix}")
+            self.diagnostics.warn_once(
+                ("not-covered", quantity.key, reason),
+                f"{quantity.key} has no value at step {step} (nor at later steps "
+                f"like it): {reason}. Fix: {fix}. cockpit.coverage() says who "
+                "computes what. (Warned once.)",
+            )
+        if routing.dropped:
+            plan = plan.without(entry[0] for entry in routing.dropped.values())
+        if routing.estimated:  # BackPACK computes no curvature; they read estimates
+            plan = replace(
+                plan,
+                requested=tuple(engine.first_order(plan.requested)),
+                consumers=tuple(
+                    q for q in plan.consumers if id(q) not in routing.estimated
+                ),
+            )
+        if not any(q.needs_at(step) & PER_SAMPLE_NEEDS for q in plan.consumers):
+            routing.autograd = []
+        return plan
+
     # --- opening and closing -------------------------------------------------------
     def open(self) -> None:
-        """Prepare the quantities and enter the backward context."""
+        """Prepare the quantities and enter the backward context.
+
+        Parameters BackPACK has no rule for get their per-sample gradients from
+        the autograd engine here, before the user's backward pass frees the
+        graph, and are shown to the quantities right away.
+        """
         for q in self.plan.active:
             q.begin_step(self.plan.global_step, self.info)
+        if self.routing is not None and self.routing.autograd:
+            self._run_autograd(self.routing.autograd, self.routing.losses)
+        self.estimates: dict[int, list[Tensor]] = {}
+        self.estimate_guards: list[_Guarded] = []
+        if self.routing is not None and self.routing.estimated:
+            self._run_hutchinson(list(self.routing.estimated.values()))
         stack = self._stack
         if self.plan.create_graph:
             # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
@@ -120,6 +315,51 @@ class StepRun:
                 self.setup.extensions, self.hook, self._save_memory, self._debug
             )
         )
+
+    def _run_autograd(self, indices: list[int], losses: Tensor) -> None:
+        params = [self.params[i] for i in indices]
+        with engine.quiet_backward():
+            results = autograd_engine.per_sample_gradients(
+                losses, params, self._chunk, self._max_elements
+            )
+            for position, grads in results:
+                index = indices[position]
+                self.hook.visited.add(index)
+                individual = DenseGradients(grads, scale=1)
+                with torch.no_grad():
+                    self.hook.show(params[position], index, ParamResults(individual))
+
+    def _run_hutchinson(self, quantities: list[Quantity]) -> None:
+        """Show Hutchinson estimates of the Hessian diagonal to ``quantities``."""
+        try:
+            with engine.quiet_backward():
+                diagonals, errors = autograd_engine.hutchinson_diagonals(
+                    self.routing.losses,
+                    self.params,
+                    self._probes,
+                    self._router.generator,
+                )
+        except RuntimeError as error:
+            if not _no_double_backward(error):
+                raise
+            for quantity in quantities:
+                self._without_double_backward(quantity, error)
+                self._skip.add(id(quantity))
+            return
+        self.estimate_guards = [_Guarded(q) for q in quantities]
+        step = self.plan.global_step
+        with torch.no_grad():
+            for index, (param, diagonal) in enumerate(
+                zip(self.params, diagonals, strict=True)
+            ):
+                view = ParamView(
+                    param, index, ParamResults(curvatures={"diag_h": diagonal})
+                )
+                for guard in self.estimate_guards:
+                    guard.accumulate(step, view)
+                view.release()
+        for quantity in quantities:
+            self.estimates[id(quantity)] = errors
 
     def fail(self, error: BaseException) -> Exception | None:
         """Abandon the step after ``error`` in the backward pass.
@@ -164,12 +404,12 @@ class StepRun:
             param = self.params[index]
             fields = engine.savefields(self.plan.requested)
             self.hook.show(param, index, engine.zero_results(param, fields, batch_size))
-        failed = [g for g in self.guards if g.error is not None]
+        failed = [g for g in self.guards + self.estimate_guards if g.error is not None]
         if failed and not nonfinite:
             raise failed[0].error
         for guard in failed:
             self._drop(guard.quantity, guard.error)
-        dropped = {id(g.quantity) for g in failed}
+        dropped = {id(g.quantity) for g in failed} | self._skip
         ctx = TrackContext(step, self.params, self.info)
         tolerant = bool(nonfinite)
         for q in self.plan.first:
@@ -186,6 +426,9 @@ class StepRun:
         try:
             results = quantity.track_step(ctx.global_step, ctx)
         except Exception as error:
+            if _no_double_backward(error):
+                self._without_double_backward(quantity, error)
+                return
             if not tolerant:
                 raise
             self._drop(quantity, error)  # a non-finite step must not crash
@@ -200,6 +443,37 @@ class StepRun:
                 )
             elif value is not None:
                 self.recorder.record(save_step, quantity.key, value)
+                errors = self.estimates.get(id(quantity))
+                if errors is not None:
+                    self.recorder.record(
+                        save_step,
+                        f"{quantity.key}{ESTIMATE_SUFFIX}",
+                        {
+                            "method": "hutchinson",
+                            "probes": self._probes,
+                            "stderr": torch.stack(errors).tolist(),
+                        },
+                    )
+
+    def _without_double_backward(self, quantity: Quantity, error: Exception) -> None:
+        """A quantity whose second derivatives PyTorch cannot compute: say the fix."""
+        step = self.plan.global_step
+        quantity.abort_step(step)
+        message = (
+            f"{quantity.key} needs second derivatives (Hessian-vector products), but "
+            f"PyTorch has no double backward for an operation of the model "
+            f"({error}). Fix: for fused attention (F.scaled_dot_product_attention, "
+            "nn.MultiheadAttention, nn.TransformerEncoderLayer) run the forward "
+            "pass of tracked steps inside `with torch.nn.attention.sdpa_kernel("
+            "torch.nn.attention.SDPBackend.MATH):`; otherwise drop the quantity."
+        )
+        if self._strict:
+            raise CoverageError(f"strict=True: {message}") from error
+        self.recorder.note_missing(step, quantity.key, message)
+        self.diagnostics.warn_once(
+            ("no-double-backward", quantity.key),
+            f"{message} It has no value at step {step}. (Warned once.)",
+        )
 
     def _drop(self, quantity: Quantity, error: Exception) -> None:
         """Skip a quantity that failed on a non-finite step (warned once per key)."""
@@ -230,6 +504,48 @@ class StepRun:
         for p in self.params:
             if p.grad is not None and p.grad.grad_fn is not None:
                 p.grad = p.grad.detach()
+
+
+def q_estimable(quantity: Quantity) -> frozenset:
+    """Curvature needs for which ``quantity`` accepts an unbiased estimate."""
+    return frozenset(getattr(quantity, "estimable", frozenset()))
+
+
+def _refuse_unextended(routes: list[Route], router: Router, who) -> None:
+    """Fail when a module that BackPACK could handle was not extended.
+
+    Without the per-sample losses the autograd engine cannot step in, and a
+    forgotten ``backpack.extend`` is the likelier mistake.
+
+    Raises:
+        RuntimeError: Naming the parameters and both fixes.
+    """
+    unextended = [
+        i for i, r in enumerate(routes) if "is not backpack.extend-ed" in r.reason
+    ]
+    if unextended:
+        names = ", ".join(q.key for q in who)
+        shapes = ", ".join(
+            f"#{i} (shape {tuple(router.params[i].shape)})" for i in unextended
+        )
+        raise RuntimeError(
+            f"BackPACK produced no results for parameter(s) {shapes}, which {names} "
+            "need: their modules are not extended. Fix: call backpack.extend() on "
+            "the model and on the loss function before the forward pass, or pass "
+            "info['individual_losses'] (reduction='none', with its graph) so that "
+            "cockpit computes them with autograd."
+        )
+
+
+def _no_double_backward(error: Exception) -> bool:
+    """Whether ``error`` is PyTorch's missing derivative of a backward operator."""
+    text = str(error)
+    return (
+        isinstance(error, RuntimeError)
+        and "derivative for" in text
+        and "backward" in text
+        and "not implemented" in text
+    )
 
 
 def as_info(global_step: int, info: dict[str, Any] | None) -> StepInfo:

@@ -176,12 +176,23 @@ def _mse_step(model, cockpit, step=0, loss_fn=None, x=None):
 
 
 def test_model_not_extended():
+    # with the per-sample losses, the autograd engine computes what BackPACK cannot
     model = torch.nn.Linear(3, 2).double()
     cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])
+    _mse_step(model, cockpit)
+    assert len(cockpit.get_output()[0]["Variance"]) == 2
+    route = cockpit.coverage().params[0].route
+    assert route.engine == "autograd" and "not backpack.extend-ed" in route.reason
+    # without them, a forgotten extend() is the error
+    model.zero_grad()
+    cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])
+    x = torch.randn(6, 3, dtype=torch.float64)
+    loss = torch.nn.MSELoss()(model(x), torch.zeros(6, 2, dtype=torch.float64))
     with pytest.raises(
         RuntimeError, match=r"no results for parameter.*backpack.extend"
     ):
-        _mse_step(model, cockpit)
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()
 
 
 def test_loss_not_extended_for_curvature():
@@ -203,30 +214,43 @@ def _layernorm_net():
     )
 
 
-def test_unsupported_layer_for_per_sample_quantities_is_named():
-    model, cockpit = _mse_setup(_layernorm_net(), [Q.Variance(EVERY)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # BackPACK's own warning
-        with pytest.raises(NotImplementedError, match=r"LayerNorm '1', needed by Var"):
-            _mse_step(model, cockpit)
-    # leaving the LayerNorm's parameters out, as the message suggests, works
-    model = extend(_layernorm_net().double())
-    params = [p for name, p in model.named_parameters() if not name.startswith("1.")]
-    cockpit = Cockpit(params, [Q.Variance(EVERY)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        _mse_step(model, cockpit)
-    assert len(cockpit.get_output()[0]["Variance"]) == 4
+class _Scale(torch.nn.Module):
+    """A custom layer with a raw parameter (BackPACK has no rule for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale
 
 
-def test_unsupported_layer_for_curvature_is_named_and_chained():
-    model, cockpit = _mse_setup(_layernorm_net(), [Q.HessTrace(EVERY)], named=False)
-    with pytest.raises(NotImplementedError, match=r"DiagHessian for LayerNorm") as info:
+def test_layer_without_backpack_rule_goes_to_autograd_and_is_named():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), _Scale(), torch.nn.Linear(4, 2))
+    model, cockpit = _mse_setup(net, [Q.Variance(EVERY)])
+    with warnings.catch_warnings():  # neither BackPACK nor cockpit warns
+        warnings.simplefilter("error", CockpitWarning)
+        warnings.filterwarnings("error", message=".*does not have an extension")
         _mse_step(model, cockpit)
-    message = str(info.value)
-    assert "owns parameter #2, #3" in message and "needed by HessTrace" in message
-    assert "Fix" in message
-    assert isinstance(info.value.__cause__, NotImplementedError)  # BackPACK's error
+    assert len(cockpit.get_output()[0]["Variance"]) == 5
+    rows = cockpit.coverage().params
+    engines = [row.route.engine for row in rows]
+    assert engines == ["backpack"] * 2 + ["autograd"] + ["backpack"] * 2
+    assert "'1.scale'" in rows[2].label and "_Scale" in rows[2].route.reason
+
+
+def test_curvature_without_backpack_rule_is_missing_or_strict_error():
+    # (the Hessian trace is estimated instead: tests/test_any_model_curvature.py)
+    def ggn():
+        return [Q.HessTrace(EVERY, curvature="diag_ggn_exact")]
+
+    model, cockpit = _mse_setup(_layernorm_net(), ggn(), named=False)
+    with pytest.warns(CockpitWarning, match=r"HessTrace has no value.*LayerNorm.*Fix"):
+        _mse_step(model, cockpit)
+    assert "HessTrace" not in cockpit.get_output().get(0, {})
+    strict = Cockpit(model.parameters(), ggn(), strict=True)
+    with pytest.raises(RuntimeError, match=r"strict=True.*HessTrace.*#2.*LayerNorm"):
+        _mse_step(model, strict)
 
 
 def _batchnorm_net():

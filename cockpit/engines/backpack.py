@@ -23,16 +23,19 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import torch
 from backpack import backpack, disable
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
-from backpack.extensions import BatchL2Grad, SumGradSquared
-from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.extensions.backprop_extension import FAIL_SILENT, BackpropExtension
 from torch import Tensor
 from torch.nn import Module
 
 from cockpit.engines.backpack_rules import (
     PerSampleGradients,
+    SkipModules,
+    lean_batch_l2,
     lean_diag_ggn_exact,
     lean_diag_ggn_mc,
     lean_diag_hessian,
+    lean_sum_grad_squared,
+    module_extension_table,
 )
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
@@ -91,6 +94,20 @@ REQUIRED_API: tuple[tuple[str, str], ...] = (
     ("backpack.utils.conv", "unfold_input"),
     # name-mangled table of module rules (cockpit wraps every rule in no_grad)
     ("backpack.extensions", "BatchGrad()._BackpropExtension__module_extensions"),
+    # first-order extensions stay silent on layers the autograd engine covers
+    ("backpack.extensions.backprop_extension", "FAIL_SILENT"),
+    ("backpack.extensions", "BatchGrad()._fail_mode == 'WARNING'"),
+    # settings checks of rules that accept only some layer settings (LSTM, RNN)
+    ("backpack.core.derivatives.lstm", "callable(LSTMDerivatives._check_parameters)"),
+    (
+        "backpack.extensions.firstorder.batch_grad.rnn",
+        "hasattr(BatchGradLSTM(), '_derivatives')",
+    ),
+    (
+        "backpack.extensions.firstorder.batch_l2_grad.rnn",
+        "hasattr(BatchL2LSTM(), 'derivatives')",
+    ),
+    ("backpack.core.derivatives.rnn", "callable(RNNDerivatives._check_parameters)"),
     # savefields BackPACK's extensions write, which cockpit reads
     ("backpack.extensions", "BatchGrad().savefield == 'grad_batch'"),
     ("backpack.extensions", "BatchL2Grad().savefield == 'batch_l2'"),
@@ -141,9 +158,9 @@ def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
         extensions.append(PerSampleGradients())
     else:
         if Need.BATCH_L2 in needs:
-            extensions.append(BatchL2Grad())
+            extensions.append(lean_batch_l2())
         if Need.SUM_GRAD_SQUARED in needs:
-            extensions.append(SumGradSquared())
+            extensions.append(lean_sum_grad_squared())
     for need, make in _CURVATURE_EXTENSIONS.items():
         if need in needs:
             extensions.append(make())
@@ -263,6 +280,91 @@ def backward_context(
             yield
 
 
+def quiet_backward() -> contextlib.AbstractContextManager:
+    """Return a context for extra backward passes before the user's (no extension).
+
+    BackPACK's backward hooks run in every backward pass through an extended
+    module; outside of a ``backpack`` context they delete the inputs stored by the
+    forward pass, which the user's backward pass still needs. Here they keep them.
+    """
+    return backpack(retain_graph=True)
+
+
+def rule_problem(module: Module, extension: BackpropExtension) -> str | None:
+    """Why ``extension`` has no working rule for ``module`` (``None``: it has one).
+
+    The rule is looked up by the module's exact type, as BackPACK does; rules that
+    accept only some settings (BackPACK's LSTM and RNN rules: ``batch_first=True``,
+    one layer, ...) are asked up front instead of failing in the backward pass.
+    """
+    rule = module_extension_table(extension).get(type(module))
+    name = type(extension).__name__
+    if rule is None:
+        return f"BackPACK's {name} has no rule for {type(module).__name__}"
+    supports = getattr(rule, "supports", None)  # cockpit's own rules
+    if supports is not None:
+        problem = supports(module)
+        if problem is not None:
+            return f"cockpit's {type(module).__name__} rule: {problem}"
+        return None
+    derivatives = getattr(rule, "_derivatives", None) or getattr(
+        rule, "derivatives", None
+    )
+    check = getattr(derivatives, "_check_parameters", None)
+    if check is not None:
+        try:
+            check(module)
+        except NotImplementedError as error:
+            return f"BackPACK's {name} rule for {type(module).__name__}: {error}"
+    return None
+
+
+def first_order(extensions: Iterable[BackpropExtension]) -> list[BackpropExtension]:
+    """The per-sample gradient extensions among ``extensions``."""
+    return [e for e in extensions if e.savefield in FIRST_ORDER_SAVEFIELDS]
+
+
+_REFERENCE_FIRST_ORDER: list[BackpropExtension] = []
+
+
+def reference_first_order() -> list[BackpropExtension]:
+    """The per-sample gradient extension whose rules describe a step without one.
+
+    Routes of a step that only needs curvature still say who *would* compute
+    per-sample results (and a parameter without such a rule has no curvature
+    rule either). Never run; built once.
+    """
+    if not _REFERENCE_FIRST_ORDER:
+        _REFERENCE_FIRST_ORDER.append(PerSampleGradients())
+    return list(_REFERENCE_FIRST_ORDER)
+
+
+def curvature(extensions: Iterable[BackpropExtension]) -> list[BackpropExtension]:
+    """The curvature extensions among ``extensions``."""
+    return [e for e in extensions if e.savefield in CURVATURE_SAVEFIELDS]
+
+
+def leave_to_autograd(
+    extensions: Iterable[BackpropExtension], modules: Iterable[Module]
+) -> None:
+    """Make the first-order ``extensions`` skip ``modules`` (and stay silent).
+
+    The autograd engine computes these modules' results; BackPACK's rule would
+    be wasted work or fail (e.g. its LSTM rule with ``batch_first=False``).
+    Extensions without a rule for a layer no longer warn about it: the coverage
+    report says who computes what.
+    """
+    skip = {id(m) for m in modules}
+    for extension in first_order(extensions):
+        extension._fail_mode = FAIL_SILENT
+        table = module_extension_table(extension)
+        for module_type, rule in list(table.items()):
+            if isinstance(rule, SkipModules):
+                rule.skip = skip
+            else:
+                table[module_type] = SkipModules(rule, skip)
+
+
 def disabled() -> contextlib.AbstractContextManager:
     """Return a context in which BackPACK's hooks do nothing (extra backward passes)."""
     return disable()
@@ -369,6 +471,8 @@ class ExtensionHook:
     unsupported: list[Unsupported] = field(default_factory=list)
     batchnorms: list[Module] = field(default_factory=list)
     batch_size: int | None = None
+    #: Indices whose results another engine shows (BackPACK's are dropped).
+    elsewhere: frozenset[int] = frozenset()
 
     def __call__(self, module: Module) -> None:
         """Show the module's parameters to the consumers, then free the buffers.
@@ -376,11 +480,15 @@ class ExtensionHook:
         Runs without recording an autograd graph: under ``create_graph=True`` the
         statistics would otherwise keep their inputs alive until the step ends.
         """
-        mine = [
-            (self.index[id(p)], p)
-            for p in module.parameters(recurse=False)
-            if id(p) in self.index
-        ]
+        mine = []
+        for p in module.parameters(recurse=False):
+            index = self.index.get(id(p))
+            if index is None:
+                continue
+            if index in self.elsewhere:
+                free_buffers(p, self.free)
+            else:
+                mine.append((index, p))
         if not mine:
             return
         if self.needed:

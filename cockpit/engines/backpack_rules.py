@@ -47,7 +47,14 @@ every layer's computation would stay alive until the end of the step.
 from __future__ import annotations
 
 import torch
-from backpack.extensions import BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian
+from backpack.extensions import (
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SumGradSquared,
+)
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
@@ -55,8 +62,8 @@ from backpack.extensions.secondorder.diag_ggn.conv2d import DiagGGNConv2d
 from backpack.extensions.secondorder.diag_hessian.conv2d import DiagHConv2d
 from backpack.utils import conv as conv_utils
 from torch import Tensor
-from torch.nn import Conv2d, Linear
-from torch.nn.functional import unfold
+from torch.nn import Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RMSNorm
+from torch.nn.functional import group_norm, layer_norm, rms_norm, unfold
 
 from cockpit.per_sample import LinearFactors
 
@@ -70,6 +77,27 @@ class _NoGraph:
     def __call__(self, extension, module, g_inp, g_out):
         with torch.no_grad():
             return self.wrapped(extension, module, g_inp, g_out)
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+
+class SkipModules:
+    """Wraps a BackPACK module extension so that it skips some modules.
+
+    Attributes:
+        skip: ``id`` of the modules to skip (their results come from elsewhere).
+    """
+
+    def __init__(self, wrapped, skip: set[int]):
+        self.wrapped = wrapped
+        self.skip = skip
+
+    def __call__(self, extension, module, g_inp, g_out):
+        """Run the wrapped rule unless ``module`` is skipped."""
+        if id(module) in self.skip:
+            return None
+        return self.wrapped(extension, module, g_inp, g_out)
 
     def __getattr__(self, name):
         return getattr(self.wrapped, name)
@@ -92,7 +120,7 @@ def without_graph(extension: BackpropExtension) -> BackpropExtension:
     """
     table = module_extension_table(extension)
     for module_type, rule in list(table.items()):
-        if not isinstance(rule, _NoGraph):
+        if not isinstance(rule, (_NoGraph, SkipModules)):
             table[module_type] = _NoGraph(rule)
     return extension
 
@@ -154,6 +182,172 @@ class _UnfoldConv2d(FirstOrderModuleExtension):
         return g_out[0].sum(dim=(2, 3))
 
 
+def embedding_supported(module: Embedding) -> str | None:
+    """Why cockpit's ``Embedding`` rules cannot handle ``module`` (``None``: they can).
+
+    ``max_norm`` renormalises rows in the forward pass, ``scale_grad_by_freq``
+    scales by counts over the whole mini-batch (samples mix) and sparse gradients
+    are not dense per-sample tensors.
+    """
+    if module.max_norm is not None:
+        return "max_norm is not supported"
+    if module.scale_grad_by_freq:
+        return "scale_grad_by_freq mixes samples"
+    if module.sparse:
+        return "sparse gradients are not supported"
+    return None
+
+
+def _embedding_factors(module: Embedding, g_out) -> tuple[Tensor, Tensor]:
+    """Token ids ``[N, L]`` and output gradients ``[N, L, E]`` (padding masked)."""
+    tokens = module.input0
+    n = tokens.shape[0]
+    delta = g_out[0].detach().reshape(n, -1, module.embedding_dim)
+    tokens = tokens.reshape(n, -1)
+    if module.padding_idx is not None:  # the padding row gets no gradient
+        delta = delta * (tokens != module.padding_idx).unsqueeze(-1).to(delta.dtype)
+    return tokens, delta
+
+
+def embedding_per_sample(module: Embedding, g_out) -> Tensor:
+    """Return ``b_i = sum_l e_{x_il} delta_il^T``, shape ``[N, V, E]``.
+
+    BackPACK's rule builds a ``[V, N, L]`` one-hot tensor in the default dtype
+    (float32, which fails for float64 models); here one ``scatter_add`` does it.
+    """
+    tokens, delta = _embedding_factors(module, g_out)
+    n, _, width = delta.shape
+    out = delta.new_zeros(n, module.num_embeddings, width)
+    out.scatter_add_(1, tokens.unsqueeze(-1).expand(-1, -1, width), delta)
+    return out
+
+
+class _EmbeddingBatchGrad(FirstOrderModuleExtension):
+    """``Embedding``: dense per-sample gradients by one ``scatter_add``."""
+
+    supports = staticmethod(embedding_supported)
+
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """Return ``b_i``, ``[N, V, E]``."""
+        return embedding_per_sample(module, g_out)
+
+
+class _EmbeddingBatchL2(FirstOrderModuleExtension):
+    """``Embedding``: ``||b_i||^2 = sum_{l,k} [x_il = x_ik] delta_il . delta_ik``."""
+
+    supports = staticmethod(embedding_supported)
+
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """Return ``||b_i||^2``, ``[N]``, without building ``b_i``."""
+        tokens, delta = _embedding_factors(module, g_out)
+        same = (tokens.unsqueeze(2) == tokens.unsqueeze(1)).to(delta.dtype)
+        return (same * torch.bmm(delta, delta.transpose(1, 2))).sum(dim=(1, 2))
+
+
+class _EmbeddingSumGradSquared(FirstOrderModuleExtension):
+    """``Embedding``: ``sum_i b_i**2`` from the per-sample gradients."""
+
+    supports = staticmethod(embedding_supported)
+
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """Return ``sum_i b_i**2``, ``[V, E]``."""
+        return embedding_per_sample(module, g_out).square_().sum(0)
+
+
+# --- normalisation layers ------------------------------------------------------------
+#: Normalisation layers with cockpit rules (BackPACK has none).
+NORM_LAYERS = (LayerNorm, GroupNorm, RMSNorm)
+
+
+def _normalised(module, x: Tensor) -> Tensor:
+    """The layer's input, normalised, before the affine weight and bias."""
+    if isinstance(module, GroupNorm):
+        return group_norm(x, module.num_groups, None, None, module.eps)
+    if isinstance(module, LayerNorm):
+        return layer_norm(x, module.normalized_shape, None, None, module.eps)
+    return rms_norm(x, module.normalized_shape, None, module.eps)
+
+
+def norm_per_sample(module, g_out, name: str) -> Tensor:
+    """Per-sample gradients ``b_i`` of a normalisation layer's ``weight`` or ``bias``.
+
+    ``y = x_hat * w + b`` elementwise (``w``, ``b`` broadcast over the batch and
+    the axes they do not cover), so ``b_i`` sums ``delta * x_hat`` (weight) or
+    ``delta`` (bias) over those axes of sample ``i``; ``x_hat`` is recomputed from
+    the stored input. Shape ``[N, *param.shape]``.
+    """
+    delta = g_out[0].detach()
+    if name == "weight":
+        delta = delta * _normalised(module, module.input0.detach())
+    if isinstance(module, GroupNorm):  # [N, C, *spatial] -> [N, C]
+        return delta.sum(dim=tuple(range(2, delta.dim()))) if delta.dim() > 2 else delta
+    kept = len(module.normalized_shape)  # trailing axes, after the batch and others
+    axes = tuple(range(1, delta.dim() - kept))
+    return delta.sum(dim=axes) if axes else delta
+
+
+class _NormRule(FirstOrderModuleExtension):
+    """LayerNorm, GroupNorm, RMSNorm: per-sample results from input and ``delta``.
+
+    Args:
+        reduce: What to save: ``"batch"`` (``b_i``), ``"l2"`` (``||b_i||^2``) or
+            ``"sgs"`` (``sum_i b_i**2``).
+        params: The layer's parameter names (RMSNorm has no bias).
+    """
+
+    def __init__(self, reduce: str, params: list[str]):
+        super().__init__(params=params)
+        self._reduce = reduce
+
+    def _result(self, per_sample: Tensor) -> Tensor:
+        if self._reduce == "l2":
+            return per_sample.flatten(start_dim=1).square().sum(1)
+        if self._reduce == "sgs":
+            return per_sample.square().sum(0)
+        return per_sample
+
+    def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """The weight's result."""
+        return self._result(norm_per_sample(module, g_out, "weight"))
+
+    def bias(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor:
+        """The bias's result."""
+        return self._result(norm_per_sample(module, g_out, "bias"))
+
+
+def _with_norm_rules(extension: BackpropExtension, reduce: str) -> None:
+    for layer in NORM_LAYERS:
+        params = ["weight"] if layer is RMSNorm else ["weight", "bias"]
+        extension.set_module_extension(layer, _NormRule(reduce, params), overwrite=True)
+
+
+def lean_batch_l2() -> BatchL2Grad:
+    """Return BackPACK's ``BatchL2Grad`` with cockpit's Embedding and norm rules."""
+    extension = BatchL2Grad()
+    extension.set_module_extension(Embedding, _EmbeddingBatchL2(), overwrite=True)
+    _with_norm_rules(extension, "l2")
+    return without_graph(extension)
+
+
+def lean_sum_grad_squared() -> SumGradSquared:
+    """Return BackPACK's ``SumGradSquared`` with cockpit's Embedding and norm rules."""
+    extension = SumGradSquared()
+    extension.set_module_extension(
+        Embedding, _EmbeddingSumGradSquared(), overwrite=True
+    )
+    _with_norm_rules(extension, "sgs")
+    return without_graph(extension)
+
+
 class PerSampleGradients(BatchGrad):
     """``BatchGrad`` whose ``Linear`` weights keep factors instead of a tensor.
 
@@ -170,6 +364,8 @@ class PerSampleGradients(BatchGrad):
         super().__init__()
         self.set_module_extension(Linear, _FactoredLinear(), overwrite=True)
         self.set_module_extension(Conv2d, _UnfoldConv2d(), overwrite=True)
+        self.set_module_extension(Embedding, _EmbeddingBatchGrad(), overwrite=True)
+        _with_norm_rules(self, "batch")
         without_graph(self)
 
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cockpit.needs import curvature_need
+from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import PerParameter
@@ -29,6 +29,11 @@ class HessTrace(SingleStepQuantity):
     """
 
     Accumulator = PerParameter
+    #: Where BackPACK has no exact Hessian diagonal (a layer without a rule, a
+    #: model that is not nn.Sequential), an unbiased Hutchinson estimate serves:
+    #: the trace only sums the diagonal. Its standard errors are recorded under
+    #: ``<key>_estimate``.
+    estimable = frozenset({Need.DIAG_H})
 
     def __init__(self, track_schedule, verbose=False, curvature="diag_h", key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)

@@ -1,0 +1,208 @@
+"""The autograd engine: exact per-sample gradients of any differentiable model.
+
+Where BackPACK has no rule for a parameter (see :mod:`cockpit.engines.routing`), the
+per-sample gradients ``g_i = d l_i / d theta`` come straight from PyTorch's autograd,
+differentiating the per-sample losses ``info["individual_losses"]`` that the training
+loop already passes. This runs when the step opens, before the user's
+``loss.backward()`` frees the graph: one batched vector-Jacobian product per chunk of
+samples (``torch.autograd.grad(..., is_grads_batched=True, retain_graph=True)``), so
+the memory of the batched backward stays bounded by the chunk, and parameters are
+processed in groups whose ``[N, *shape]`` results fit a budget.
+
+Nothing here knows BackPACK: the results are handed to the quantities as
+:class:`~cockpit.per_sample.DenseGradients` with ``scale=1`` through the same
+:class:`~cockpit.param_view.ParamResults` path as BackPACK's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+#: Samples per batched backward pass (the memory of one chunk's backward grows with
+#: it, about ``chunk * N * activations`` numbers in the worst case).
+DEFAULT_CHUNK = 8
+#: Numbers of per-sample gradients (``N * sum numel``) held at once; parameters
+#: beyond it are processed in further groups (one more chunked backward each).
+DEFAULT_MAX_ELEMENTS = 1 << 26
+
+# vmap falls back to a (correct, slower) loop for operators without a batching rule
+_VMAP_FALLBACK_WARNING = r".*There is a performance drop because we have not yet"
+
+
+def sample_losses(individual_losses: Tensor) -> Tensor:
+    """Return one loss per sample: further axes are averaged, as the quantities do."""
+    if individual_losses.dim() > 1:
+        return individual_losses.flatten(start_dim=1).mean(1)
+    return individual_losses
+
+
+def parameter_groups(
+    params: Sequence[Tensor], batch_size: int, max_elements: int
+) -> list[list[int]]:
+    """Split ``params`` (positions) into groups of at most ``max_elements`` results.
+
+    A group holds at least one parameter, so a single parameter larger than the
+    budget still gets a group of its own.
+    """
+    groups: list[list[int]] = []
+    size = 0
+    for position, param in enumerate(params):
+        cost = batch_size * param.numel()
+        if groups and size + cost <= max_elements:
+            groups[-1].append(position)
+            size += cost
+        else:
+            groups.append([position])
+            size = cost
+    return groups
+
+
+def _chunk(losses: Tensor, params: Sequence[Tensor], start: int, stop: int):
+    """``d losses[i] / d params`` for ``i`` in ``[start, stop)``, stacked."""
+    n = losses.shape[0]
+    rows = torch.arange(start, stop, device=losses.device)
+    selector = torch.zeros(stop - start, n, dtype=losses.dtype, device=losses.device)
+    selector[torch.arange(stop - start, device=losses.device), rows] = 1
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_VMAP_FALLBACK_WARNING)
+            return torch.autograd.grad(
+                losses,
+                params,
+                grad_outputs=selector,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+    except RuntimeError as error:
+        if "vmap" not in str(error) and "batch" not in str(error).lower():
+            raise
+    # an operator that vmap cannot batch at all: one backward per sample
+    per_sample = [
+        torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
+        for i in range(start, stop)
+    ]
+    return tuple(
+        None if pieces[0] is None else torch.stack(pieces)
+        for pieces in zip(*per_sample, strict=True)
+    )
+
+
+def per_sample_gradients(
+    individual_losses: Tensor,
+    params: Sequence[Tensor],
+    chunk: int = DEFAULT_CHUNK,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> Iterator[tuple[int, Tensor]]:
+    """Yield ``(position, g)`` with ``g[i] = d l_i / d params[position]``.
+
+    The graph of ``individual_losses`` is kept (``retain_graph=True``) for the
+    user's ``loss.backward()``. Results carry no autograd graph. A parameter the
+    losses do not depend on gets zeros.
+
+    Args:
+        individual_losses: The per-sample losses ``l_i``, batch axis first, with
+            their autograd graph.
+        params: The parameters to differentiate.
+        chunk: Samples per batched backward pass.
+        max_elements: Per-sample results held at once (see
+            :data:`DEFAULT_MAX_ELEMENTS`).
+
+    Yields:
+        One ``[N, *shape]`` tensor per parameter, group by group.
+    """
+    losses = sample_losses(individual_losses)
+    n = losses.shape[0]
+    chunk = max(1, int(chunk))
+    for group in parameter_groups(params, n, max_elements):
+        members = [params[i] for i in group]
+        pieces: list[list[Tensor]] = [[] for _ in members]
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            grads = _chunk(losses, members, start, stop)
+            for k, (param, grad) in enumerate(zip(members, grads, strict=True)):
+                if grad is None:
+                    grad = param.new_zeros((stop - start, *param.shape))
+                pieces[k].append(grad.detach())
+        for position, blocks in zip(group, pieces, strict=True):
+            full = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            blocks.clear()
+            yield position, full
+
+
+#: Rademacher probes of the Hutchinson estimate (Hessian-vector products per step).
+DEFAULT_PROBES = 16
+
+
+def hutchinson_diagonals(
+    individual_losses: Tensor,
+    params: Sequence[Tensor],
+    probes: int = DEFAULT_PROBES,
+    generator: torch.Generator | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Estimate the Hessian diagonal of the mean loss, per parameter (Hutchinson).
+
+    With Rademacher vectors ``v_k`` (entries +-1) over all parameters,
+    ``v_k * (H v_k)`` is an unbiased estimate of ``diag(H)``; restricted to a
+    parameter's block its sum is an unbiased estimate of that block's trace (the
+    cross terms vanish in expectation). The estimates of ``probes`` vectors are
+    averaged; the standard error of each block's trace is the sample standard
+    deviation of the per-probe traces over ``sqrt(probes)``.
+
+    The Hessian is that of ``mean_i l_i`` (the mini-batch loss). The graph of
+    ``individual_losses`` is kept for the user's ``loss.backward()``.
+
+    Args:
+        individual_losses: The per-sample losses with their autograd graph.
+        params: The parameters.
+        probes: Number of Hessian-vector products (at least 2).
+        generator: Random source of the probes (CPU), for reproducible runs.
+
+    Returns:
+        The estimated diagonals (one per parameter) and the standard errors of
+        their sums (scalars).
+    """
+    probes = max(2, int(probes))
+    loss = sample_losses(individual_losses).mean()
+    grads = torch.autograd.grad(
+        loss, params, create_graph=True, retain_graph=True, allow_unused=True
+    )
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    used = [p for p, _ in pairs]
+    diagonals = [torch.zeros_like(p) for p in params]
+    traces = [[None] * len(params) for _ in range(probes)]
+    position = {id(p): i for i, p in enumerate(params)}
+    for k in range(probes):
+        vectors = [
+            (torch.randint(0, 2, p.shape, generator=generator) * 2 - 1).to(
+                device=p.device, dtype=p.dtype
+            )
+            for p in used
+        ]
+        products = torch.autograd.grad(
+            [g for _, g in pairs],
+            used,
+            grad_outputs=vectors,
+            retain_graph=True,
+            allow_unused=True,
+        )
+        for param, v, hv in zip(used, vectors, products, strict=True):
+            if hv is None:
+                continue
+            i = position[id(param)]
+            estimate = (v * hv).detach()
+            diagonals[i] += estimate
+            traces[k][i] = estimate.sum()
+    diagonals = [d / probes for d in diagonals]
+    errors = []
+    for i, param in enumerate(params):
+        column = [row[i] for row in traces]
+        if column[0] is None:  # the loss does not depend on it: exactly zero
+            errors.append(param.new_zeros(()))
+        else:
+            errors.append(torch.stack(column).std() / probes**0.5)
+    return diagonals, errors

@@ -1,0 +1,364 @@
+"""Any differentiable model: first-order quantities against brute force (float64).
+
+The models (``tests/utils/any_model.py``) mix layers BackPACK has rules for with
+LayerNorm, RMSNorm, GroupNorm, MultiheadAttention, LSTM in the sequence-first
+layout, GRU, raw parameters, custom modules and weight tying; the 1.0.2 training
+loop runs unchanged and every value is compared with per-sample autograd loops.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.engines.autograd import per_sample_gradients
+from cockpit.engines.coverage import CoverageError
+from cockpit.errors import CockpitWarning
+from cockpit.utils.schedules import linear
+from tests.utils.any_model import (
+    ARCHITECTURES,
+    alpha_reference,
+    first_order_reference,
+    make_any_problem,
+    per_sample,
+)
+from tests.utils.harness import run
+from tests.utils.problems import make_problem
+
+STEPS = 3
+RTOL, ATOL = 1e-6, 1e-10
+SCALARS = ["NormTest", "InnerTest", "OrthoTest", "MeanGSNR"]
+PER_PARAMETER = ["GradNorm", "Variance"]
+BINS, RANGE = 30, (-0.3, 0.3)
+#: Models whose layers all have rules (cockpit's own for the normalisation layers).
+BACKPACK_ONLY = {"resnet-bn-eval", "rmsnorm-mlp", "lstm-batch-first"}
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64),
+        torch.as_tensor(expected, dtype=torch.float64),
+        rtol=RTOL,
+        atol=ATOL,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def first_order_quantities():
+    every = linear(1)
+    return [
+        Q.GradNorm(every),
+        Q.Variance(every),
+        Q.NormTest(every),
+        Q.InnerTest(every),
+        Q.OrthoTest(every),
+        Q.MeanGSNR(every),
+        Q.GradHist1d(every, bins=BINS, range=RANGE),
+        Q.Alpha(every),
+    ]
+
+
+def reference_histogram(G):
+    """numpy's histogram of the clamped values, and how many lie at an edge."""
+    values = np.clip(G.reshape(-1).numpy(), *RANGE)
+    counts, edges = np.histogram(values, bins=BINS, range=RANGE)
+    inner = edges[1:-1]
+    near = np.abs(values[:, None] - inner[None, :]).min(axis=1) < 1e-9
+    return counts, int(near.sum())
+
+
+def quiet_per_sample(problem, record):
+    with warnings.catch_warnings():  # torch's note on hooks of frozen inputs
+        warnings.simplefilter("ignore", UserWarning)
+        return per_sample(problem, record)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_first_order_quantities_match_brute_force(arch):
+    problem = make_any_problem(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)  # nothing to warn about
+        result = run(problem, first_order_quantities(), steps=STEPS)
+    coverage = result.cockpit.coverage()
+    assert coverage.problems() == []
+    engines = {"backpack"} if arch in BACKPACK_ONLY else {"autograd", "backpack"}
+    assert set(coverage.engines()) == engines
+    observed = {s: quiet_per_sample(problem, result.records[s]) for s in range(STEPS)}
+    for step in range(STEPS):
+        out, record = result.output[step], result.records[step]
+        G, _ = observed[step]
+        for name in SCALARS:
+            close(out[name], first_order_reference(name, G, record.params), name)
+        for name in PER_PARAMETER:
+            want = torch.stack(first_order_reference(name, G, record.params))
+            close(out[name], want, f"{name} step {step}")
+        counts, at_edges = reference_histogram(G)
+        got = np.array(out["GradHist1d"]["hist"])
+        assert got.sum() == counts.sum()
+        assert np.abs(got - counts).sum() <= 2 * at_edges, (got, counts)
+    for step in range(STEPS - 1):
+        start, end = result.records[step], result.records[step + 1]
+        want = alpha_reference(
+            observed[step], observed[step + 1], start.params, end.params
+        )
+        close(result.output[step]["Alpha"], want, f"Alpha step {step}")
+
+
+def _routes(cockpit):
+    return [row.route for row in cockpit.coverage().params]
+
+
+def test_each_parameter_goes_to_the_engine_with_a_rule_for_it():
+    problem = make_any_problem("transformer")
+    names = [name for name, _ in problem.model.named_parameters()]
+    cockpit = run(problem, [Q.Variance(linear(1))], steps=1).cockpit
+    engines = {name: r.engine for name, r in zip(names, _routes(cockpit))}
+    assert {n for n, e in engines.items() if e == "backpack"} == {
+        "embed.weight",
+        "norm1.weight",
+        "norm1.bias",
+        "norm2.weight",
+        "norm2.bias",
+        "mlp.0.weight",
+        "mlp.0.bias",
+        "mlp.2.weight",
+        "mlp.2.bias",
+        "head.weight",
+        "head.bias",
+    }
+    reasons = {name: r.reason for name, r in zip(names, _routes(cockpit))}
+    assert "no rule for MultiheadAttention" in reasons["attention.in_proj_weight"]
+    assert "no rule for TransformerBlock" in reasons["position"]
+
+
+def test_sequence_first_layouts_and_tying_are_detected():
+    problem = make_any_problem("lstm-seq-first")  # T == N: only the probe can tell
+    routes = _routes(run(problem, [Q.Variance(linear(1))], steps=1).cockpit)
+    assert "Batch axis must be first" in routes[0].reason  # BackPACK's LSTM rule
+    assert "not the sample axis" in routes[4].reason  # Linear on [T, N, H]
+    assert [r.engine for r in routes[6:]] == ["backpack", "backpack"]
+    problem = make_any_problem("tied-custom")
+    routes = _routes(run(problem, [Q.Variance(linear(1))], steps=1).cockpit)
+    assert "tied: owned by Embedding.weight and Linear.weight" in routes[1].reason
+
+
+def test_a_layer_called_twice_goes_to_autograd():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3).double()
+    head = torch.nn.Linear(3, 2).double()
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.head = layer, head
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.layer(torch.tanh(self.layer(x)))))
+
+    from backpack import extend
+
+    model = extend(Twice())
+    cockpit = Cockpit(model.parameters(), [Q.Variance(linear(1))])
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    out = model(x)
+    loss = extend(torch.nn.CrossEntropyLoss())(out, y)
+    losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+    with cockpit(0, info={"loss": loss, "individual_losses": losses}):
+        loss.backward()
+    routes = _routes(cockpit)
+    assert routes[0].engine == "autograd" and "used 2 times" in routes[0].reason
+    assert routes[2].engine == "backpack"
+    G = []
+    for i in range(5):
+        grads = torch.autograd.grad(
+            torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]),
+            list(model.parameters()),
+        )
+        G.append([g.reshape(-1) for g in grads])
+    want = [
+        torch.stack([row[k] for row in G]).var(0, unbiased=False).sum()
+        for k in range(4)
+    ]
+    close(cockpit.get_output()[0]["Variance"], torch.stack(want), "Variance")
+
+
+def test_sequential_models_of_supported_layers_use_backpack_only():
+    problem = make_problem("cnn", "ce", "sgd")
+    cockpit = run(problem, [Q.Variance(linear(1)), Q.HessTrace(linear(1))], 1).cockpit
+    assert cockpit.coverage().engines() == {"backpack": 4}
+    assert cockpit.coverage().problems() == []
+
+
+def test_curvature_without_backpack_rules_is_missing_warned_once_or_strict():
+    problem = make_any_problem("rmsnorm-mlp")
+    ggn = "diag_ggn_exact"  # (the Hessian's trace is estimated instead)
+    quantities = [Q.HessTrace(linear(1), curvature=ggn), Q.GradNorm(linear(1))]
+    with pytest.warns(CockpitWarning, match=r"HessTrace has no value.*Fix") as record:
+        result = run(problem, quantities, steps=2)
+    assert len([w for w in record if "HessTrace" in str(w.message)]) == 1
+    assert all("HessTrace" not in values for values in result.output.values())
+    assert all("GradNorm" in values for values in result.output.values())
+    problems = result.cockpit.coverage().problems()
+    assert problems and all(p.startswith("HessTrace for") for p in problems)
+    assert "not covered" in problems[0]
+    with pytest.raises(CoverageError, match=r"strict=True.*HessTrace.*Fix"):
+        run(
+            make_any_problem("rmsnorm-mlp"),
+            [Q.HessTrace(linear(1), curvature=ggn)],
+            1,
+            **_strict(),
+        )
+
+
+def _strict():
+    return {
+        "cockpit_cls": lambda params, quantities: Cockpit(
+            params, quantities, strict=True
+        )
+    }
+
+
+def test_per_sample_losses_without_graph_leave_the_quantity_missing():
+    problem = make_any_problem("gru")
+    cockpit = Cockpit(problem.params, [Q.Variance(linear(1)), Q.GradNorm(linear(1))])
+    x, y = problem.make_batch(0)
+    out = problem.model(x)
+    loss = problem.loss_fn(out, y)
+    losses = problem.individual_loss_fn(out, y).detach()
+    with pytest.warns(CockpitWarning, match=r"Variance has no value.*not detached"):
+        with cockpit(0, info={"loss": loss, "individual_losses": losses}):
+            loss.backward()
+    out = cockpit.get_output()[0]
+    assert set(out) == {"GradNorm", "missing"} and set(out["missing"]) == {"Variance"}
+
+
+def test_strict_passes_when_everything_is_exact():
+    result = run(make_any_problem("gru"), first_order_quantities(), 2, **_strict())
+    assert "NormTest" in result.output[0]
+
+
+@pytest.mark.parametrize("chunk, max_elements", [(1, 10), (3, 1 << 20), (8, 50)])
+def test_chunks_and_groups_give_the_same_per_sample_gradients(chunk, max_elements):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)
+    ).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    losses = model(x).square().sum(1)
+    params = list(model.parameters())
+    got = dict(per_sample_gradients(losses, params, chunk, max_elements))
+    for i in range(5):
+        want = torch.autograd.grad(losses[i], params, retain_graph=True)
+        for k, g in enumerate(want):
+            close(got[k][i], g, f"param {k} sample {i}")
+
+
+def test_fused_attention_without_double_backward_says_what_to_do():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def step(cockpit, problem, math):
+        problem.model.zero_grad()  # as a training loop does
+        x, y = problem.make_batch(0)
+        if math:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = problem.model(x)
+        else:
+            out = problem.model(x)
+        loss = problem.loss_fn(out, y)
+        losses = problem.individual_loss_fn(out, y)
+        with cockpit(0, info={"loss": loss, "individual_losses": losses}):
+            loss.backward(create_graph=cockpit.create_graph(0))
+
+    problem = make_any_problem("transformer")
+    cockpit = Cockpit(problem.params, [Q.HessMaxEV(linear(1)), Q.GradNorm(linear(1))])
+    with pytest.warns(CockpitWarning, match=r"no double backward.*SDPBackend.MATH"):
+        step(cockpit, problem, math=False)
+    out = cockpit.get_output()[0]
+    assert (
+        set(out) == {"GradNorm", "missing"}
+        and "SDPBackend" in out["missing"]["HessMaxEV"]
+    )
+    cockpit = Cockpit(problem.params, [Q.HessMaxEV(linear(1))])
+    step(cockpit, problem, math=True)
+    assert cockpit.get_output()[0]["HessMaxEV"] > 0
+
+
+def test_an_extra_batch_grad_of_the_user_keeps_its_results_and_routing_follows():
+    from backpack import extend
+    from backpack.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)
+        ).double()
+    )
+    cockpit = Cockpit(model.parameters(), [Q.Variance(linear(1))])
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    out = model(x)
+    loss = extend(torch.nn.CrossEntropyLoss())(out, y)
+    losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+    with cockpit(0, BatchGrad(), info={"loss": loss, "individual_losses": losses}):
+        loss.backward()
+    engines = [row.route.engine for row in cockpit.coverage().params]
+    assert engines == ["backpack"] * 2 + ["autograd"] * 2 + ["backpack"] * 2
+    assert model[0].weight.grad_batch.shape == (5, 4, 3)  # the user's, kept
+    G = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(
+                        torch.nn.functional.cross_entropy(
+                            model(x), y, reduction="none"
+                        )[i],
+                        list(model.parameters()),
+                    )
+                ]
+            )
+            for i in range(5)
+        ]
+    )
+    blocks = torch.split(G, [p.numel() for p in model.parameters()], dim=1)
+    want = torch.stack([(b - b.mean(0)).square().sum(1).mean() for b in blocks])
+    close(cockpit.get_output()[0]["Variance"], want, "Variance")
+
+
+def test_coverage_before_the_first_step_reads_the_structure():
+    problem = make_any_problem("transformer")
+    cockpit = Cockpit(
+        problem.model.named_parameters(),
+        [Q.Variance(linear(1)), Q.HessTrace(linear(1))],
+    )
+    coverage = cockpit.coverage()
+    assert coverage.step is None
+    by_name = {row.label.split("'")[1]: row for row in coverage.params}
+    assert by_name["norm1.weight"].route.engine == "backpack"  # cockpit's rule
+    assert by_name["attention.in_proj_weight"].route.engine == "autograd"
+    hess_trace = str(by_name["position"].quantities["HessTrace"])
+    assert hess_trace == "estimated (Hutchinson, 16 Hessian-vector products)"
+    assert "attention.in_proj_weight" in str(coverage)
+
+
+def test_without_per_sample_losses_a_shared_layer_is_never_left_to_backpack():
+    from backpack import extend
+
+    torch.manual_seed(0)
+    layer, head = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 2).double()
+    model = extend(torch.nn.Sequential(layer, torch.nn.Tanh(), layer, head))
+    cockpit = Cockpit(
+        model.parameters(), [Q.Variance(linear(1)), Q.GradNorm(linear(1))]
+    )
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss = extend(torch.nn.CrossEntropyLoss())(model(x), y)
+    with pytest.warns(
+        CockpitWarning, match=r"Variance has no value.*individual_losses"
+    ):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()
+    out = cockpit.get_output()[0]
+    assert set(out) == {"GradNorm", "missing"} and set(out["missing"]) == {"Variance"}
+    assert "used 2 times" in cockpit.coverage().params[0].route.reason
