@@ -44,6 +44,28 @@ from cockpit.recorder import Recorder
 _CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
 
 
+#: Warnings BackPACK and PyTorch's module hooks give on every tracked step, and what
+#: cockpit says about them instead (once; ``None``: nothing, cockpit's own records
+#: say it better). PyTorch's
+#: "Full backward hook is firing ..." comes from BackPACK's hooks on a layer whose
+#: input needs no gradient (the first layer): expected and harmless.
+_ENGINE = {
+    "hook-firing": None,
+    # BackPACK skips a module it has no rule for: routing already sent its
+    # parameters to the autograd engine or recorded what is missing (coverage())
+    "no-rule": None,
+}
+
+
+def _engine_warning(message: str) -> str | None:
+    """Which of BackPACK's or PyTorch's per-step hook warnings ``message`` is."""
+    if message.startswith("Full backward hook is firing"):
+        return "hook-firing"
+    if "does not have an extension for Module" in message:
+        return "no-rule"
+    return None
+
+
 class _Guarded:
     """Runs a quantity's ``accumulate`` and keeps its first error for later.
 
@@ -303,6 +325,10 @@ class StepRun:
         if self.routing is not None and self.routing.estimated:
             self._run_hutchinson(list(self.routing.estimated.values()))
         stack = self._stack
+        # warnings raised inside the backward pass: BackPACK's and PyTorch's hook
+        # warnings become one CockpitWarning each, all others pass through unchanged
+        self._caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
         if self.plan.create_graph:
             # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
             # the step breaks it when it closes (_release_graph).
@@ -370,6 +396,7 @@ class StepRun:
         try:
             self._stack.__exit__(type(error), error, error.__traceback__)
         finally:
+            self._route_warnings()
             self._abort()
             self._free(self.setup.free_after)
         return self.diagnostics.explain(error, self.plan)
@@ -377,6 +404,7 @@ class StepRun:
     def close(self) -> None:
         """Leave the backward context, check the step, track and record."""
         self._stack.close()
+        self._route_warnings()
         try:
             if self.plan.active:
                 self._after_backward()
@@ -485,6 +513,18 @@ class StepRun:
             f"({type(error).__name__}: {error}) and has no value there; training "
             "goes on. Fix: see the warning about non-finite values. (Warned once.)",
         )
+
+    def _route_warnings(self) -> None:
+        """Re-emit the backward pass's warnings; engine noise once, as a summary."""
+        caught, self._caught = getattr(self, "_caught", None) or [], []
+        for record in caught:
+            kind = _engine_warning(str(record.message))
+            if kind is None:
+                warnings.warn_explicit(
+                    record.message, record.category, record.filename, record.lineno
+                )
+            elif _ENGINE[kind] is not None:
+                self.diagnostics.warn_once(("engine-warning", kind), _ENGINE[kind])
 
     # --- cleanup -------------------------------------------------------------------
     def _abort(self) -> None:

@@ -166,3 +166,62 @@ def test_live_diagnosis_is_subscribed_and_shown_in_the_demo_bar():
     assert _postfix(cockpit, 1)["diagnosis"] == "ok"
     quiet = Cockpit(problem.params, [Q.Loss(EVERY)], diagnose=False)
     assert quiet.diagnosis is None and "diagnosis" not in _postfix(quiet, 0)
+
+
+def test_backpack_hook_warnings_do_not_flood_the_output():
+    """BackPACK's module hooks make PyTorch warn at every step: cockpit drops that."""
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.GradHist1d(EVERY)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            _step(cockpit, problem, opt, step)
+            warnings.warn("the user's own warning", UserWarning, stacklevel=1)
+    firing = [w for w in caught if "Full backward hook is firing" in str(w.message)]
+    assert firing == []
+    assert sum("the user's own warning" in str(w.message) for w in caught) == 3
+
+
+def test_warnings_of_the_users_backward_pass_still_reach_the_user():
+    problem = make_problem("mlp", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [Q.GradNorm(EVERY)])
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with pytest.warns(RuntimeWarning, match="inside the backward block"):
+        with cockpit(0, info={"loss": loss}):
+            warnings.warn("inside the backward block", RuntimeWarning, stacklevel=1)
+            loss.backward()
+
+
+def test_backpack_without_a_rule_does_not_flood_the_output():
+    from backpack import extend
+
+    class Scale(torch.nn.Module):  # a module with a parameter and no BackPACK rule
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.weight
+
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(torch.nn.Linear(4, 3).double(), Scale(), torch.nn.ReLU())
+    )
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    cockpit = Cockpit(model.parameters(), [Q.NormTest(EVERY)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            model.zero_grad()
+            x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+            out = model(x)
+            loss = loss_fn(out, y)
+            losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+            with cockpit(step, info={"loss": loss, "individual_losses": losses}):
+                loss.backward()
+    raw = [w for w in caught if "does not have an extension" in str(w.message)]
+    assert raw == []  # routing sends Scale.weight to the autograd engine instead
+    assert cockpit.coverage().params[2].route.engine == "autograd"  # Scale.weight
+    assert all("NormTest" in cockpit.history[s] for s in range(3))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -285,9 +286,15 @@ def quiet_backward() -> contextlib.AbstractContextManager:
 
     BackPACK's backward hooks run in every backward pass through an extended
     module; outside of a ``backpack`` context they delete the inputs stored by the
-    forward pass, which the user's backward pass still needs. Here they keep them.
+    forward pass, which the user's backward pass still needs. Here they keep them,
+    and PyTorch's warning that such a hook fires on a layer whose input needs no
+    gradient (expected and harmless with BackPACK) is kept quiet.
     """
-    return backpack(retain_graph=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    stack.enter_context(backpack(retain_graph=True))
+    return stack
 
 
 def rule_problem(module: Module, extension: BackpropExtension) -> str | None:
