@@ -526,6 +526,14 @@ class Diagnostics:
         who = plan.who_needs(fields)
         if failure.kind == "loss_not_extended":
             return RuntimeError(unextended_loss_message(who, step))
+        if failure.kind == "repeated_backward":
+            return RuntimeError(
+                f"Several backward passes ran inside the tracked step {step} "
+                f"(BackPACK had already freed what {type(failure.module).__name__} "
+                "stored in the forward pass). Fix: call loss.backward() once inside "
+                "`with cockpit(step, ...)`; accumulate micro-batches outside tracked "
+                "steps, or track one micro-batch per optimizer step."
+            )
         module = failure.module
         label = self.module_label(module) if module is not None else "a layer"
         if module is not None and engine.is_training_batchnorm(module):

@@ -57,6 +57,18 @@ _ENGINE = {
 }
 
 
+_REPEATED = (
+    "several backward passes ran inside one tracked step, so the per-sample "
+    "results and .grad describe different mini-batches"
+)
+_REPEATED_WARNING = (
+    f"A tracked step had no values: {_REPEATED}. Fix: call loss.backward() once "
+    "inside `with cockpit(step, ...)`; accumulate micro-batches outside tracked "
+    "steps, or track one micro-batch per optimizer step. (Recorded under "
+    "'missing'; warned once.)"
+)
+
+
 def _engine_warning(message: str) -> str | None:
     """Which of BackPACK's or PyTorch's per-step hook warnings ``message`` is."""
     if message.startswith("Full backward hook is firing"):
@@ -420,6 +432,12 @@ class StepRun:
     # --- after the backward pass ---------------------------------------------------
     def _after_backward(self) -> None:
         step = self.plan.global_step
+        if self.hook.repeated:  # per-sample results of one backward, .grad of all
+            for q in self.plan.active:
+                q.abort_step(step)
+                self.recorder.note_missing(step, q.key, _REPEATED)
+            self.diagnostics.warn_once("repeated-backward", _REPEATED_WARNING)
+            return
         nonfinite = self.diagnostics.nonfinite(self.info)
         if nonfinite:
             self.recorder.record(step, NONFINITE_KEY, nonfinite)

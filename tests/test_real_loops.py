@@ -225,3 +225,17 @@ def test_backpack_without_a_rule_does_not_flood_the_output():
     assert raw == []  # routing sends Scale.weight to the autograd engine instead
     assert cockpit.coverage().params[2].route.engine == "autograd"  # Scale.weight
     assert all("NormTest" in cockpit.history[s] for s in range(3))
+
+
+def test_several_backward_passes_in_one_tracked_step_are_explained():
+    problem = make_problem("mlp", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [Q.NormTest(EVERY), Q.GradHist1d(EVERY)])
+    x, y = problem.make_batch(0)
+    out = problem.model(x)
+    loss = problem.loss_fn(out, y)
+    with pytest.raises(RuntimeError, match="Several backward passes.*once inside"):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward(retain_graph=True)
+            loss.backward()
+    assert 0 not in cockpit.history  # nothing half-right was recorded
+    assert not any(hasattr(p, "grad_batch") for p in problem.params)

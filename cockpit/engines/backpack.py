@@ -475,6 +475,7 @@ class ExtensionHook:
     needed: Sequence[str]
     free: Sequence[str]
     visited: set[int] = field(default_factory=set)
+    repeated: bool = False
     unsupported: list[Unsupported] = field(default_factory=list)
     batchnorms: list[Module] = field(default_factory=list)
     batch_size: int | None = None
@@ -513,7 +514,9 @@ class ExtensionHook:
                 return
         with torch.no_grad():
             for index, param in mine:
-                if index in self.visited:
+                if index in self.visited:  # a second backward in the same step
+                    self.repeated = True
+                    free_buffers(param, self.free)
                     continue
                 self.visited.add(index)
                 self.show(param, index, param_results(param))
@@ -536,8 +539,10 @@ class Failure:
     """What BackPACK was doing when the backward pass raised.
 
     Attributes:
-        kind: ``"unsupported"`` (no rule for a module) or ``"loss_not_extended"``
-            (second-order extensions got nothing from the loss).
+        kind: ``"unsupported"`` (no rule for a module), ``"loss_not_extended"``
+            (second-order extensions got nothing from the loss) or
+            ``"repeated_backward"`` (a second backward pass through extended
+            modules, whose stored inputs BackPACK freed after the first).
         module: The module being processed, if known.
         savefield: The savefield of the extension that failed, if known.
         extension: The name of that extension, if known.
@@ -558,6 +563,12 @@ def explain_failure(error: BaseException) -> Failure | None:
         return Failure(
             "unsupported", module, extension.savefield, type(extension).__name__
         )
+    if isinstance(error, AttributeError) and any(
+        f"attribute '{name}'" in str(error) for name in ("output", "input0")
+    ):
+        module, extension = _find_in_traceback(error.__traceback__)
+        if module is not None:  # BackPACK freed what the forward pass stored
+            return Failure("repeated_backward", module, None, None)
     if isinstance(error, AssertionError) and "backpropagation quantity" in str(error):
         _, extension = _find_in_traceback(error.__traceback__)
         return Failure(
