@@ -473,7 +473,7 @@ class CockpitPlotter:
             self._panel(sub, name, PANEL_COLORS[name.lower()])
             for gauge, ax in zip(gauges, sub.subplots(len(gauges), 1)):
                 self._gauge_axes.append((gauge, ax))
-        bottom = rows[1].subfigures(1, 2, width_ratios=[1.0, 2.0], wspace=0.01)
+        bottom = rows[1].subfigures(1, 3, width_ratios=[1.0, 1.4, 1.2], wspace=0.01)
         for sub, gauge in zip(bottom, instruments.BOTTOM_GAUGES):
             sub.set_facecolor(PANEL_COLORS["bottom"])
             self._gauge_axes.append((gauge, sub.subplots(1, 1)))
