@@ -714,7 +714,8 @@ def diverged_run():
             hook.append(first.register_hook(lambda g: g * math.inf))
 
     quantities = [Q.Loss(linear(1)), Q.GradNorm(linear(1)), Q.Distance(linear(1)),
-                  Q.UpdateSize(linear(1)), Q.Alpha(linear(1))]  # fmt: skip
+                  Q.UpdateSize(linear(1)), Q.Alpha(linear(1)),
+                  Q.GradHist1d(linear(1))]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cockpit = _train(problem, quantities, 6, before=blow_up)
@@ -784,6 +785,11 @@ def test_nonfinite_steps_are_marked_where_the_curves_stop(diverged_run):
     # the finite values stop where the run diverged
     points = by_title["Gradient Norm"].collections[0].get_offsets()
     assert points[:, 0].max() < marked[0]
+    # a histogram of NaN gradients counts nothing, and says so
+    last = history.steps[-1]
+    assert sum(history[last]["GradHist1d"]["hist"]) == 0
+    notes = [t.get_text() for t in by_title["Gradient Element Histogram"].texts]
+    assert f"no finite value counted at step {last}" in notes
     # discard before the divergence: nothing to mark
     plotter.plot(history, show_plot=False, discard=marked[0] - 1)
     by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}

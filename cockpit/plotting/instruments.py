@@ -436,7 +436,16 @@ def _draw_hist_1d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     style_value_axis(ax, "x")
     ax.set(xlabel="gradient element value", ylabel="count")
     _corner_text(ax, f"step {step}", 7, 0.99, 0.96)
+    if not positive.size:  # NaN gradients fall into no bin
+        _empty_note(ax, step)
     return True
+
+
+def _empty_note(ax: Axes, step: int) -> None:
+    """Say (in red) that a histogram counted nothing, e.g. for NaN gradients."""
+    ax.text(0.5, 0.5, f"no finite value counted at step {step}", ha="center",
+            va="center", color=COLORS["red"], fontsize=7,
+            transform=ax.transAxes)  # fmt: skip
 
 
 def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
@@ -476,7 +485,10 @@ def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     heat.grid(False)
     mesh = heat.pcolormesh(param_edges, grad_edges, shown, cmap=HISTOGRAM_CMAP,
                            shading="flat", rasterized=True)  # fmt: skip
-    _colour_bar(ax, heat, mesh, counts, options)
+    if np.any(counts > 0):
+        _colour_bar(ax, heat, mesh, counts, options)
+    else:  # NaN gradients or parameters fall into no bin
+        _empty_note(heat, found[0])
     heat.axhline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
     heat.axvline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
     heat.set(xlabel="parameter value", ylabel="gradient element")
@@ -611,9 +623,11 @@ def _colour_bar(ax: Axes, heat: Axes, mesh, counts: np.ndarray, options) -> None
     bar.tick_params(labelsize=5.5, length=1.5, pad=1)
     if options["transformation"] is None:  # log10(count + 1): label counts
         top = max(float(np.max(counts, initial=1.0)), 1.0)
-        ticks = 10.0 ** np.arange(0, math.floor(math.log10(top)) + 1)
-        if len(ticks) > 3:
-            ticks = ticks[:: math.ceil(len(ticks) / 3)]
+        decades = 10.0 ** np.arange(0, math.floor(math.log10(top)) + 1)
+        if len(decades) == 1:  # counts below 10: 1, 2, 5
+            ticks = np.array([1.0, 2.0, 5.0])[: 1 + int(top >= 2) + int(top >= 5)]
+        else:
+            ticks = decades[:: math.ceil(len(decades) / 3)]
         long.set_ticks(np.log10(ticks + 1.0), labels=[format_number(t) for t in ticks])
         what = "count"
     else:
