@@ -104,8 +104,11 @@ class CockpitPlotter:
     """Draw cockpit's dashboard from a running cockpit or from a log.
 
     The primary screen has three tinted panels (STEP SIZE, GRADIENTS, CURVATURE)
-    with three gauges each, above a gray row with the learning rate and the loss /
-    accuracy: what practitioners already watch. The secondary screen
+    with three gauges each, above a gray row with the learning rate (of every
+    parameter group) and the loss / accuracy, what practitioners already watch, and
+    the Diagnosis panel: the findings of :func:`cockpit.diagnosis.diagnose`, or "no
+    problems found". Steps whose loss or gradients were not finite are shaded red
+    on every gauge drawn against the iteration. The secondary screen
     (``secondary_screen=True``) shows the mean GSNR, CABS and the early-stopping
     criterion, and one 2-D histogram per parameter tensor (needs
     ``GradHist2d(..., keep_individual=True)``).

@@ -5,7 +5,10 @@ it reads, its axis labels, the hint it shows without data and the kind of drawin
 :func:`draw_gauge` does what every gauge shares (clear the axes, resolve the keys,
 say what to track when there is nothing to draw, set the title) and hands the
 picture to the routine of the gauge's kind (``"series"``, ``"alpha"``, ``"tests"``,
-``"hist_1d"``, ``"hist_2d"``, ``"performance"``).
+``"hist_1d"``, ``"hist_2d"``, ``"performance"``, ``"learning_rates"``,
+``"findings"``). Gauges drawn against the iteration shade the steps with a
+``nonfinite`` record red (:func:`nonfinite_spans`), so a diverged run's curves do
+not just stop; a gauge with a ``caption`` says under its title how to read it.
 
 Every gauge is also a public function ``plot_<name>(ax, data, *, show_log_iter,
 upto, <keys>, <options>) -> Axes``:
