@@ -38,6 +38,7 @@ PRIMARY_TITLES = [
     "TIC",
     "Hyperparameters",
     "Performance Plot",
+    "Diagnosis",
 ]
 AUXILIARY_TITLES = ["Mean GSNR", "CABS", "Early stopping"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -87,8 +88,15 @@ def _gauge_axes(plotter):
     return [ax for _, ax in plotter._gauge_axes]
 
 
+def _full_text(text) -> str:
+    """A text's whole line (the findings panel cuts long lines when it draws)."""
+    return getattr(text, "full_text", text.get_text())
+
+
 def _has_data(ax) -> bool:
-    """Whether ``ax`` (or a twin/inset it made) shows lines, points, bars or images."""
+    """Whether ``ax`` (or a twin/inset it made) shows data (the findings: text)."""
+    if ax.get_title() == "Diagnosis":
+        return any(_full_text(t).strip() for t in ax.texts)
     axes = [ax, *instruments.extra_axes(ax)]
     for a in axes:
         if any(len(line.get_xdata()) for line in a.lines):
@@ -144,10 +152,11 @@ def test_gauges_show_the_logged_values(real_log, dashboard):
     points = by_title["Trace"].collections[0].get_offsets()
     expected = [sum(cockpit.history[s]["HessTrace"]) for s in range(STEPS)]
     np.testing.assert_allclose(points[:, 1], expected, rtol=1e-12)
-    # Learning rate: the logged values at the logged steps.
-    line = by_title["Hyperparameters"].lines[0]
-    np.testing.assert_array_equal(line.get_xdata(), [0, 2, 4])
-    np.testing.assert_allclose(line.get_ydata(), [0.1, 0.1, 0.1])
+    # Learning rate: the rates the cockpit recorded (one group) at every step.
+    steps, rates = cockpit.history.series("learning_rates")
+    (line,) = by_title["Hyperparameters"].lines
+    np.testing.assert_array_equal(line.get_xdata(), steps)
+    np.testing.assert_allclose(line.get_ydata(), [r[0] for r in rates])
 
 
 def test_live_plot_from_a_cockpit_then_update(real_log):
@@ -312,7 +321,7 @@ def test_gauges_without_data_say_so_and_debug_warns():
         plotter.plot(History({0: {"Loss": 1.0}}), show_plot=False, debug=True)
     axes = _gauge_axes(plotter) + [ax for _, ax in plotter._aux_axes]
     empty = [ax for ax in axes if ax.get_gid() == instruments.NO_DATA_GID]
-    assert len(empty) == len(axes) - 1  # all but the performance plot
+    assert len(empty) == len(axes) - 2  # all but the performance plot and diagnosis
     assert all(ax.get_title() for ax in empty)
     assert all(any("no data" in t.get_text() for t in ax.texts) for ax in empty)
     assert len(record) == len(empty) + 1  # + the layerwise placeholder
@@ -557,7 +566,8 @@ def test_reference_gauge_functions_draw_from_the_plotter(real_log):
         plotter, fig, grid[3, 2], marginals=False, idx=n_params - 1
     )
     assert layer.get_title() == f"Parameter {n_params - 1}"
-    assert not instruments.extra_axes(layer)  # no marginals
+    extra = instruments.extra_axes(layer)  # no marginals, only the colour bar
+    assert [hasattr(a, "_colorbar") for a in extra] == [True]
 
     plotter.load(path, discard=2)  # discard and show_log_iter are honoured
     plotter.show_log_iter = True
@@ -682,3 +692,298 @@ def test_an_untracked_cockpit_is_an_error(real_log):
     cockpit = Cockpit([torch.nn.Parameter(torch.zeros(2))], quantities=None)
     with pytest.raises(ValueError, match="Cockpit has no tracked steps"):
         CockpitPlotter().plot(cockpit, show_plot=False)
+
+
+# --- diagnosis on the dashboard: non-finite steps, findings, learning rates ---
+DIVERGE_AT = 3
+
+
+@pytest.fixture(scope="module")
+def diverged_run():
+    """A real 6-step run whose gradients turn infinite at step DIVERGE_AT.
+
+    An infinite gradient makes the SGD step put NaN into the parameters, so every
+    later loss and gradient is NaN as well: the run diverges for good.
+    """
+    problem = make_problem("mlp", "mse", "sgd")
+    first = problem.params[0]
+    hook = []
+
+    def blow_up(step):
+        if step == DIVERGE_AT:
+            hook.append(first.register_hook(lambda g: g * math.inf))
+
+    quantities = [Q.Loss(linear(1)), Q.GradNorm(linear(1)), Q.Distance(linear(1)),
+                  Q.UpdateSize(linear(1)), Q.Alpha(linear(1)),
+                  Q.GradHist1d(linear(1))]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cockpit = _train(problem, quantities, 6, before=blow_up)
+    for h in hook:
+        h.remove()
+    return cockpit
+
+
+def _train(problem, quantities, steps, optimizer=None, before=None):
+    """Train ``problem`` with a cockpit (optionally a given optimizer and a hook
+    ``before(step)`` called before each step); return the cockpit."""
+    from cockpit import Cockpit
+
+    optimizer = optimizer or problem.optimizer()
+    cockpit = Cockpit(problem.params, quantities=quantities)
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        x, y = problem.make_batch(step)
+        optimizer.zero_grad()
+        outputs = problem.model(x)
+        loss = problem.loss_fn(outputs, y)
+        losses = problem.individual_loss_fn(outputs, y)
+        info = {"batch_size": x.shape[0], "loss": loss, "optimizer": optimizer,
+                "individual_losses": losses}  # fmt: skip
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+def _red_marks(ax):
+    """x of the red vertical lines and x-ranges of the red bands on ``ax``."""
+    from matplotlib.colors import to_rgba
+
+    red = to_rgba(instruments.COLORS["red"])
+    lines = [line.get_xdata()[0] for line in ax.lines
+             if to_rgba(line.get_color())[:3] == red[:3]
+             and len(set(line.get_xdata())) == 1]  # fmt: skip
+    bands = [(patch.get_x(), patch.get_x() + patch.get_width())
+             for patch in ax.patches
+             if to_rgba(patch.get_facecolor())[:3] == red[:3]]  # fmt: skip
+    return lines, bands
+
+
+def test_nonfinite_steps_are_marked_where_the_curves_stop(diverged_run):
+    history = diverged_run.history
+    marked = [s for s in history.steps if "nonfinite" in history.view(s)]
+    assert marked and marked[0] == DIVERGE_AT  # the run really diverged there
+    assert marked == list(range(marked[0], history.steps[-1] + 1))  # and for good
+    assert instruments.nonfinite_spans(history) == [(marked[0], marked[-1])]
+
+    plotter = CockpitPlotter()
+    plotter.plot(history, show_plot=False)
+    plotter.fig.canvas.draw()
+    by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
+    for title in ("Gradient Norm", "Performance Plot", "Distance", "Hyperparameters"):
+        ax = by_title[title]
+        lines, bands = _red_marks(ax)
+        assert lines == [marked[0]], title
+        assert bands == [(marked[0], marked[-1])], title
+        assert ax.get_xlim()[1] >= marked[-1], title  # the axis runs on to the end
+        legend = instruments.extra_axes(ax)[-1] if title == "Distance" else ax
+        texts = [t.get_text() for t in legend.get_legend().get_texts()]
+        expected = f"{len(marked)} steps from {marked[0]}"
+        assert any("non-finite" in t and expected in t for t in texts), title
+    # the finite values stop where the run diverged
+    points = by_title["Gradient Norm"].collections[0].get_offsets()
+    assert points[:, 0].max() < marked[0]
+    # a histogram of NaN gradients counts nothing, and says so
+    last = history.steps[-1]
+    assert sum(history[last]["GradHist1d"]["hist"]) == 0
+    notes = [t.get_text() for t in by_title["Gradient Element Histogram"].texts]
+    assert f"no finite value counted at step {last}" in notes
+    # discard before the divergence: nothing to mark
+    plotter.plot(history, show_plot=False, discard=marked[0] - 1)
+    by_title = {ax.get_title(): ax for ax in _gauge_axes(plotter)}
+    assert _red_marks(by_title["Gradient Norm"]) == ([], [])
+
+
+def test_a_gauge_whose_values_are_all_nonfinite_says_so():
+    history = History({s: {"Loss": math.nan, "nonfinite": ["loss"]} for s in (0, 1)})
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_performance(ax, history)
+    assert ax.get_gid() == instruments.GAUGE_GID
+    assert any(t.get_text() == "no finite value" for t in ax.texts)
+    assert _red_marks(ax) == ([0], [(0, 1)])
+
+
+def _panel_texts(ax) -> list[str]:
+    return [_full_text(t) for t in ax.texts]
+
+
+def test_findings_panel_lists_what_diagnose_finds(diverged_run):
+    from cockpit.diagnosis import NOT_CHECKED, diagnose
+
+    history = diverged_run.history
+    findings = diagnose(history)
+    problems = [f for f in findings if f.id != NOT_CHECKED]
+    assert any(f.id == "nonfinite" and f.severity == "error" for f in problems)
+    plotter = CockpitPlotter()
+    plotter.plot(history, show_plot=False)
+    plotter.fig.canvas.draw()
+    panel = _gauge_axes(plotter)[-1]
+    assert panel.get_title() == "Diagnosis" and _has_data(panel)
+    texts = _panel_texts(panel)
+    badges = [t for t in texts if t in {"ERROR", "WARN", "INFO", "OK"}]
+    label = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
+    assert badges == [label[f.severity] for f in problems]
+    for finding in problems:
+        first, last = finding.steps
+        span = f"step {first}" if first == last else f"steps {first}–{last}"
+        assert f"{finding.id}  ·  {span}" in texts
+        assert finding.message in texts  # drawn on as many lines as fit
+    assert "no problems found" not in texts
+    # every visible line ends inside the panel
+    renderer = plotter.fig.canvas.get_renderer()
+    right = panel.get_window_extent(renderer).x1
+    for text in panel.texts:
+        if text.get_text():
+            assert text.get_window_extent(renderer).x1 <= right + 0.5
+
+
+def test_findings_panel_of_a_healthy_run_and_the_checks_that_could_not_run(real_log):
+    from cockpit.diagnosis import NOT_CHECKED, diagnose
+
+    path, cockpit, _ = real_log
+    findings = diagnose(cockpit.history)
+    fig = Figure(figsize=(6, 2.5))
+    ax = fig.add_subplot()
+    instruments.plot_findings(ax, path)
+    texts = _panel_texts(ax)
+    healthy = not any(f.severity != "info" for f in findings)
+    assert ("no problems found" in texts) == healthy
+    assert ("OK" in texts) == healthy
+    skipped = [f for f in findings if f.id == NOT_CHECKED]
+    lines = [t for t in texts if t.startswith("not checked: ")]
+    if skipped:
+        (line,) = lines
+        for check in skipped[0].evidence["checks"]:
+            assert check in line
+    else:
+        assert not lines
+    # a run without problems says so; what did not run is not a problem
+    ok = History({s: {"Loss": 1.0 - 0.1 * s} for s in range(3)})
+    instruments.plot_findings(ax, ok)
+    texts = _panel_texts(ax)
+    assert texts[:2] == ["OK", "no problems found"]
+    assert any(t.startswith("not checked: ") for t in texts)
+
+
+def test_findings_follow_discard_and_new_steps(diverged_run):
+    from cockpit.diagnosis import diagnose
+
+    history = diverged_run.history
+    live = History()
+    plotter = CockpitPlotter()
+
+    def shown():
+        panel = _gauge_axes(plotter)[-1]
+        return [t for t in _panel_texts(panel) if "  ·  " in t]
+
+    def expected(upto):
+        part = History({s: history[s] for s in history.steps if s <= upto})
+        return [f.id for f in diagnose(part) if f.id != "not_checked"]
+
+    for step in history.steps:  # a live run: the panel reads the new steps only
+        for key, value in history[step].items():
+            live.add(step, key, value)
+        plotter.plot(live, show_plot=False)
+        assert [t.split("  ·  ")[0] for t in shown()] == expected(step), step
+    plotter.plot(live, show_plot=False, discard=DIVERGE_AT - 1)
+    assert [t.split("  ·  ")[0] for t in shown()] == expected(DIVERGE_AT - 1)
+
+
+def test_learning_rate_gauge_draws_every_parameter_group():
+    import torch
+
+    problem = make_problem("mlp", "ce", "sgd")
+    weights, biases = problem.params[0::2], problem.params[1::2]
+    optimizer = torch.optim.SGD([{"params": weights, "lr": 0.1},
+                                 {"params": biases, "lr": 0.02}])  # fmt: skip
+
+    def decay(step):
+        if step == 3:
+            optimizer.param_groups[0]["lr"] /= 2
+
+    cockpit = _train(problem, [Q.Loss(linear(1))], 5, optimizer, before=decay)
+    history = cockpit.history
+    steps, rates = history.series("learning_rates")
+    assert len(rates[0]) == 2 and "learning_rate" not in history.keys
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_hyperparameters(ax, history)
+    assert ax.get_gid() == instruments.GAUGE_GID  # no "no data"
+    assert len(ax.lines) == 2
+    for group, line in enumerate(ax.lines):
+        np.testing.assert_array_equal(line.get_xdata(), steps)
+        np.testing.assert_allclose(line.get_ydata(), [r[group] for r in rates])
+        assert line.get_drawstyle() == "steps-post"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[0].startswith("group 0") and labels[1].startswith("group 1")
+    assert ax.get_ylim()[0] == 0.0
+
+    # the 1.0.2 key from Cockpit.log alone is drawn too
+    logged = History({s: {"learning_rate": 0.5} for s in (0, 4, 8)})
+    instruments.plot_hyperparameters(ax, logged)
+    (line,) = ax.lines
+    np.testing.assert_array_equal(line.get_xdata(), [0, 4, 8])
+    np.testing.assert_allclose(line.get_ydata(), [0.5] * 3)
+
+
+def test_groups_with_equal_rates_share_a_line_and_the_cache_follows_the_run():
+    history = History({s: {"learning_rates": [0.1, 0.1, 0.01]} for s in range(3)})
+    data = DashboardData(history)
+    data.refresh()
+    fig = Figure()
+    ax = fig.add_subplot()
+    instruments.plot_hyperparameters(ax, data)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert [label.split(",")[0] for label in labels] == ["groups 0-1", "group 2"]
+    history.add(3, "learning_rates", [0.05, 0.1, 0.01, 0.2])  # a group was added
+    data.refresh()
+    series = instruments.element_series(data, "learning_rates")
+    assert [list(s.steps) for s in series] == [[0, 1, 2, 3]] * 3 + [[3]]
+    assert [s.values[-1] for s in series] == [0.05, 0.1, 0.01, 0.2]
+
+
+def test_a_constant_learning_rate_has_a_readable_axis(tmp_path):
+    for rate in (3e-4, 0.1, 7.0):
+        history = History({s: {"learning_rates": [rate]} for s in range(5)})
+        fig = Figure(figsize=(4, 2.5))
+        ax = fig.add_subplot()
+        instruments.plot_hyperparameters(ax, history)
+        fig.savefig(tmp_path / "lr.png")
+        low, high = ax.get_ylim()
+        labels = [t.get_text() for t in ax.get_yticklabels()
+                  if low <= t.get_position()[1] <= high]  # fmt: skip
+        assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+        assert "0" in labels
+        assert low == 0.0 and rate < high < 1.5 * rate
+
+
+def test_hist_2d_has_a_colour_bar_in_counts(real_log):
+    path, cockpit, _ = real_log
+    counts = np.asarray(cockpit.history[STEPS - 1]["GradHist2d"]["hist"], float)
+    fig = Figure()
+    for marginals in (True, False):
+        ax = fig.add_subplot()
+        instruments.plot_hist_2d(ax, path, marginals=marginals)
+        heat = instruments.extra_axes(ax)[0] if marginals else ax
+        bar = heat.collections[0].colorbar
+        assert bar is not None and bar.ax in instruments.extra_axes(ax)
+        assert bar.vmax == pytest.approx(np.log10(counts.max() + 1))
+        long = bar.ax.xaxis if marginals else bar.ax.yaxis
+        ticks = [float(t.get_text().replace("k", "e3")) for t in long.get_ticklabels()]
+        assert ticks and all(1 <= t <= counts.max() for t in ticks)
+        fig.clear()
+
+
+def test_alpha_and_gradient_tests_explain_their_geometry():
+    history = synthetic_history(steps=10)
+    fig = Figure()
+    ax = fig.add_subplot()
+    expected = ((instruments.plot_alpha, ("parabola", "minimum")),
+                (instruments.plot_gradient_tests, ("unit circle", "band")))  # fmt: skip
+    for gauge, words in expected:
+        gauge(ax, history)
+        captions = [t.get_text() for t in ax.texts if getattr(t, "xy", 0) == (0.5, 1)]
+        assert len(captions) == 1 and all(w in captions[0] for w in words)

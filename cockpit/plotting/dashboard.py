@@ -104,8 +104,11 @@ class CockpitPlotter:
     """Draw cockpit's dashboard from a running cockpit or from a log.
 
     The primary screen has three tinted panels (STEP SIZE, GRADIENTS, CURVATURE)
-    with three gauges each, above a gray row with the learning rate and the loss /
-    accuracy: what practitioners already watch. The secondary screen
+    with three gauges each, above a gray row with the learning rate (of every
+    parameter group) and the loss / accuracy, what practitioners already watch, and
+    the Diagnosis panel: the findings of :func:`cockpit.diagnosis.diagnose`, or "no
+    problems found". Steps whose loss or gradients were not finite are shaded red
+    on every gauge drawn against the iteration. The secondary screen
     (``secondary_screen=True``) shows the mean GSNR, CABS and the early-stopping
     criterion, and one 2-D histogram per parameter tensor (needs
     ``GradHist2d(..., keep_individual=True)``).
@@ -473,7 +476,7 @@ class CockpitPlotter:
             self._panel(sub, name, PANEL_COLORS[name.lower()])
             for gauge, ax in zip(gauges, sub.subplots(len(gauges), 1)):
                 self._gauge_axes.append((gauge, ax))
-        bottom = rows[1].subfigures(1, 2, width_ratios=[1.0, 2.0], wspace=0.01)
+        bottom = rows[1].subfigures(1, 3, width_ratios=[1.0, 1.4, 1.2], wspace=0.01)
         for sub, gauge in zip(bottom, instruments.BOTTOM_GAUGES):
             sub.set_facecolor(PANEL_COLORS["bottom"])
             self._gauge_axes.append((gauge, sub.subplots(1, 1)))

@@ -5,7 +5,10 @@ it reads, its axis labels, the hint it shows without data and the kind of drawin
 :func:`draw_gauge` does what every gauge shares (clear the axes, resolve the keys,
 say what to track when there is nothing to draw, set the title) and hands the
 picture to the routine of the gauge's kind (``"series"``, ``"alpha"``, ``"tests"``,
-``"hist_1d"``, ``"hist_2d"``, ``"performance"``).
+``"hist_1d"``, ``"hist_2d"``, ``"performance"``, ``"learning_rates"``,
+``"findings"``). Gauges drawn against the iteration shade the steps with a
+``nonfinite`` record red (:func:`nonfinite_spans`), so a diverged run's curves do
+not just stop; a gauge with a ``caption`` says under its title how to read it.
 
 Every gauge is also a public function ``plot_<name>(ax, data, *, show_log_iter,
 upto, <keys>, <options>) -> Axes``:
@@ -31,17 +34,22 @@ import inspect
 import math
 import warnings
 import weakref
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Union
 
+import matplotlib
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.colors import Normalize
-from matplotlib.patches import Circle
-from matplotlib.ticker import LogLocator, NullFormatter
+from matplotlib.patches import Circle, Patch
+from matplotlib.text import Text as MplText
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, NullLocator
+from matplotlib.transforms import ScaledTranslation
 
+from cockpit import diagnosis
 from cockpit.errors import CockpitWarning
-from cockpit.plotting.data import DashboardData, as_data
+from cockpit.plotting.data import DashboardData, Series, as_data
 from cockpit.plotting.style import (
     COLORS,
     HISTOGRAM_CMAP,
@@ -57,6 +65,11 @@ NO_DATA_GID = "cockpit-no-data"
 
 #: ``Axes.get_gid()`` of a gauge that drew data.
 GAUGE_GID = "cockpit-gauge"
+
+#: History key of the words saying what was not finite at a step (``["loss",
+#: "gradients"]``), as the cockpit records it (``cockpit.checks.NONFINITE_KEY``,
+#: not imported here because that module loads torch).
+NONFINITE_KEY = "nonfinite"
 
 #: A title or hint: a ``str.format`` template over the gauge's keys and options, or a
 #: function of them.
@@ -107,6 +120,8 @@ class Gauge:
         option_docs: Description of each option.
         reference: Draw a dashed horizontal line at this value.
         legend_loc: Legend position.
+        caption: One line under the title that says how to read the picture (for
+            gauges whose geometry is not obvious).
     """
 
     name: str
@@ -122,6 +137,7 @@ class Gauge:
     option_docs: Mapping[str, str] = field(default_factory=dict)
     reference: float | None = None
     legend_loc: str = "best"
+    caption: str = ""
 
 
 # --- axes a gauge adds (twins, insets), removed when it redraws --------------------
@@ -212,26 +228,81 @@ def _corner_text(ax: Axes, text: str, size: float, x: float, y: float) -> None:
             transform=ax.transAxes, color=COLORS["dark"])  # fmt: skip
 
 
+def nonfinite_spans(data: Any, upto: int | None = None) -> list[tuple[int, int]]:
+    """Runs of consecutive tracked steps whose loss or gradients were not finite.
+
+    Args:
+        data: The run (see the module docstring).
+        upto: Ignore steps after this one.
+
+    Returns:
+        ``(first, last)`` step of each run, in order (steps with a
+        :data:`NONFINITE_KEY` record; runs are broken by any tracked step without).
+    """
+    data = as_data(data)
+    marked = data.series(NONFINITE_KEY).steps  # values are words, only steps count
+    if upto is not None:
+        marked = marked[marked <= upto]
+    if not len(marked):
+        return []
+    index = np.searchsorted(np.asarray(data.history.steps), marked)
+    breaks = np.flatnonzero(np.diff(index) != 1) + 1
+    return [(int(run[0]), int(run[-1])) for run in np.split(marked, breaks)]
+
+
+def _nonfinite_what(data: DashboardData, spans: list[tuple[int, int]]) -> str:
+    """What was not finite (``"loss, gradients"``), read at the ends of the runs."""
+    found: list[str] = []
+    for step in {s for span in spans for s in span}:
+        entry = data.history.view(step).get(NONFINITE_KEY) or []
+        found += [str(w) for w in entry if str(w) not in found]
+    return ", ".join(found) or "values"
+
+
+def _mark_nonfinite(ax: Axes, data: DashboardData, options) -> list:
+    """Shade the non-finite steps red on an iteration axis; return a legend handle.
+
+    A lone step gets a red line, a run of steps a red band with a line where it
+    begins, so the curves of a diverged run visibly end in red, not silently.
+    """
+    spans = nonfinite_spans(data, options["upto"])
+    if not spans:
+        return []
+    red = COLORS["red"]
+    for first, last in spans:
+        if last > first:
+            ax.axvspan(first, last, color=red, alpha=0.13, lw=0, zorder=0.5)
+        ax.axvline(first, color=red, lw=1.0, alpha=0.8, zorder=0.6)
+    count = sum(1 for step in data.series(NONFINITE_KEY).steps
+                if options["upto"] is None or step <= options["upto"])  # fmt: skip
+    where = f"step {spans[0][0]}" if count == 1 else f"{count} steps from {spans[0][0]}"
+    label = f"non-finite {_nonfinite_what(data, spans)}: {where}"
+    return [Patch(facecolor=red, alpha=0.35, edgecolor=red, label=label)]
+
+
 # --- one routine per kind of gauge -------------------------------------------------
 # Each takes (ax, data, gauge, keys, options) and returns whether it drew anything;
 # ``options`` holds the gauge's options plus ``upto`` and ``show_log_iter``.
 def _draw_series(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     """Series vs iteration, left axis and optionally a twin right axis."""
-    views = [(line, data.series(keys[line.role], line.reduce).view(options["upto"]))
-             for line in gauge.lines]  # fmt: skip
+    recorded = [(line, data.series(keys[line.role], line.reduce))
+                for line in gauge.lines]  # fmt: skip
+    recorded = [(line, series) for line, series in recorded if len(series)]
+    views = [(line, series.view(options["upto"])) for line, series in recorded]
     views = [(line, view) for line, view in views if len(view[0])]
     if not views:
-        return False
+        return bool(recorded) and _only_nonfinite(ax, data, options)
     style_iteration_axis(ax, options["show_log_iter"])
     has_twin = any(line.twin for line in gauge.lines)
     handles: list = []
+    top = ax
     for twin, ylabel in ((False, gauge.ylabel), (True, gauge.twin_ylabel)):
         side = [(line, view) for line, view in views if line.twin == twin]
         if not side:
             if not twin and has_twin:
                 ax.set_yticks([])
             continue
-        target = _twinx(ax) if twin else ax
+        target = top = _twinx(ax) if twin else ax
         for line, view in side:
             if line.steps:
                 last = format_number(view[1][-1])
@@ -244,7 +315,21 @@ def _draw_series(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
         handles += target.get_legend_handles_labels()[0]
     if gauge.reference is not None:
         ax.axhline(gauge.reference, color=COLORS["red"], lw=0.8, linestyle="--")
-    ax.legend(handles=handles, loc=gauge.legend_loc)
+    handles += _mark_nonfinite(ax, data, options)
+    top.legend(handles=handles, loc=gauge.legend_loc)  # above a twin's points
+    return True
+
+
+def _only_nonfinite(ax: Axes, data: DashboardData, options) -> bool:
+    """A gauge whose values were all NaN/inf: the red marks and a note, if any."""
+    marks = _mark_nonfinite(ax, data, options)
+    if not marks:
+        return False
+    style_iteration_axis(ax, options["show_log_iter"])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, "no finite value", ha="center", va="center",
+            color=COLORS["red"], transform=ax.transAxes)  # fmt: skip
+    ax.legend(handles=marks, loc="upper left")
     return True
 
 
@@ -331,6 +416,7 @@ def _draw_tests(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     history.axhline(1.0, color=COLORS["gray"], linestyle="--", lw=0.8)
     _value_axis(history, np.concatenate([view[1] for view, _, _ in views]))
     style_iteration_axis(history, options["show_log_iter"])
+    _mark_nonfinite(history, data, options)  # no legend entry: the inset is small
     history.legend(loc="best")
     return True
 
@@ -353,7 +439,16 @@ def _draw_hist_1d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     style_value_axis(ax, "x")
     ax.set(xlabel="gradient element value", ylabel="count")
     _corner_text(ax, f"step {step}", 7, 0.99, 0.96)
+    if not positive.size:  # NaN gradients fall into no bin
+        _empty_note(ax, step)
     return True
+
+
+def _empty_note(ax: Axes, step: int) -> None:
+    """Say (in red) that a histogram counted nothing, e.g. for NaN gradients."""
+    ax.text(0.5, 0.5, f"no finite value counted at step {step}", ha="center",
+            va="center", color=COLORS["red"], fontsize=7,
+            transform=ax.transAxes)  # fmt: skip
 
 
 def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
@@ -391,8 +486,12 @@ def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
             axes.grid(False)
             axes.minorticks_off()
     heat.grid(False)
-    heat.pcolormesh(param_edges, grad_edges, shown, cmap=HISTOGRAM_CMAP,
-                    shading="flat", rasterized=True)  # fmt: skip
+    mesh = heat.pcolormesh(param_edges, grad_edges, shown, cmap=HISTOGRAM_CMAP,
+                           shading="flat", rasterized=True)  # fmt: skip
+    if np.any(counts > 0):
+        _colour_bar(ax, heat, mesh, counts, options)
+    else:  # NaN gradients or parameters fall into no bin
+        _empty_note(heat, found[0])
     heat.axhline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
     heat.axvline(0, color=COLORS["gray"], lw=0.5, linestyle=":")
     heat.set(xlabel="parameter value", ylabel="gradient element")
@@ -400,6 +499,149 @@ def _draw_hist_2d(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
     style_value_axis(heat, "y", nbins=4)
     _corner_text(heat, f"step {found[0]}", 6.5, 0.98, 0.97)
     return True
+
+
+# Per-element series of list-valued keys, read incrementally like DashboardData's.
+_ELEMENT_SERIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def element_series(data: Any, key: str) -> list[Series]:
+    """One series per list element of ``key`` (e.g. per parameter group).
+
+    ``learning_rates`` holds one learning rate per parameter group; series ``k``
+    holds element ``k`` at every step where the list has one. Like the series of
+    :class:`~cockpit.plotting.data.DashboardData`, later calls read only the steps
+    added since (and the last one read before, which may have changed).
+
+    Args:
+        data: The run (see the module docstring).
+        key: A history key whose values are lists of numbers.
+
+    Returns:
+        The series, element 0 first (empty if ``key`` was never recorded).
+    """
+    data = as_data(data)
+    steps = data.series(key).steps  # the steps holding the key; values are lists
+    cached = _ELEMENT_SERIES.setdefault(data, {})
+    read, series = cached.get(key, (np.empty(0, dtype=np.int64), []))
+    keep = len(read) - 1  # re-read the last step read before
+    if keep < 0 or len(steps) <= keep or not np.array_equal(steps[:keep], read[:keep]):
+        keep, series = 0, []  # nothing read yet, or another history behind ``data``
+    for element in series:
+        element.truncate(int(steps[keep]))
+    for step in steps[keep:]:
+        try:
+            values = np.asarray(data.history.view(int(step))[key], float).ravel()
+        except (KeyError, TypeError, ValueError):  # not a list of numbers
+            continue
+        while len(series) < len(values):
+            series.append(Series())
+        for element, value in zip(series, values):
+            element.append(int(step), float(value))
+    cached[key] = (steps.copy(), series)
+    return series
+
+
+def _rate_axis(ax: Axes, values: np.ndarray) -> None:
+    """A learning-rate axis that reads well, also for a constant rate.
+
+    Linear from 0 (a constant rate is one clear level, not an axis zoomed onto
+    rounding noise); log scale when positive rates span more than two decades.
+    """
+    finite = values[np.isfinite(values)]
+    if finite.size and np.all(finite > 0) and finite.max() / finite.min() > 100.0:
+        _value_axis(ax, finite, log=True)
+        return
+    style_value_axis(ax)
+    top = float(finite.max()) if finite.size else 1.0
+    bottom = min(0.0, float(finite.min())) if finite.size else 0.0
+    ax.set_ylim(bottom, 1.18 * top if top > 0 else 1.0)
+
+
+def _group_label(groups: list[int], last: float, single: bool) -> str:
+    if single:
+        return f"learning rate, last {format_number(last)}"
+    if len(groups) == 1:
+        name = f"group {groups[0]}"
+    elif groups == list(range(groups[0], groups[-1] + 1)):
+        name = f"groups {groups[0]}-{groups[-1]}"
+    else:
+        name = "groups " + ", ".join(map(str, groups))
+    return f"{name}, last {format_number(last)}"
+
+
+def _draw_learning_rates(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """One step line per parameter group; else the rate handed to Cockpit.log."""
+    upto = options["upto"]
+    views = [element.view(upto) for element in element_series(data, keys["rates_key"])]
+    merged: list[tuple[list[int], tuple]] = []  # groups with equal rates share a line
+    for group, view in enumerate(views):
+        if not len(view[0]):
+            continue
+        same = [m for m in merged if np.array_equal(m[1][0], view[0])
+                and np.array_equal(m[1][1], view[1])]  # fmt: skip
+        if same:
+            same[0][0].append(group)
+        else:
+            merged.append(([group], view))
+    if not merged:
+        logged = data.series(keys["key"]).view(upto)
+        if not len(logged[0]):
+            return False
+        merged = [([0], logged)]
+    style_iteration_axis(ax, options["show_log_iter"])
+    palette = [COLORS[c] for c in ("blue", "orange", "green", "purple", "gray")]
+    single = len(merged) == 1 and len(views) <= 1
+    handles = []
+    for index, (groups, (steps, values, _)) in enumerate(merged):
+        (line,) = ax.plot(steps, values, drawstyle="steps-post", lw=1.4,
+                          color=palette[index % len(palette)],
+                          label=_group_label(groups, values[-1], single))  # fmt: skip
+        handles.append(line)
+    _rate_axis(ax, np.concatenate([view[1] for _, view in merged]))
+    ax.set_ylabel(gauge.ylabel)
+    if len(handles) > 6:
+        extra = Patch(color="none", label=f"+{len(handles) - 5} more lines")
+        handles = handles[:5] + [extra]
+    handles += _mark_nonfinite(ax, data, options)
+    ax.legend(handles=handles, loc=gauge.legend_loc)
+    return True
+
+
+def _colour_bar(ax: Axes, heat: Axes, mesh, counts: np.ndarray, options) -> None:
+    """Colour bar of the 2-D histogram's heat map.
+
+    In the free corner above the right marginal, or (without marginals) right of
+    the map; with the default colours its ticks are counts.
+    """
+    if options["marginals"]:
+        bar = _extra(ax, ax.inset_axes([0.855, 0.9, 0.145, 0.055]))
+        orientation = "horizontal"
+    else:
+        bar = _extra(heat, heat.inset_axes([1.03, 0.0, 0.035, 1.0]))
+        orientation = "vertical"
+    colorbar = heat.figure.colorbar(mesh, cax=bar, orientation=orientation)
+    colorbar.outline.set_linewidth(0.5)
+    long = bar.xaxis if orientation == "horizontal" else bar.yaxis
+    bar.tick_params(labelsize=5.5, length=1.5, pad=1)
+    if options["transformation"] is None:  # log10(count + 1): label counts
+        top = max(float(np.max(counts, initial=1.0)), 1.0)
+        decades = 10.0 ** np.arange(0, math.floor(math.log10(top)) + 1)
+        if len(decades) == 1:  # counts below 10: 1, 2, 5
+            ticks = np.array([1.0, 2.0, 5.0])[: 1 + int(top >= 2) + int(top >= 5)]
+        else:
+            ticks = decades[:: math.ceil(len(decades) / 3)]
+        long.set_ticks(np.log10(ticks + 1.0), labels=[format_number(t) for t in ticks])
+        what = "count"
+    else:
+        long.set_major_locator(MaxNLocator(nbins=3))
+        long.set_major_formatter(format_number)
+        what = "colour"
+    if orientation == "horizontal":
+        bar.set_title(what, fontsize=5.5, pad=1.5, fontweight="normal")
+    else:
+        bar.set_ylabel(what, fontsize=6, labelpad=1)
+    long.set_minor_locator(NullLocator())
 
 
 def _draw_performance(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
@@ -411,7 +653,8 @@ def _draw_performance(ax, data: DashboardData, gauge: Gauge, keys, options) -> b
     accs = [(k, data.series(k).view(upto)) for k in options["accuracies"]]
     accs = [(k, view) for k, view in accs if len(view[0])]
     if len(loss[0]) == 0 and not logged and not accs:
-        return False
+        recorded = len(data.series(keys["loss_key"])) > 0
+        return recorded and _only_nonfinite(ax, data, options)
     style_iteration_axis(ax, options["show_log_iter"])
     if len(loss[0]):
         _scatter_with_ema(ax, loss, "mini-batch loss", None, None)
@@ -423,8 +666,11 @@ def _draw_performance(ax, data: DashboardData, gauge: Gauge, keys, options) -> b
     ax.set_ylabel("loss")
     _value_axis(ax, np.concatenate([loss[1]] + [view[1] for _, view in logged]))
     handles, labels = ax.get_legend_handles_labels()
+    for mark in _mark_nonfinite(ax, data, options):
+        handles, labels = handles + [mark], labels + [mark.get_label()]
+    top = ax
     if accs:
-        twin = _twinx(ax)
+        twin = top = _twinx(ax)
         for (name, (steps, values, _)), color in zip(
             accs, (COLORS["green"], COLORS["orange"], COLORS["gray"])
         ):
@@ -435,7 +681,190 @@ def _draw_performance(ax, data: DashboardData, gauge: Gauge, keys, options) -> b
         twin.set_ylabel("accuracy")
         more_handles, more_labels = twin.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    ax.legend(handles, labels, loc="center left", bbox_to_anchor=(1.07, 0.5))
+    # inside, right of the middle: where falling losses and rising accuracies leave
+    # room; on the top axes so no curve is drawn over it
+    top.legend(handles, labels, loc="center right")
+    return True
+
+
+# --- the findings panel --------------------------------------------------------------
+#: Colour of each severity's badge (``"ok"``: the badge of a healthy run).
+SEVERITY_COLORS = {"error": COLORS["red"], "warning": COLORS["orange"],
+                   "info": COLORS["gray"], "ok": COLORS["green"]}  # fmt: skip
+
+# Per-step diagnosis signals of each DashboardData, so a live dashboard reads only
+# the new steps: {"signals": {step: {signal: value}}, "first_seen": {key: step},
+# "read": last step read, "result": ((read, upto, thresholds), findings)}.
+_DIAGNOSIS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def diagnosis_findings(
+    data: Any, upto: int | None = None, thresholds: Any = None
+) -> list[diagnosis.Finding] | None:
+    """:func:`cockpit.diagnosis.diagnose` of the run up to a step, read incrementally.
+
+    Args:
+        data: The run (see the module docstring).
+        upto: Diagnose only the steps up to this one.
+        thresholds: :class:`cockpit.diagnosis.Thresholds` (default: its defaults).
+
+    Returns:
+        The findings (as ``diagnose`` orders them), or ``None`` without steps.
+    """
+    data = as_data(data)
+    if data.last_step is None:
+        return None
+    cache = _DIAGNOSIS.setdefault(
+        data, {"signals": {}, "first_seen": {}, "read": None, "result": None}
+    )
+    steps = data.history.steps
+    start = 0 if cache["read"] is None else bisect_left(steps, cache["read"])
+    for step in steps[start : bisect_right(steps, data.last_step)]:
+        values = data.history.view(step)
+        cache["signals"][step] = diagnosis.step_signals(values)
+        for key in values:
+            cache["first_seen"].setdefault(key, step)
+        cache["read"] = step
+    token = (cache["read"], upto, thresholds)
+    if cache["result"] is not None and cache["result"][0] == token:
+        return cache["result"][1]
+    signals = diagnosis.Signals()
+    signals.keys.update(k for k, first in cache["first_seen"].items()
+                        if upto is None or first <= upto)  # fmt: skip
+    for step in sorted(cache["signals"]):
+        if upto is not None and step > upto:
+            break
+        for signal, value in cache["signals"][step].items():
+            signals.steps.setdefault(signal, []).append(step)
+            signals.values.setdefault(signal, []).append(value)
+    if upto is not None and not any(signals.steps.values()) and not signals.keys:
+        return None
+    findings = diagnosis.run_checks(signals, thresholds)
+    cache["result"] = (token, findings)
+    return findings
+
+
+class _FittedText(MplText):
+    """A line of text fitted to its axes' width when drawn.
+
+    The line shows the longest start of :attr:`full_text` that ends inside the
+    axes. With a :attr:`follower` (the next line, drawn after this one) it breaks
+    at a space and hands the rest over; the last line of a paragraph ends in "…"
+    when cut. A line that would reach below the axes is not drawn.
+    """
+
+    def __init__(self, *args: Any, follower: _FittedText | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.full_text = self.get_text()
+        self.follower = follower
+        self.set_in_layout(False)  # the layout must not make room for long text
+
+    def _fits(self, text: str, renderer, right: float) -> bool:
+        self.set_text(text)
+        return self.get_window_extent(renderer).x1 <= right
+
+    def draw(self, renderer) -> None:
+        if not self.get_visible() or self.axes is None:
+            return
+        box = self.axes.bbox
+        margin = renderer.points_to_pixels(4.0)
+        right = box.x1 - margin
+        text, rest = self.full_text, ""
+        if not self._fits(text, renderer, right):
+            if self.follower is not None:  # break at the last space that fits
+                cuts = [i for i, c in enumerate(text) if c == " "]
+                fitting = [i for i in cuts if self._fits(text[:i], renderer, right)]
+                cut = fitting[-1] if fitting else len(text)
+                text, rest = text[:cut], text[cut:].strip()
+            if rest == "" and not self._fits(text, renderer, right):
+                keep, top = 0, len(text)
+                while keep < top:  # the longest start that fits with "…"
+                    middle = (keep + top + 1) // 2
+                    if self._fits(text[:middle].rstrip() + "…", renderer, right):
+                        keep = middle
+                    else:
+                        top = middle - 1
+                text = text[:keep].rstrip() + "…"
+        self.set_text(text)
+        if self.follower is not None:
+            self.follower.full_text = rest
+        if not text or self.get_window_extent(renderer).y0 < box.y0 + margin / 2:
+            return
+        super().draw(renderer)
+
+
+def _paragraph(
+    ax: Axes, text: str, x: float, y: float, lines: int, step: float, **kwargs: Any
+) -> float:
+    """Up to ``lines`` fitted lines of ``text``, ``step`` points apart.
+
+    The first line starts ``(x, y)`` points from the top left of ``ax``; returns
+    the ``y`` below the last one.
+    """
+    made: list[_FittedText] = []
+    for index in range(lines):
+        offset = ScaledTranslation(x / 72.0, (y - index * step) / 72.0,
+                                   ax.figure.dpi_scale_trans)  # fmt: skip
+        line = _FittedText(0.0, 1.0, text if index == 0 else "", va="top",
+                           ha="left", transform=ax.transAxes + offset,
+                           **kwargs)  # fmt: skip
+        if made:
+            made[-1].follower = line
+        ax.add_artist(line)
+        made.append(line)
+    return y - lines * step
+
+
+def _step_range(steps: tuple[int, int]) -> str:
+    first, last = steps
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
+#: Lines of text the findings panel plans for (the dashboard's bottom row); more
+#: findings get fewer lines each.
+PANEL_LINES = 11
+
+
+def _draw_findings(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
+    """The diagnosis' findings, most severe first: a badge, a headline, the message."""
+    findings = diagnosis_findings(data, options["upto"], options["thresholds"])
+    if findings is None:
+        return False
+    ax.set(xlim=(0, 1), ylim=(0, 1), xticks=[], yticks=[])
+    ax.grid(False)
+    found = [f for f in findings if f.id != diagnosis.NOT_CHECKED]
+    skipped = [f for f in findings if f.id == diagnosis.NOT_CHECKED]
+    checks = dict(skipped[0].evidence.get("checks", {})) if skipped else {}
+    rows: list[tuple[str, str, str]] = []  # (badge, headline, detail)
+    if not any(f.severity != "info" for f in found):
+        steps = [s for s in data.history.steps if s <= data.last_step
+                 and (options["upto"] is None or s <= options["upto"])]  # fmt: skip
+        ran = [c for c in diagnosis.CHECK_IDS if c not in checks]
+        span = _step_range((steps[0], steps[-1]))
+        detail = f"{len(ran)} of {len(diagnosis.CHECK_IDS)} checks ran on {span}: "
+        detail += ", ".join(ran)
+        rows.append(("ok", "no problems found", detail))
+    for finding in found:
+        headline = f"{finding.id}  ·  {_step_range(finding.steps)}"
+        rows.append((finding.severity, headline, finding.message))
+    budget = PANEL_LINES - (1 if checks else 0) - len(rows)
+    detail_lines = min(3, budget // max(len(rows), 1))
+    y = -5.0
+    for badge, headline, detail in rows:
+        label = {"warning": "WARN"}.get(badge, badge.upper())
+        _paragraph(ax, label, 6, y - 1, 1, 0, fontsize=6, fontweight="bold",
+                   color="white", bbox={"boxstyle": "round,pad=0.25", "lw": 0,
+                                        "fc": SEVERITY_COLORS[badge]})  # fmt: skip
+        text = headline if detail_lines else f"{headline}:  {detail}"
+        y = _paragraph(ax, text, 42, y, 1, 11.5, fontsize=7.5, fontweight="bold",
+                       color=COLORS["dark"])  # fmt: skip
+        if detail_lines:
+            y = _paragraph(ax, detail, 42, y, detail_lines, 10, fontsize=7,
+                           color=COLORS["dark"]) - 3.5  # fmt: skip
+    if checks:
+        needs = "; ".join(f"{check} (needs {need})" for check, need in checks.items())
+        _paragraph(ax, f"not checked: {needs}", 6, y - 2, 1, 0, fontsize=6.8,
+                   color=COLORS["gray"], style="italic")  # fmt: skip
     return True
 
 
@@ -447,6 +876,8 @@ DRAWERS: dict[str, Callable[..., bool]] = {
     "hist_1d": _draw_hist_1d,
     "hist_2d": _draw_hist_2d,
     "performance": _draw_performance,
+    "learning_rates": _draw_learning_rates,
+    "findings": _draw_findings,
 }
 
 
@@ -483,6 +914,8 @@ _GAUGE_LIST = (
         "near 0: they land in the minimum; > 0: overshoot.",
         (_key("key", "Alpha", "the alpha values"),),
         hint="track {key} (needs 2 values)",
+        caption="the loss along a step as a parabola: −1 start, 0 its minimum, "
+        "+1 as high as the start",
         options={"bins": 40, "recent": 0.1},
         option_docs={"bins": "Number of histogram bins on [-1.5, 1.5].",
                      "recent": "Fraction of the most recent values shown apart."},
@@ -515,6 +948,8 @@ _GAUGE_LIST = (
          _key("inner_key", "InnerTest", "the inner-product test"),
          _key("ortho_key", "OrthoTest", "the orthogonality test")),
         hint="track {norm_key}, {inner_key}, {ortho_key}",
+        caption="disc: norm, horizontal band: inner, vertical band: ortho test; "
+        "past the dashed unit circle: batch too small",
     ),
     Gauge(
         "hist_1d", "Gradient Element Histogram", "hist_1d",
@@ -556,11 +991,17 @@ _GAUGE_LIST = (
         ylabel="TIC",
     ),
     Gauge(
-        "hyperparameters", "Hyperparameters", "series",
-        "the learning rate handed to ``Cockpit.log`` vs iteration.",
-        (_key("key", "learning_rate", "the learning rate"),),
-        (Line("key", "learning rate", color=COLORS["blue"], steps=True),),
-        ylabel="learning rate", hint="call cockpit.log(..., learning_rate)",
+        "hyperparameters", "Hyperparameters", "learning_rates",
+        "the learning rate vs iteration: one step line per parameter group (the "
+        "cockpit records ``learning_rates`` on tracked steps when ``info`` holds "
+        "the optimizer; groups with equal rates share a line), else the rate "
+        "handed to ``Cockpit.log``. The axis starts at 0 (log scale when the "
+        "rates span more than two decades).",
+        (_key("key", "learning_rate", "the learning rate handed to Cockpit.log"),
+         _key("rates_key", "learning_rates",
+              "the learning rates, one per parameter group")),
+        ylabel="learning rate",
+        hint="pass info['optimizer'] or call cockpit.log(..., learning_rate)",
     ),
     Gauge(
         "performance", "Performance Plot", "performance",
@@ -572,6 +1013,19 @@ _GAUGE_LIST = (
                  "accuracies": ("train_accuracy", "valid_accuracy")},
         option_docs={"log_losses": "Keys of logged losses drawn as lines.",
                      "accuracies": "Keys of logged accuracies."},
+    ),
+    Gauge(
+        "findings", "Diagnosis", "findings",
+        "what :func:`cockpit.diagnosis.diagnose` finds in the run (up to ``upto``): "
+        "one badge per finding (ERROR, WARN, INFO), its id and step range, and the "
+        "first line of its message, most severe first; \"no problems found\" when "
+        "nothing is at warning or error, and the checks that lacked data. Steps "
+        "read before are not read again.",
+        (), hint="nothing recorded yet",
+        caption="evidence and advice for each finding: cockpit report <log>",
+        options={"thresholds": None},
+        option_docs={"thresholds": "cockpit.diagnosis.Thresholds to diagnose with "
+                     "(default: the validated ones)."},
     ),
     _series("mean_gsnr", "Mean GSNR", "MeanGSNR", "GSNR",
             "mean gradient signal-to-noise ratio over all parameters."),
@@ -642,9 +1096,22 @@ def draw_gauge(
         no_data(ax, title, hint)
         ax.set_gid(NO_DATA_GID)
         return ax
-    ax.set_title(title)
+    if gauge.caption:
+        _caption(ax, title, gauge.caption)
+    else:
+        ax.set_title(title)
     ax.set_gid(GAUGE_GID)
     return ax
+
+
+def _caption(ax: Axes, title: str, caption: str) -> None:
+    """The title with a small gray line under it that says how to read the gauge."""
+    size = 6.5
+    ax.set_title(title, pad=matplotlib.rcParams["axes.titlepad"] + 1.35 * size + 1)
+    ax.annotate(caption, (0.5, 1.0), xycoords="axes fraction", xytext=(0, 2.5),
+                textcoords="offset points", ha="center", va="bottom",
+                fontsize=size, color=COLORS["dark"], style="italic",
+                annotation_clip=False)  # fmt: skip
 
 
 def _public(name: str) -> Callable[..., Axes]:
@@ -696,6 +1163,7 @@ plot_trace = _public("trace")
 plot_tic = _public("tic")
 plot_hyperparameters = _public("hyperparameters")
 plot_performance = _public("performance")
+plot_findings = _public("findings")
 plot_mean_gsnr = _public("mean_gsnr")
 plot_cabs = _public("cabs")
 plot_early_stopping = _public("early_stopping")
@@ -748,7 +1216,7 @@ PRIMARY_GAUGES = {
 }
 
 #: The gauges of the primary screen's bottom row (what practitioners already watch).
-BOTTOM_GAUGES = (plot_hyperparameters, plot_performance)
+BOTTOM_GAUGES = (plot_hyperparameters, plot_performance, plot_findings)
 
 #: The gauges of the secondary screen's top band.
 AUXILIARY_GAUGES = (plot_mean_gsnr, plot_cabs, plot_early_stopping)
