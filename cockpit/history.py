@@ -36,6 +36,7 @@ from cockpit.log_format import (
     expand,
     find_log,
     json_path,
+    pack,
     parse_json_log,
     to_builtin,
     to_output,
@@ -230,12 +231,19 @@ class History:
         return frame
 
     # --- files ---------------------------------------------------------------------
-    def write_json(self, path: str | os.PathLike, legacy: bool = False) -> str:
+    def write_json(
+        self, path: str | os.PathLike, legacy: bool = False, packed: bool = True
+    ) -> str:
         """Write the history as JSON, in our format or in cockpit-for-pytorch 1.0.2's.
 
         Steps become string keys, keys are sorted. Our format (the default) is
-        standard JSON with indent 2; NaN and infinities become
-        ``{"__float__": "nan" | "inf" | "-inf"}``. With ``legacy=True`` the file is
+        standard JSON, one line per step; NaN and infinities become
+        ``{"__float__": "nan" | "inf" | "-inf"}``, and large arrays are packed
+        (:func:`~cockpit.log_format.pack`: histogram edges as
+        ``{"__linspace__": ...}``, mostly-zero counts as ``{"__sparse__": ...}``), a
+        few KB per step of the ``full`` configuration. ``packed=False`` writes plain
+        lists instead, with indent 2 (about 33 KB per step of ``full``), for tools
+        that read the JSON without cockpit. With ``legacy=True`` the file is
         what 1.0.2 wrote with json_tricks (indent 4): histogram arrays as
         ``{"__ndarray__": ..., "dtype": ..., "shape": ...}`` objects (plus the
         ``Corder`` flag for 2-D arrays), NaN and infinities as the non-standard
@@ -248,6 +256,7 @@ class History:
                 (``Cockpit.write`` adds ``.json`` with
                 :func:`~cockpit.log_format.json_path`).
             legacy: Write 1.0.2's format instead of standard JSON.
+            packed: Pack large arrays (ignored with ``legacy=True``).
 
         Returns:
             The path written.
@@ -263,6 +272,18 @@ class History:
                 for step, entries in self.to_output().items()
             }
             text = json.dumps(payload, indent=4, sort_keys=True, allow_nan=True)
+        elif packed:
+            lines = [
+                f"{json.dumps(str(step))}: "
+                + json.dumps(
+                    pack(self._data[step]),
+                    separators=(",", ":"),
+                    sort_keys=True,
+                    allow_nan=False,
+                )
+                for step in sorted(self._data)
+            ]
+            text = "{\n" + ",\n".join(lines) + "\n}\n" if lines else "{}\n"
         else:
             payload = {str(step): encode(entries) for step, entries in self.items()}
             text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False)

@@ -2,10 +2,10 @@
 
 Turn it on with ``Cockpit(params, quantities, logpath="runs/log")``. The file
 (``runs/log.jsonl``; see :func:`stream_path`) is append-only and holds one standard
-JSON object per line, NaN and infinities encoded as in
+JSON object per line, NaN and infinities encoded and large arrays packed as in
 :meth:`cockpit.history.History.write_json`::
 
-    {"format":"cockpit-log-stream","version":1}          header (first line)
+    {"format":"cockpit-log-stream","version":2}          header (first line)
     {"step":12,"values":{"Loss":0.31,"GradNorm":[...]}}  values recorded for step 12
     {"step":11,"values":{"UpdateSize":[...]}}            a two-step value for step 11
     {"resume_after":40}                                  see below
@@ -34,11 +34,12 @@ import warnings
 from typing import Any, Iterable, Mapping
 
 from cockpit.errors import CockpitWarning, LogFileError, unwritable_error
-from cockpit.log_format import decode, encode, parse_json_log, to_builtin
+from cockpit.log_format import compact, decode, pack, parse_json_log
 
-#: Name and version in the header line.
+#: Name and version in the header line. Version 2 packs large arrays
+#: (:func:`cockpit.log_format.pack`); this reader reads versions 1 and 2.
 STREAM_FORMAT = "cockpit-log-stream"
-STREAM_VERSION = 1
+STREAM_VERSION = 2
 
 _HEADER = json.dumps(
     {"format": STREAM_FORMAT, "version": STREAM_VERSION}, separators=(",", ":")
@@ -65,9 +66,13 @@ def _line(payload: Mapping[str, Any]) -> str:
 
 
 def record_line(global_step: int, values: Mapping[str, Any]) -> str:
-    """Return the line that records ``values`` for ``global_step``."""
-    encoded = encode({str(k): to_builtin(v) for k, v in values.items()})
-    return _line({"step": int(global_step), "values": encoded})
+    """Return the line that records ``values`` for ``global_step``.
+
+    Large arrays are packed (:func:`cockpit.log_format.pack`); every record stands
+    alone, so a torn record loses nothing but itself.
+    """
+    packed = pack({str(k): compact(v) for k, v in values.items()})
+    return _line({"step": int(global_step), "values": packed})
 
 
 class LogStream:
