@@ -29,10 +29,11 @@ path refers to, and :func:`read_json_log` reads a log in standard JSON (ours or
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -622,3 +623,113 @@ def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
     return "object"
+
+
+# --- reading a log step by step --------------------------------------------------------
+def is_tagged(value: Any) -> bool:
+    """Whether a value as written is one tagged number or array, not a mapping."""
+    if not isinstance(value, dict):
+        return False
+    if NDARRAY_TAG in value:
+        return True
+    return len(value) == 1 and (
+        FLOAT_TAG in value or LINSPACE_TAG in value or SPARSE_TAG in value
+    )
+
+
+class NotStreamable(ValueError):
+    """A log that :func:`json_log_steps` cannot read step by step (read it whole)."""
+
+
+_WHITESPACE = " \t\n\r"
+
+
+def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
+    """Yield ``(step, entries)`` of a log in standard JSON, one step at a time.
+
+    Holds one chunk of text and one step at a time in memory, whatever the size of
+    the log. The entries are as written (pass them to :func:`decode`); steps come
+    in the order of the file.
+
+    Args:
+        handle: The log, opened in binary mode.
+        chunk: Bytes read at a time.
+
+    Raises:
+        NotStreamable: For anything but a JSON object of ``{"<int>": {...}}``
+            (read such a file with :func:`parse_json_log`, which says what is
+            wrong with it).
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    text, pos, done = "", 0, False
+
+    def refill() -> bool:
+        nonlocal text, pos, done
+        if done:
+            return False
+        data = handle.read(chunk)
+        try:
+            more = utf8.decode(data, final=not data)
+        except UnicodeDecodeError as error:
+            raise NotStreamable("not UTF-8") from error
+        done = not data
+        text, pos = text[pos:] + more, 0
+        return True
+
+    def skip_space() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(text) and text[pos] in _WHITESPACE:
+                pos += 1
+            if pos < len(text):
+                return text[pos]
+            if not refill():
+                raise NotStreamable("ends early")
+
+    def value() -> Any:
+        nonlocal pos
+        while True:
+            try:
+                parsed, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                parsed, end = None, None
+            # a value that ends with the text may go on in the next chunk
+            if end is not None and (end < len(text) or done):
+                pos = end
+                return parsed
+            if not refill():
+                raise NotStreamable("invalid or truncated JSON")
+
+    if skip_space() != "{":
+        raise NotStreamable("not a JSON object")
+    pos += 1
+    if skip_space() == "}":
+        pos += 1
+        return
+    while True:
+        key = value()
+        if not isinstance(key, str) or skip_space() != ":":
+            raise NotStreamable("not a step key")
+        pos += 1
+        skip_space()
+        entries = value()
+        try:
+            step = int(key)
+        except ValueError:
+            raise NotStreamable("not a step key") from None
+        if not isinstance(entries, dict):
+            raise NotStreamable("step without entries")
+        yield step, entries
+        separator = skip_space()
+        pos += 1
+        if separator == "}":
+            break
+        if separator != ",":
+            raise NotStreamable("invalid JSON")
+        skip_space()
+    while True:  # only whitespace may follow
+        if text[pos:].strip():
+            raise NotStreamable("extra data")
+        if not refill():
+            return
