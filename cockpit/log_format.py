@@ -625,7 +625,7 @@ def _json_kind(value: Any) -> str:
     return "object"
 
 
-# --- reading a log step by step --------------------------------------------------------
+# --- reading a log step by step -------------------------------------------------------
 def is_tagged(value: Any) -> bool:
     """Whether a value as written is one tagged number or array, not a mapping."""
     if not isinstance(value, dict):

@@ -6,7 +6,8 @@ exponential moving average). It remembers how far it has read: :meth:`refresh` r
 only the steps added since the last call (and the last step seen before, which a
 two-step quantity such as ``Alpha`` fills in one step late), so keeping a live
 dashboard up to date costs time proportional to the new data. Gauges draw at most
-:data:`MAX_POINTS` points per series, so drawing does not grow with the run either.
+:data:`MAX_POINTS` points per series (:func:`extremes_index` keeps each stretch's
+extremes), so drawing does not grow with the run either.
 """
 
 from __future__ import annotations
@@ -20,18 +21,23 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import NotStreamable, decode, find_log, is_tagged
-from cockpit.log_format import json_log_steps
-from cockpit.log_stream import file_lines, is_stream_data, stream_records
-from cockpit.log_stream import STREAM_MAGIC
+from cockpit.log_format import (
+    NotStreamable,
+    decode,
+    find_log,
+    is_tagged,
+    json_log_steps,
+)
+from cockpit.log_stream import STREAM_MAGIC, file_lines, is_stream_data, stream_records
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
 #: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
 EMA_ALPHA = 0.2
 
 #: Upper bound on the number of points a gauge draws per series; longer series are
-#: thinned with a power-of-two stride (so the kept points do not jump around while
-#: the run grows); the last point is always drawn.
+#: thinned to the extremes of power-of-two blocks (so the kept points do not jump
+#: around while the run grows; see :func:`extremes_index`); the last point is
+#: always drawn.
 MAX_POINTS = 2000
 
 
@@ -154,6 +160,9 @@ class Series:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return ``(steps, values, ema)`` to draw: finite, up to a step, thinned.
 
+        A longer series is thinned by :func:`extremes_index`: spikes and dips
+        stay visible, and so does the last point.
+
         Args:
             upto: Last step to include (``None``: all).
             max_points: Thin longer series to about this many points (``None``:
@@ -163,7 +172,7 @@ class Series:
             Three arrays of equal length.
         """
         n = self._n if upto is None else int(np.searchsorted(self.steps, upto, "right"))
-        index = thinned_index(n, max_points)
+        index = extremes_index(self._values[:n], max_points)
         steps = self._steps[:n][index]
         values = self._values[:n][index]
         ema = self._ema[:n][index]
@@ -184,6 +193,42 @@ def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
     if index[-1] != n - 1:
         index = np.append(index, n - 1)
     return index
+
+
+def extremes_index(values: np.ndarray, max_points: int | None) -> slice | np.ndarray:
+    """Indices of at most ``max_points + 1`` of ``values`` that keep their shape.
+
+    A longer series is cut into blocks of a power-of-two length (so complete
+    blocks, and the points chosen in them, stay the same while a live run grows);
+    of each block the smallest and the largest finite value are kept, of the last
+    (incomplete) block its smallest, largest and last value. A spike (a loss that
+    jumps for one step) is therefore drawn however long the run is.
+
+    Args:
+        values: The series.
+        max_points: Upper bound of points (``None``: keep all).
+
+    Returns:
+        Increasing indices (a slice if all are kept).
+    """
+    n = len(values)
+    if max_points is None or n <= max_points:
+        return slice(0, n)
+    stride = 2 ** math.ceil(math.log2(2 * n / max(max_points - 2, 2)))
+    finite = np.isfinite(values)
+    low = np.where(finite, values, np.inf)
+    high = np.where(finite, values, -np.inf)
+    full = n - n % stride
+    offsets = np.arange(0, full, stride)
+    picks = [
+        offsets + low[:full].reshape(-1, stride).argmin(axis=1),
+        offsets + high[:full].reshape(-1, stride).argmax(axis=1),
+    ]
+    if full < n:
+        tail = [full + low[full:].argmin(), full + high[full:].argmax()]
+        picks.append(np.array(tail))
+    picks.append(np.array([n - 1]))
+    return np.unique(np.concatenate(picks))
 
 
 class DashboardData:
@@ -377,9 +422,7 @@ def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
         # anything odd: the whole-file reader says what is wrong, or reads it
         history = History.from_json(found)
         if upto is not None:
-            history = History(
-                {s: history.view(s) for s in history.steps if s <= upto}
-            )
+            history = History({s: history.view(s) for s in history.steps if s <= upto})
     else:
         for warning in caught:
             warnings.warn(warning.message, stacklevel=2)
