@@ -169,7 +169,9 @@ def time_plot(log: str, out: str, pythonpath: str, repeats: int) -> dict:
         command = ["/usr/bin/time", "-v", sys.executable, "-m", "cockpit", "plot",
                    log, "-o", out]  # fmt: skip
         started = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            command, env=env, cwd=pythonpath, capture_output=True, text=True
+        )
         walls.append(time.perf_counter() - started)
         if done.returncode != 0:
             raise RuntimeError(f"cockpit plot failed on {log}: {done.stderr[-2000:]}")
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         run, args.steps, workdir, plain=not args.no_plain
     )
     here = str(REPO)
+    workdir = os.path.abspath(workdir)
     plots = []
     jobs = [(name, path, "this", here, args.repeats) for name, path in paths.items()]
     if args.before and not args.no_plain:

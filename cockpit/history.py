@@ -134,6 +134,49 @@ class History:
                 values.append(expand(entries[key]))
         return steps, values
 
+    def stored_series(
+        self, key: str, first: int | None = None, last: int | None = None
+    ) -> tuple[list[int], list[Any]]:
+        """Like :meth:`series`, but values as stored (arrays read-only, uncopied).
+
+        Cheaper for readers such as the dashboard; the values must not be kept
+        across :meth:`add`.
+
+        Args:
+            key: The quantity key.
+            first: Skip steps before this one (``None``: none).
+            last: Skip steps after this one (``None``: none).
+        """
+        steps, values = [], []
+        data = self._data
+        for step in sorted(data):
+            if (first is not None and step < first) or (
+                last is not None and step > last
+            ):
+                continue
+            entries = data[step]
+            if key in entries:
+                steps.append(step)
+                values.append(entries[key])
+        return steps, values
+
+    @classmethod
+    def from_decoded(cls, data: Mapping[int, Mapping[str, Any]]) -> History:
+        """Return a history of ``{step: {key: value}}`` read from a log.
+
+        For plain Python values as :func:`~cockpit.log_format.decode` gives them;
+        faster than the constructor: only lists and dicts go through
+        :func:`~cockpit.log_format.compact`.
+        """
+        history = cls()
+        plain = (bool, str, int, float, type(None))
+        for step, entries in data.items():
+            history._data[int(step)] = {
+                str(key): value if isinstance(value, plain) else compact(value)
+                for key, value in entries.items()
+            }
+        return history
+
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """Return the content for a checkpoint, compactly.
 

@@ -294,13 +294,10 @@ class DashboardData:
             )
         if (key, reduce) not in self._series:
             series = Series()
-            upto = self._resume
-            for step in self.history.steps:
-                if upto is not None and step > upto:
-                    break
-                entries = _entries(self.history, step)
-                if key in entries:
-                    series.append(step, REDUCERS[reduce](entries[key]))
+            reducer = REDUCERS[reduce]
+            steps, values = self.history.stored_series(key, last=self._resume)
+            for step, value in zip(steps, values):
+                series.append(step, reducer(value))
             self._series[(key, reduce)] = series
         return self._series[(key, reduce)]
 
@@ -387,7 +384,7 @@ def _read_thin(path: str, upto: int | None) -> History:
                 kept[key] = decode(raw)
     for key, (step, raw) in latest.items():
         values[step][key] = decode(raw)
-    return History(values)
+    return History.from_decoded(values)
 
 
 def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
