@@ -23,7 +23,7 @@ Run from the repository root (about five minutes on two CPU cores)::
    as in :mod:`benchmarks.measure`. ``--before DIR`` also runs the ``cockpit`` of
    another checkout (``PYTHONPATH=DIR``) on the plain log, once.
 4. **Live redraw.** A live dashboard (``CockpitPlotter.plot(run)``, ``run`` having a
-   ``history`` like a cockpit) with 200 and with ``--steps`` recorded steps: one
+   ``history`` like a cockpit) with 200, 5,000 and ``--steps`` recorded steps: one
    step is added, then ``plot`` and the rendering of both figures
    (``canvas.draw()``, what a window does) are timed; median of ``--repeats``.
 """
@@ -49,6 +49,9 @@ from benchmarks import internals
 from benchmarks.measure import CHILD_ENV, REPO, tracked_step
 
 DEFAULT_OUT = REPO / "benchmarks" / "long_runs_results.md"
+#: Sizes of the live runs besides the long one: 200 steps draw all their points,
+#: 5,000 steps are thinned to at most 2,000 points per series, as the long run is.
+LIVE_SIZES = (200, 5000)
 KIB = 1024
 MIB = 2**20
 
@@ -214,13 +217,16 @@ def time_redraw(run: LongRun, history, repeats: int) -> dict:
             "total": statistics.median(totals)}  # fmt: skip
 
 
-def live_histories(run: LongRun, long_history, small: int):
-    """A history with ``small`` steps and the long one."""
-    history = internals.new_history()
-    for step in range(small):
-        for key, value in run.record(step).items():
-            history.add(step, key, value)
-    return history, long_history
+def live_histories(run: LongRun, long_history, sizes: tuple[int, ...]):
+    """Histories with each of ``sizes`` steps, then the long one."""
+    histories = []
+    for size in sizes:
+        history = internals.new_history()
+        for step in range(size):
+            for key, value in run.record(step).items():
+                history.add(step, key, value)
+        histories.append(history)
+    return histories + [long_history]
 
 
 # --- report ---------------------------------------------------------------------------
@@ -270,7 +276,9 @@ def render(results: dict) -> str:
         "the given number of steps (full configuration), after one new step, plus "
         "rendering both figures with `canvas.draw()` (what a window does); median "
         f"of {results['repeats_live']} redraws. First draw: the first `plot` call "
-        "(reads the whole history) and its rendering.",
+        "(reads the whole history) and its rendering. Series gauges draw every "
+        "point up to 2,000 points, then at most 2,000 (each block's extremes): the "
+        "redraw grows with the points drawn up to that bound, not with the steps.",
         "",
         "| recorded steps | first draw (s) | redraw: plot (s) "
         "| redraw: plot + render (s) |",
@@ -338,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         plots.append({"log": name, "size": os.path.getsize(path), "cockpit": which,
                       **timing})  # fmt: skip
     print("live redraws ...", flush=True)
-    small, long = live_histories(run, long_history, 200)
-    live = [time_redraw(run, h, args.live_repeats) for h in (small, long)]
+    sizes = tuple(size for size in LIVE_SIZES if size < args.steps)
+    histories = live_histories(run, long_history, sizes)
+    live = [time_redraw(run, h, args.live_repeats) for h in histories]
     results = {
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.date.today().isoformat(),

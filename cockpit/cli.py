@@ -71,7 +71,7 @@ def load_log(path: str | os.PathLike, read=None) -> History:
         path: A log path as :meth:`cockpit.history.History.from_json` takes it (with
             or without ``.json``; written, streamed, or by cockpit-for-pytorch 1.0.2).
         read: Reads the file found instead of ``History.from_json`` (e.g.
-            :func:`cockpit.plotting.data.read_log`); what it returns is returned.
+            ``History.from_json_latest``); what it returns is returned.
 
     Returns:
         The history (what ``read`` returned); it holds at least one step.
@@ -134,10 +134,13 @@ def _default_output(log: str, suffix: str) -> str:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from cockpit.plotting.data import read_log
+    from cockpit.history import History
 
-    # step by step, keeping only what is drawn; bad files fail fast
-    history = load_log(args.log, read=lambda found: read_log(found, args.discard))
+    # step by step, keeping only what is drawn; before importing matplotlib: bad
+    # files fail fast
+    history = load_log(
+        args.log, read=lambda found: History.from_json_latest(found, args.discard)
+    )
     from cockpit.plotting import CockpitPlotter
 
     out = args.output or _default_output(args.log, ".png")

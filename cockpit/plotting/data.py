@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from bisect import bisect_left
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import (
-    NotStreamable,
-    decode,
-    find_log,
-    is_tagged,
-    json_log_steps,
-)
-from cockpit.log_stream import STREAM_MAGIC, file_lines, is_stream_data, stream_records
+from cockpit.log_format import find_log
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
 #: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
@@ -336,64 +328,14 @@ class DashboardData:
         return self._resume
 
 
-class _Fallback(Exception):
-    """The log cannot be read step by step; read it whole instead."""
-
-
-def _log_steps(path: str, upto: int | None):
-    """Yield ``(step, entries as written)`` of a log, and resume markers.
-
-    A resume marker of a streamed log comes as ``(None, after)``.
-    """
-    with open(path, "rb") as handle:
-        if is_stream_data(handle.read(len(STREAM_MAGIC) + 1)):
-            handle.seek(0)
-            for _, step, values in stream_records(path, file_lines(handle)):
-                if step is None or upto is None or step <= upto:
-                    yield step, values
-            return
-        handle.seek(0)
-        try:
-            for step, entries in json_log_steps(handle):
-                if upto is None or step <= upto:
-                    yield step, entries
-        except NotStreamable as error:
-            raise _Fallback from error
-
-
-def _read_thin(path: str, upto: int | None) -> History:
-    """Read a log, keeping of dict values (histograms) only the latest per key."""
-    values: dict[int, dict[str, Any]] = {}
-    latest: dict[str, tuple[int, Any]] = {}
-    for step, entries in _log_steps(path, upto):
-        if step is None:  # streamed resume marker: later records are void
-            after = entries
-            for later in [s for s in values if s > after]:
-                del values[later]
-            if any(found[0] > after for found in latest.values()):
-                raise _Fallback  # an earlier dict value is needed: read it all
-            continue
-        kept = values.setdefault(step, {})
-        for key, raw in entries.items():
-            if isinstance(raw, dict) and not is_tagged(raw):
-                found = latest.get(key)
-                if found is None or found[0] <= step:
-                    latest[key] = (step, raw)
-                kept.pop(key, None)
-            else:
-                kept[key] = decode(raw)
-    for key, (step, raw) in latest.items():
-        values[step][key] = decode(raw)
-    return History.from_decoded(values)
-
-
 def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
     """Read a log file for drawing, step by step, keeping only what gauges draw.
 
     Every number a series gauge draws is kept (per step: floats and per-parameter
     lists), but of values that are mappings (histograms) only the latest one per
-    key: a 20,000-step log of the ``full`` configuration needs tens of MB, not
-    GB, and is never held in memory at once. Gauges that draw earlier histograms
+    key (:meth:`~cockpit.history.History.from_json_latest`): a 20,000-step log of
+    the ``full`` configuration needs tens of MB, not GB, and is never held in
+    memory at once. Gauges that draw earlier histograms
     (``draw(upto=...)`` with an earlier step, a timelapse) need the whole run:
     read it with :func:`as_data` instead.
 
@@ -410,19 +352,7 @@ def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
             :meth:`~cockpit.history.History.from_json` raises them.
     """
     found = find_log(path)
-    caught = []
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            history = _read_thin(found, upto)
-    except (_Fallback, ValueError, TypeError, KeyError):
-        # anything odd: the whole-file reader says what is wrong, or reads it
-        history = History.from_json(found)
-        if upto is not None:
-            history = History({s: history.view(s) for s in history.steps if s <= upto})
-    else:
-        for warning in caught:
-            warnings.warn(warning.message, stacklevel=2)
+    history = History.from_json_latest(found, upto)
     data = DashboardData(history)
     data.log = found
     data.refresh()
