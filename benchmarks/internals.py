@@ -15,7 +15,9 @@ classes), ``cockpit.quantities.base.Quantity``, ``cockpit.utils.schedules.linear
 ``cockpit.engines.backpack_rules.PerSampleGradients``. Used on a cockpit:
 ``create_graph(step)``,
 ``__call__(step, info=...)``, ``get_output()``, ``history.memory_bytes()``,
-``logpath`` and ``close()``.
+``logpath`` and ``close()``. ``benchmarks.long_runs`` also uses
+``cockpit.history.History``, ``cockpit.log_stream.LogStream`` and
+``cockpit.CockpitPlotter``.
 
 ``python -m benchmarks.internals [DISTRIBUTION]`` prints :func:`describe` as JSON
 (``--reference`` asks its interpreter this way which cockpit it imports).
@@ -89,6 +91,27 @@ def recorded_keys(cockpit) -> list[str]:
 def history_bytes(cockpit) -> int:
     """Return the size of the cockpit's in-memory history in bytes."""
     return cockpit.history.memory_bytes()
+
+
+def new_history():
+    """Return an empty ``cockpit.history.History`` (``benchmarks.long_runs``)."""
+    from cockpit.history import History
+
+    return History()
+
+
+def open_stream(logpath: str):
+    """Return ``cockpit.log_stream.LogStream(logpath)``: ``write({step: values})``."""
+    from cockpit.log_stream import LogStream
+
+    return LogStream(logpath)
+
+
+def make_plotter(**kwargs):
+    """Return ``cockpit.CockpitPlotter(**kwargs)``."""
+    from cockpit import CockpitPlotter
+
+    return CockpitPlotter(**kwargs)
 
 
 def per_sample_gradients():

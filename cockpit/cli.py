@@ -66,15 +66,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_log(path: str | os.PathLike) -> History:
+def load_log(path: str | os.PathLike, read=None) -> History:
     """Read the log a command was given, or say in one line what is wrong with it.
 
     Args:
         path: A log path as :meth:`cockpit.history.History.from_json` takes it (with
             or without ``.json``; written, streamed, or by cockpit-for-pytorch 1.0.2).
+        read: Reads the file found instead of ``History.from_json`` (e.g.
+            ``History.from_json_latest``); what it returns is returned.
 
     Returns:
-        The history; it holds at least one step.
+        The history (what ``read`` returned); it holds at least one step.
 
     Raises:
         LogFileError: If there is no such file, it cannot be read, it is not a
@@ -98,7 +100,7 @@ def load_log(path: str | os.PathLike) -> History:
             "or Cockpit(..., logpath=path).",
         ) from None
     try:
-        history = History.from_json(found)
+        loaded = History.from_json(found) if read is None else read(found)
     except LogFileError:
         raise
     except OSError as error:
@@ -107,7 +109,7 @@ def load_log(path: str | os.PathLike) -> History:
             f"cannot be read ({error.strerror or error}). Fix: check that the file "
             "is readable by you.",
         ) from None
-    if not history.steps:
+    if not getattr(loaded, "history", loaded).steps:
         if os.path.getsize(found) == 0:
             problem = (
                 "is empty (0 bytes), so there is nothing to show. A streamed log "
@@ -121,7 +123,7 @@ def load_log(path: str | os.PathLike) -> History:
                 "Fix: pass a log of a run that tracked at least one step."
             )
         raise LogFileError(found, problem)
-    return history
+    return loaded
 
 
 def _log_title(args: argparse.Namespace) -> str:
@@ -134,7 +136,13 @@ def _default_output(log: str, suffix: str) -> str:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    history = load_log(args.log)  # before importing matplotlib: bad files fail fast
+    from cockpit.history import History
+
+    # step by step, keeping only what is drawn; before importing matplotlib: bad
+    # files fail fast
+    history = load_log(
+        args.log, read=lambda found: History.from_json_latest(found, args.discard)
+    )
     from cockpit.plotting import CockpitPlotter
 
     out = args.output or _default_output(args.log, ".png")

@@ -22,6 +22,7 @@ import collections
 import json
 import os
 import sys
+import warnings
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
@@ -30,19 +31,81 @@ import numpy as np
 from cockpit.errors import unwritable_error
 from cockpit.log_format import (
     COMPACT_MIN_SIZE,
+    NotStreamable,
     compact,
+    decode,
     encode,
     encode_legacy,
     expand,
     find_log,
+    is_tagged,
+    json_log_steps,
     json_path,
+    pack,
     parse_json_log,
     to_builtin,
     to_output,
 )
-from cockpit.log_stream import is_stream_data, parse_stream
+from cockpit.log_stream import (
+    STREAM_MAGIC,
+    file_lines,
+    is_stream_data,
+    parse_stream,
+    stream_records,
+)
 
 __all__ = ["COMPACT_MIN_SIZE", "History", "json_path", "to_builtin"]
+
+
+class _Fallback(Exception):
+    """The log cannot be read step by step; read it whole instead."""
+
+
+def _log_steps(path: str, upto: int | None):
+    """Yield ``(step, entries as written)`` of a log, and resume markers.
+
+    A resume marker of a streamed log comes as ``(None, after)``.
+    """
+    with open(path, "rb") as handle:
+        if is_stream_data(handle.read(len(STREAM_MAGIC) + 1)):
+            handle.seek(0)
+            for _, step, values in stream_records(path, file_lines(handle)):
+                if step is None or upto is None or step <= upto:
+                    yield step, values
+            return
+        handle.seek(0)
+        try:
+            for step, entries in json_log_steps(handle):
+                if upto is None or step <= upto:
+                    yield step, entries
+        except NotStreamable as error:
+            raise _Fallback from error
+
+
+def _read_latest(path: str, upto: int | None) -> History:
+    """Read a log, keeping of dict values (histograms) only the latest per key."""
+    values: dict[int, dict[str, Any]] = {}
+    latest: dict[str, tuple[int, Any]] = {}
+    for step, entries in _log_steps(path, upto):
+        if step is None:  # streamed resume marker: later records are void
+            after = entries
+            for later in [s for s in values if s > after]:
+                del values[later]
+            if any(found[0] > after for found in latest.values()):
+                raise _Fallback  # an earlier dict value is needed: read it all
+            continue
+        kept = values.setdefault(step, {})
+        for key, raw in entries.items():
+            if isinstance(raw, dict) and not is_tagged(raw):
+                found = latest.get(key)
+                if found is None or found[0] <= step:
+                    latest[key] = (step, raw)
+                kept.pop(key, None)
+            else:
+                kept[key] = decode(raw)
+    for key, (step, raw) in latest.items():
+        values[step][key] = decode(raw)
+    return History.from_decoded(values)
 
 
 class History:
@@ -132,6 +195,49 @@ class History:
                 steps.append(step)
                 values.append(expand(entries[key]))
         return steps, values
+
+    def stored_series(
+        self, key: str, first: int | None = None, last: int | None = None
+    ) -> tuple[list[int], list[Any]]:
+        """Like :meth:`series`, but values as stored (arrays read-only, uncopied).
+
+        Cheaper for readers such as the dashboard; the values must not be kept
+        across :meth:`add`.
+
+        Args:
+            key: The quantity key.
+            first: Skip steps before this one (``None``: none).
+            last: Skip steps after this one (``None``: none).
+        """
+        steps, values = [], []
+        data = self._data
+        for step in sorted(data):
+            if (first is not None and step < first) or (
+                last is not None and step > last
+            ):
+                continue
+            entries = data[step]
+            if key in entries:
+                steps.append(step)
+                values.append(entries[key])
+        return steps, values
+
+    @classmethod
+    def from_decoded(cls, data: Mapping[int, Mapping[str, Any]]) -> History:
+        """Return a history of ``{step: {key: value}}`` read from a log.
+
+        For plain Python values as :func:`~cockpit.log_format.decode` gives them;
+        faster than the constructor: only lists and dicts go through
+        :func:`~cockpit.log_format.compact`.
+        """
+        history = cls()
+        plain = (bool, str, int, float, type(None))
+        for step, entries in data.items():
+            history._data[int(step)] = {
+                str(key): value if isinstance(value, plain) else compact(value)
+                for key, value in entries.items()
+            }
+        return history
 
     def state_dict(self) -> dict[int, dict[str, Any]]:
         """Return the content for a checkpoint, compactly.
@@ -230,12 +336,19 @@ class History:
         return frame
 
     # --- files ---------------------------------------------------------------------
-    def write_json(self, path: str | os.PathLike, legacy: bool = False) -> str:
+    def write_json(
+        self, path: str | os.PathLike, legacy: bool = False, packed: bool = True
+    ) -> str:
         """Write the history as JSON, in our format or in cockpit-for-pytorch 1.0.2's.
 
         Steps become string keys, keys are sorted. Our format (the default) is
-        standard JSON with indent 2; NaN and infinities become
-        ``{"__float__": "nan" | "inf" | "-inf"}``. With ``legacy=True`` the file is
+        standard JSON, one line per step; NaN and infinities become
+        ``{"__float__": "nan" | "inf" | "-inf"}``, and large arrays are packed
+        (:func:`~cockpit.log_format.pack`: histogram edges as
+        ``{"__linspace__": ...}``, mostly-zero counts as ``{"__sparse__": ...}``), a
+        few KB per step of the ``full`` configuration. ``packed=False`` writes plain
+        lists instead, with indent 2 (about 33 KB per step of ``full``), for tools
+        that read the JSON without cockpit. With ``legacy=True`` the file is
         what 1.0.2 wrote with json_tricks (indent 4): histogram arrays as
         ``{"__ndarray__": ..., "dtype": ..., "shape": ...}`` objects (plus the
         ``Corder`` flag for 2-D arrays), NaN and infinities as the non-standard
@@ -248,6 +361,7 @@ class History:
                 (``Cockpit.write`` adds ``.json`` with
                 :func:`~cockpit.log_format.json_path`).
             legacy: Write 1.0.2's format instead of standard JSON.
+            packed: Pack large arrays (ignored with ``legacy=True``).
 
         Returns:
             The path written.
@@ -263,6 +377,18 @@ class History:
                 for step, entries in self.to_output().items()
             }
             text = json.dumps(payload, indent=4, sort_keys=True, allow_nan=True)
+        elif packed:
+            lines = [
+                f"{json.dumps(str(step))}: "
+                + json.dumps(
+                    pack(self._data[step]),
+                    separators=(",", ":"),
+                    sort_keys=True,
+                    allow_nan=False,
+                )
+                for step in sorted(self._data)
+            ]
+            text = "{\n" + ",\n".join(lines) + "\n}\n" if lines else "{}\n"
         else:
             payload = {str(step): encode(entries) for step, entries in self.items()}
             text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False)
@@ -312,3 +438,40 @@ class History:
         if is_stream_data(data):
             return cls(parse_stream(path, data))
         return cls(parse_json_log(path, data))
+
+    @classmethod
+    def from_json_latest(
+        cls, path: str | os.PathLike, upto: int | None = None
+    ) -> History:
+        """Read a log step by step, keeping of mappings only the latest per key.
+
+        What a dashboard draws: every value that is not a mapping (numbers,
+        per-parameter lists), but of mappings (histograms) only the latest one of
+        each key. The file is read one step (standard JSON) or one line (streamed
+        log) at a time, so a log of any length is never held in memory at once.
+        Files of an odd shape are read whole, as :meth:`from_json` reads them
+        (raising its errors).
+
+        Args:
+            path: As :meth:`from_json` takes it.
+            upto: Ignore steps after this one.
+
+        Returns:
+            The history (a torn last record of a streamed log is skipped with a
+            warning, as by :meth:`from_json`).
+        """
+        found = find_log(path)
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                history = _read_latest(found, upto)
+        except (_Fallback, ValueError, TypeError, KeyError):
+            # anything odd: the whole-file reader says what is wrong, or reads it
+            history = cls.from_json(found)
+            if upto is not None:
+                history = cls({s: history.view(s) for s in history.steps if s <= upto})
+        else:
+            for warning in caught:
+                warnings.warn(warning.message, stacklevel=2)
+        return history

@@ -13,6 +13,11 @@ Values:
 * :func:`encode` / :func:`decode` make plain values standard JSON: NaN and the
   infinities become ``{"__float__": "nan" | "inf" | "-inf"}``. :func:`decode` also
   unpacks the ``__ndarray__`` objects that cockpit-for-pytorch 1.0.2 wrote.
+* :func:`pack` is :func:`encode` for stored values that writes large arrays in
+  fewer bytes (what logs hold by default; :func:`decode` unpacks them): evenly
+  spaced floats (histogram edges) as ``{"__linspace__": [first, last, count]}``,
+  integer arrays that are mostly zero (histogram counts) as
+  ``{"__sparse__": {"shape": [...], "skip": [...], "values": [...]}}``.
 * :func:`to_output` gives the shape of 1.0.2's output dict (histograms as numpy
   arrays), and :func:`encode_legacy` writes numpy arrays as json_tricks does, so
   1.0.2's plotter reads our logs.
@@ -24,10 +29,11 @@ path refers to, and :func:`read_json_log` reads a log in standard JSON (ours or
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -48,6 +54,15 @@ NDARRAY_TAG = "__ndarray__"
 
 #: Histogram results: a mapping with both keys holds counts and bin edges.
 HISTOGRAM_KEYS = ("hist", "edges")
+
+#: Key of a packed array of evenly spaced floats: ``numpy.linspace(first, last, n)``.
+LINSPACE_TAG = "__linspace__"
+
+#: Key of a packed integer array that is mostly zero (see :func:`pack`).
+SPARSE_TAG = "__sparse__"
+
+#: An integer array is packed sparsely if at most this share of its entries is not 0.
+SPARSE_MAX_DENSITY = 1.0 / 3.0
 
 
 # --- values in memory -----------------------------------------------------------------
@@ -260,6 +275,102 @@ def encode(value: Any) -> Any:
     return value
 
 
+def _linspace(array: np.ndarray) -> dict[str, list] | None:
+    """``array`` as a :data:`LINSPACE_TAG` object, if that gives it back exactly."""
+    first, last, count = float(array[0]), float(array[-1]), int(array.size)
+    if not (math.isfinite(first) and math.isfinite(last)):
+        return None
+    if not np.array_equal(np.linspace(first, last, count), array):
+        return None
+    return {LINSPACE_TAG: [first, last, count]}
+
+
+def _sparse(array: np.ndarray) -> dict[str, dict] | None:
+    """An integer array with few non-zero entries as a :data:`SPARSE_TAG` object."""
+    flat = array.ravel()
+    where = np.flatnonzero(flat)
+    if where.size > SPARSE_MAX_DENSITY * flat.size:
+        return None
+    skip = np.diff(where, prepend=-1) - 1  # zeros before each non-zero entry
+    return {
+        SPARSE_TAG: {
+            "shape": list(array.shape),
+            "skip": skip.tolist(),
+            "values": flat[where].tolist(),
+        }
+    }
+
+
+def _pack_array(array: np.ndarray) -> Any:
+    if array.size >= COMPACT_MIN_SIZE:
+        if array.dtype.kind in "iu":
+            packed = _sparse(array)
+            if packed is not None:
+                return packed
+        elif array.dtype.kind == "f":
+            if array.ndim == 1:
+                packed = _linspace(array)
+                if packed is not None:
+                    return packed
+            else:  # e.g. the edges of both axes of a 2-D histogram, as one block
+                return [_pack_array(row) for row in array]
+    return encode(array.tolist())
+
+
+def pack(value: Any) -> Any:
+    """Like :func:`encode`, for values as :func:`compact` stores them, in fewer bytes.
+
+    Numpy arrays with at least :data:`COMPACT_MIN_SIZE` entries are written as
+
+    * ``{"__linspace__": [first, last, n]}`` if they are 1-D floats equal to
+      ``numpy.linspace(first, last, n)`` (checked exactly; histogram edges are);
+    * ``{"__sparse__": {"shape": s, "skip": k, "values": v}}`` if they hold
+      integers of which at most :data:`SPARSE_MAX_DENSITY` are not zero (2-D
+      histogram counts): ``v`` are the non-zero entries in C order and ``k[i]``
+      the number of zeros right before ``v[i]``;
+    * (nested) lists otherwise, as :func:`encode` writes them.
+
+    :func:`decode` gives back exactly the values :func:`expand` returns. Each
+    packed value stands alone (no reference to other records), so a streamed
+    record stays self-contained.
+
+    Args:
+        value: A value as :func:`compact` returns it.
+
+    Returns:
+        Data for :func:`json.dumps` (standard JSON, no NaN tokens).
+    """
+    if isinstance(value, np.ndarray):
+        return _pack_array(value)
+    if isinstance(value, dict):
+        return {k: pack(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [pack(v) for v in value]
+    return encode(value)
+
+
+def _unpack_linspace(spec: Any) -> list[float]:
+    first, last, count = spec
+    return np.linspace(float(first), float(last), int(count)).tolist()
+
+
+def _unpack_sparse(spec: Mapping[str, Any]) -> list[Any]:
+    shape = [int(n) for n in spec["shape"]]
+    values = spec["values"]
+    kinds = {type(v) for v in values}
+    if not kinds <= {int}:
+        raise ValueError(f"{SPARSE_TAG} holds values that are not integers")
+    skip = np.asarray(spec["skip"], dtype=np.int64)
+    flat = np.zeros(math.prod(shape), dtype=np.int64)
+    if skip.shape != (len(values),) or np.any(skip < 0):
+        raise ValueError(f"{SPARSE_TAG} has a 'skip' list that does not fit 'values'")
+    where = np.cumsum(skip + 1) - 1
+    if where.size and where[-1] >= flat.size:
+        raise ValueError(f"{SPARSE_TAG} has more entries than its shape {shape}")
+    flat[where] = values
+    return flat.reshape(shape).tolist()
+
+
 def _unpack_ndarray(value: Mapping[str, Any]) -> list[Any]:
     """The (nested) list held by a json_tricks ``__ndarray__`` object."""
     data = value[NDARRAY_TAG]
@@ -276,7 +387,7 @@ def _unpack_ndarray(value: Mapping[str, Any]) -> list[Any]:
 
 
 def decode(value: Any) -> Any:
-    """Undo :func:`encode` and unpack json_tricks arrays into (nested) lists.
+    """Undo :func:`encode` / :func:`pack`; unpack json_tricks arrays into lists.
 
     Args:
         value: Data as read by :func:`json.load` from one of our logs or a 1.0.2 log.
@@ -288,8 +399,13 @@ def decode(value: Any) -> Any:
         ValueError: For an ``__ndarray__`` object that cannot be unpacked.
     """
     if isinstance(value, dict):
-        if len(value) == 1 and FLOAT_TAG in value:
-            return _NONFINITE[value[FLOAT_TAG]]
+        if len(value) == 1:
+            if FLOAT_TAG in value:
+                return _NONFINITE[value[FLOAT_TAG]]
+            if LINSPACE_TAG in value:
+                return _unpack_linspace(value[LINSPACE_TAG])
+            if SPARSE_TAG in value:
+                return _unpack_sparse(value[SPARSE_TAG])
         if NDARRAY_TAG in value:
             return _unpack_ndarray(value)
         return {k: decode(v) for k, v in value.items()}
@@ -507,3 +623,113 @@ def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
     return "object"
+
+
+# --- reading a log step by step -------------------------------------------------------
+def is_tagged(value: Any) -> bool:
+    """Whether a value as written is one tagged number or array, not a mapping."""
+    if not isinstance(value, dict):
+        return False
+    if NDARRAY_TAG in value:
+        return True
+    return len(value) == 1 and (
+        FLOAT_TAG in value or LINSPACE_TAG in value or SPARSE_TAG in value
+    )
+
+
+class NotStreamable(ValueError):
+    """A log that :func:`json_log_steps` cannot read step by step (read it whole)."""
+
+
+_WHITESPACE = " \t\n\r"
+
+
+def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
+    """Yield ``(step, entries)`` of a log in standard JSON, one step at a time.
+
+    Holds one chunk of text and one step at a time in memory, whatever the size of
+    the log. The entries are as written (pass them to :func:`decode`); steps come
+    in the order of the file.
+
+    Args:
+        handle: The log, opened in binary mode.
+        chunk: Bytes read at a time.
+
+    Raises:
+        NotStreamable: For anything but a JSON object of ``{"<int>": {...}}``
+            (read such a file with :func:`parse_json_log`, which says what is
+            wrong with it).
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    text, pos, done = "", 0, False
+
+    def refill() -> bool:
+        nonlocal text, pos, done
+        if done:
+            return False
+        data = handle.read(chunk)
+        try:
+            more = utf8.decode(data, final=not data)
+        except UnicodeDecodeError as error:
+            raise NotStreamable("not UTF-8") from error
+        done = not data
+        text, pos = text[pos:] + more, 0
+        return True
+
+    def skip_space() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(text) and text[pos] in _WHITESPACE:
+                pos += 1
+            if pos < len(text):
+                return text[pos]
+            if not refill():
+                raise NotStreamable("ends early")
+
+    def value() -> Any:
+        nonlocal pos
+        while True:
+            try:
+                parsed, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                parsed, end = None, None
+            # a value that ends with the text may go on in the next chunk
+            if end is not None and (end < len(text) or done):
+                pos = end
+                return parsed
+            if not refill():
+                raise NotStreamable("invalid or truncated JSON")
+
+    if skip_space() != "{":
+        raise NotStreamable("not a JSON object")
+    pos += 1
+    if skip_space() == "}":
+        pos += 1
+        return
+    while True:
+        key = value()
+        if not isinstance(key, str) or skip_space() != ":":
+            raise NotStreamable("not a step key")
+        pos += 1
+        skip_space()
+        entries = value()
+        try:
+            step = int(key)
+        except ValueError:
+            raise NotStreamable("not a step key") from None
+        if not isinstance(entries, dict):
+            raise NotStreamable("step without entries")
+        yield step, entries
+        separator = skip_space()
+        pos += 1
+        if separator == "}":
+            break
+        if separator != ",":
+            raise NotStreamable("invalid JSON")
+        skip_space()
+    while True:  # only whitespace may follow
+        if text[pos:].strip():
+            raise NotStreamable("extra data")
+        if not refill():
+            return

@@ -2,10 +2,10 @@
 
 Turn it on with ``Cockpit(params, quantities, logpath="runs/log")``. The file
 (``runs/log.jsonl``; see :func:`stream_path`) is append-only and holds one standard
-JSON object per line, NaN and infinities encoded as in
+JSON object per line, NaN and infinities encoded and large arrays packed as in
 :meth:`cockpit.history.History.write_json`::
 
-    {"format":"cockpit-log-stream","version":1}          header (first line)
+    {"format":"cockpit-log-stream","version":2}          header (first line)
     {"step":12,"values":{"Loss":0.31,"GradNorm":[...]}}  values recorded for step 12
     {"step":11,"values":{"UpdateSize":[...]}}            a two-step value for step 11
     {"resume_after":40}                                  see below
@@ -31,19 +31,22 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from cockpit.errors import CockpitWarning, LogFileError, unwritable_error
-from cockpit.log_format import decode, encode, parse_json_log, to_builtin
+from cockpit.log_format import compact, decode, pack, parse_json_log
 
-#: Name and version in the header line.
+#: Name and version in the header line. Version 2 packs large arrays
+#: (:func:`cockpit.log_format.pack`); this reader reads versions 1 and 2.
 STREAM_FORMAT = "cockpit-log-stream"
-STREAM_VERSION = 1
+STREAM_VERSION = 2
 
 _HEADER = json.dumps(
     {"format": STREAM_FORMAT, "version": STREAM_VERSION}, separators=(",", ":")
 )
 _MAGIC = _HEADER[: _HEADER.index(",")].encode()  # b'{"format":"cockpit-log-stream"'
+#: The first bytes of every streamed log (see :func:`is_stream_data`).
+STREAM_MAGIC = _MAGIC
 _CHUNK = 1 << 20
 
 
@@ -65,9 +68,13 @@ def _line(payload: Mapping[str, Any]) -> str:
 
 
 def record_line(global_step: int, values: Mapping[str, Any]) -> str:
-    """Return the line that records ``values`` for ``global_step``."""
-    encoded = encode({str(k): to_builtin(v) for k, v in values.items()})
-    return _line({"step": int(global_step), "values": encoded})
+    """Return the line that records ``values`` for ``global_step``.
+
+    Large arrays are packed (:func:`cockpit.log_format.pack`); every record stands
+    alone, so a torn record loses nothing but itself.
+    """
+    packed = pack({str(k): compact(v) for k, v in values.items()})
+    return _line({"step": int(global_step), "values": packed})
 
 
 class LogStream:
@@ -294,19 +301,60 @@ def parse_stream(path: str, data: bytes) -> dict[int, dict[str, Any]]:
     last = len(pieces)
     lines = ((number, raw, number < last) for number, raw in enumerate(pieces, start=1))
     merged: dict[int, dict[str, Any]] = {}
+    for number, step, raw_values in stream_records(path, lines):
+        if step is None:  # a resume marker: raw_values is the last step kept
+            for later in [s for s in merged if s > raw_values]:
+                del merged[later]
+            continue
+        try:
+            values = decode(raw_values)
+        except (ValueError, TypeError, KeyError) as error:
+            _skip(path, number, f"its values cannot be read ({error})")
+            continue
+        merged.setdefault(step, {}).update(values)
+    return {step: merged[step] for step in sorted(merged)}
+
+
+def file_lines(handle) -> Iterator[tuple[int, bytes, bool]]:
+    """``(number, line, ends with a newline)`` of a file opened in binary mode.
+
+    Reads one line at a time, so a long log is never held in memory at once.
+    """
+    for number, raw in enumerate(handle, start=1):
+        yield number, raw, raw.endswith(b"\n")
+
+
+def stream_records(
+    path: str, lines: Iterable[tuple[int, bytes, bool]]
+) -> Iterator[tuple[int, int | None, Any]]:
+    """The records of a streamed log, as they come, still encoded.
+
+    Damaged lines, a torn last record and unknown records are skipped with a
+    :class:`~cockpit.errors.CockpitWarning`; the header is checked.
+
+    Args:
+        path: The log file (for messages).
+        lines: ``(number, line, terminated)`` as :func:`file_lines` yields them.
+
+    Yields:
+        ``(line number, step, values)`` for a record of values (``values`` as
+        written: pass them to :func:`~cockpit.log_format.decode`), and
+        ``(line number, None, after)`` for a resume marker: records read so far
+        for steps after ``after`` are void.
+
+    Raises:
+        LogFileError: If the log was written by a newer format version.
+    """
     for number, record in _parse(lines, path):
         if "step" in record and isinstance(record.get("values"), dict):
             try:
                 step = int(record["step"])
-                values = decode(record["values"])
-            except (ValueError, TypeError, KeyError) as error:
+            except (ValueError, TypeError) as error:
                 _skip(path, number, f"its values cannot be read ({error})")
                 continue
-            merged.setdefault(step, {}).update(values)
+            yield number, step, record["values"]
         elif "resume_after" in record:
-            after = int(record["resume_after"])
-            for step in [s for s in merged if s > after]:
-                del merged[step]
+            yield number, None, int(record["resume_after"])
         elif record.get("format") == STREAM_FORMAT:
             if int(record.get("version", 1)) > STREAM_VERSION:
                 raise LogFileError(
@@ -316,7 +364,6 @@ def parse_stream(path: str, data: bytes) -> dict[int, dict[str, Any]]:
                 )
         else:
             _skip(path, number, f"unknown record {sorted(record)}")
-    return {step: merged[step] for step in sorted(merged)}
 
 
 def _skip(path: str, number: int, why: str) -> None:

@@ -138,7 +138,7 @@ def test_stream_equals_the_history_and_the_written_log(tmp_path):
     assert path.endswith("log.jsonl") and is_stream_file(path)
     with open(path) as handle:
         lines = handle.read().splitlines()
-    assert json.loads(lines[0]) == {"format": "cockpit-log-stream", "version": 1}
+    assert json.loads(lines[0]) == {"format": "cockpit-log-stream", "version": 2}
     for line in lines[1:]:
         record = json.loads(line)  # standard JSON, one object per line
         assert set(record) == {"step", "values"}
@@ -313,6 +313,6 @@ def test_a_stream_of_a_newer_version_is_a_log_file_error(tmp_path):
     from cockpit.errors import LogFileError
 
     path = tmp_path / "run.jsonl"
-    path.write_text('{"format":"cockpit-log-stream","version":2}\n')
-    with pytest.raises(LogFileError, match=r"version 2, newer .*Fix: upgrade"):
+    path.write_text('{"format":"cockpit-log-stream","version":3}\n')
+    with pytest.raises(LogFileError, match=r"version 3, newer .*Fix: upgrade"):
         History.from_json(path)

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure, SubFigure
 from cockpit.errors import LogFileError
 from cockpit.history import History
 from cockpit.plotting import instruments
-from cockpit.plotting.data import DashboardData, as_history, log_file
+from cockpit.plotting.data import DashboardData, as_history, log_file, read_log
 from cockpit.plotting.style import PANEL_COLORS, dashboard_style
 
 _NON_INTERACTIVE = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
@@ -61,11 +61,14 @@ def log_stem(path: str | os.PathLike) -> str:
     return path
 
 
-def resolve_source(source: Any) -> tuple[History, str, str | None]:
+def resolve_source(
+    source: Any, read: DashboardData | None = None
+) -> tuple[History, str, str | None]:
     """Return the history, default title and default save folder of a source.
 
     Args:
         source: What :meth:`CockpitPlotter.plot` accepts.
+        read: The data of a log path ``source``, read already.
 
     Returns:
         The history; ``"Cockpit for <optimizer>"`` for a cockpit that saw an
@@ -79,7 +82,7 @@ def resolve_source(source: Any) -> tuple[History, str, str | None]:
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        history = as_history(path)
+        history = as_history(path) if read is None else read.history
         if not history.steps:
             raise LogFileError(
                 log_file(path),
@@ -215,7 +218,7 @@ class CockpitPlotter:
             ValueError: If another source has no tracked steps, or ``save_plot``
                 has no ``savedir`` for a non-path source.
         """
-        self.load(source, discard=discard, plot_title=plot_title)
+        self.load(source, discard=discard, plot_title=plot_title, stream=True)
         if save_plot and savedir is None:
             if self._default_savedir is None:
                 raise ValueError(
@@ -245,6 +248,7 @@ class CockpitPlotter:
         source: Any,
         discard: int | None = None,
         plot_title: str | None = None,
+        stream: bool = False,
     ) -> DashboardData:
         """Read a run without drawing it (:meth:`plot` calls this first).
 
@@ -256,6 +260,9 @@ class CockpitPlotter:
             source: What :meth:`plot` accepts.
             discard: Draw only steps up to this global step (inclusive).
             plot_title: Figure title (default as in :meth:`plot`).
+            stream: For a log path, read the file step by step and keep only what
+                the dashboard draws up to ``discard``
+                (:func:`~cockpit.plotting.data.read_log`); :meth:`plot` does.
 
         Returns:
             :attr:`data`.
@@ -264,8 +271,13 @@ class CockpitPlotter:
             LogFileError: If a log has no tracked steps.
             ValueError: If another source has no tracked steps.
         """
-        history, title, default_dir = resolve_source(source)
-        if self.data is None or self.data.history is not history:
+        thin = None
+        if stream and isinstance(source, (str, os.PathLike)):  # only what plot draws
+            thin = read_log(log_file(source), upto=discard)
+        history, title, default_dir = resolve_source(source, thin)
+        if isinstance(source, DashboardData) or thin is not None:
+            self.data = source if thin is None else thin
+        elif self.data is None or self.data.history is not history:
             self.data = DashboardData(history)
         self.data.refresh()
         self.title = title if plot_title is None else plot_title
@@ -284,7 +296,10 @@ class CockpitPlotter:
             RuntimeError: If nothing was loaded yet.
         """
         self._require_data("tracking_data")
-        frame = self.data.history.to_dataframe()
+        whole = self.data.history if self.data.log is None else None
+        if whole is None:  # read step by step for drawing: histograms are left out
+            whole = History.from_json(self.data.log)
+        frame = whole.to_dataframe()
         if self.discard is not None:
             frame = frame[frame.index <= self.discard]
         return frame.rename_axis("iteration").reset_index()

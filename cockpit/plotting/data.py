@@ -6,7 +6,8 @@ exponential moving average). It remembers how far it has read: :meth:`refresh` r
 only the steps added since the last call (and the last step seen before, which a
 two-step quantity such as ``Alpha`` fills in one step late), so keeping a live
 dashboard up to date costs time proportional to the new data. Gauges draw at most
-:data:`MAX_POINTS` points per series, so drawing does not grow with the run either.
+:data:`MAX_POINTS` points per series (:func:`extremes_index` keeps each stretch's
+extremes), so drawing does not grow with the run either.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
+from cockpit.log_format import find_log
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
 #: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
 EMA_ALPHA = 0.2
 
 #: Upper bound on the number of points a gauge draws per series; longer series are
-#: thinned with a power-of-two stride (so the kept points do not jump around while
-#: the run grows); the last point is always drawn.
+#: thinned to the extremes of power-of-two blocks (so the kept points do not jump
+#: around while the run grows; see :func:`extremes_index`); the last point is
+#: always drawn.
 MAX_POINTS = 2000
 
 
@@ -149,6 +152,9 @@ class Series:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return ``(steps, values, ema)`` to draw: finite, up to a step, thinned.
 
+        A longer series is thinned by :func:`extremes_index`: spikes and dips
+        stay visible, and so does the last point.
+
         Args:
             upto: Last step to include (``None``: all).
             max_points: Thin longer series to about this many points (``None``:
@@ -158,7 +164,7 @@ class Series:
             Three arrays of equal length.
         """
         n = self._n if upto is None else int(np.searchsorted(self.steps, upto, "right"))
-        index = thinned_index(n, max_points)
+        index = extremes_index(self._values[:n], max_points)
         steps = self._steps[:n][index]
         values = self._values[:n][index]
         ema = self._ema[:n][index]
@@ -181,6 +187,42 @@ def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
     return index
 
 
+def extremes_index(values: np.ndarray, max_points: int | None) -> slice | np.ndarray:
+    """Indices of at most ``max_points + 1`` of ``values`` that keep their shape.
+
+    A longer series is cut into blocks of a power-of-two length (so complete
+    blocks, and the points chosen in them, stay the same while a live run grows);
+    of each block the smallest and the largest finite value are kept, of the last
+    (incomplete) block its smallest, largest and last value. A spike (a loss that
+    jumps for one step) is therefore drawn however long the run is.
+
+    Args:
+        values: The series.
+        max_points: Upper bound of points (``None``: keep all).
+
+    Returns:
+        Increasing indices (a slice if all are kept).
+    """
+    n = len(values)
+    if max_points is None or n <= max_points:
+        return slice(0, n)
+    stride = 2 ** math.ceil(math.log2(2 * n / max(max_points - 2, 2)))
+    finite = np.isfinite(values)
+    low = np.where(finite, values, np.inf)
+    high = np.where(finite, values, -np.inf)
+    full = n - n % stride
+    offsets = np.arange(0, full, stride)
+    picks = [
+        offsets + low[:full].reshape(-1, stride).argmin(axis=1),
+        offsets + high[:full].reshape(-1, stride).argmax(axis=1),
+    ]
+    if full < n:
+        tail = [full + low[full:].argmin(), full + high[full:].argmax()]
+        picks.append(np.array(tail))
+    picks.append(np.array([n - 1]))
+    return np.unique(np.concatenate(picks))
+
+
 class DashboardData:
     """Incrementally maintained series of a history, shared by all gauges.
 
@@ -199,6 +241,9 @@ class DashboardData:
         self._series: dict[tuple[str, str], Series] = {}
         self._latest: dict[str, tuple[int, Any]] = {}
         self._resume: int | None = None  # first step to (re-)read on refresh
+        #: The log file read by :func:`read_log` (``None`` for other sources): its
+        #: history holds only the latest histogram per key.
+        self.log: str | None = None
         #: Number of (step, key) entries read so far (shows the incremental cost).
         self.entries_read = 0
 
@@ -241,13 +286,10 @@ class DashboardData:
             )
         if (key, reduce) not in self._series:
             series = Series()
-            upto = self._resume
-            for step in self.history.steps:
-                if upto is not None and step > upto:
-                    break
-                entries = _entries(self.history, step)
-                if key in entries:
-                    series.append(step, REDUCERS[reduce](entries[key]))
+            reducer = REDUCERS[reduce]
+            steps, values = self.history.stored_series(key, last=self._resume)
+            for step, value in zip(steps, values):
+                series.append(step, reducer(value))
             self._series[(key, reduce)] = series
         return self._series[(key, reduce)]
 
@@ -284,6 +326,37 @@ class DashboardData:
     def last_step(self) -> int | None:
         """The newest step read so far."""
         return self._resume
+
+
+def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
+    """Read a log file for drawing, step by step, keeping only what gauges draw.
+
+    Every number a series gauge draws is kept (per step: floats and per-parameter
+    lists), but of values that are mappings (histograms) only the latest one per
+    key (:meth:`~cockpit.history.History.from_json_latest`): a 20,000-step log of
+    the ``full`` configuration needs tens of MB, not GB, and is never held in
+    memory at once. Gauges that draw earlier histograms
+    (``draw(upto=...)`` with an earlier step, a timelapse) need the whole run:
+    read it with :func:`as_data` instead.
+
+    Args:
+        path: A log path as :meth:`~cockpit.history.History.from_json` takes it.
+        upto: Ignore steps after this one (the latest histograms are those at or
+            before it).
+
+    Returns:
+        Refreshed data; :attr:`DashboardData.log` is the file read.
+
+    Raises:
+        FileNotFoundError, LogFileError, OSError: As
+            :meth:`~cockpit.history.History.from_json` raises them.
+    """
+    found = find_log(path)
+    history = History.from_json_latest(found, upto)
+    data = DashboardData(history)
+    data.log = found
+    data.refresh()
+    return data
 
 
 def log_file(path: str | os.PathLike) -> str:
