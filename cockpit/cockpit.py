@@ -417,7 +417,7 @@ class Cockpit:
         """Everything recorded so far (cockpit-for-pytorch 1.0.2's attribute)."""
         return self.get_output()
 
-    def write(self, logpath, legacy: bool = False) -> str:
+    def write(self, logpath, legacy: bool = False, packed: bool = True) -> str:
         """Write the history to ``logpath + ".json"`` (standard JSON).
 
         A path without the suffix means ``<path>.json``, also next to a folder of
@@ -428,6 +428,8 @@ class Cockpit:
             logpath: Where to write.
             legacy: Write the json_tricks layout of cockpit-for-pytorch 1.0.2
                 (its plotter reads only that).
+            packed: Pack histograms (edges as a range, sparse counts); ``False``
+                writes plain arrays. Every reader of cockpit reads both.
 
         Returns:
             The path written.
@@ -436,7 +438,7 @@ class Cockpit:
             OSError: If the path cannot be written (the message names it and the
                 fix); the history stays in memory, so call ``write`` again.
         """
-        path = self.history.write_json(json_path(logpath), legacy=legacy)
+        path = self.history.write_json(json_path(logpath), legacy=legacy, packed=packed)
         _LOG.info("Cockpit log written to %s", path)
         return path
 

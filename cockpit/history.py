@@ -472,6 +472,8 @@ class History:
             if upto is not None:
                 history = cls({s: history.view(s) for s in history.steps if s <= upto})
         else:
-            for warning in caught:
-                warnings.warn(warning.message, stacklevel=2)
+            for warning in caught:  # as raised while reading (CockpitWarning)
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
         return history

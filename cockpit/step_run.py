@@ -464,7 +464,11 @@ class StepRun:
         self._free(self.setup.free_after)
         last = [q for q in self.plan.last if id(q) not in dropped]
         if last:
-            with engine.disabled():
+            with engine.disabled(), warnings.catch_warnings():
+                # the extra backward passes (HVPs) fire BackPACK's module hooks too
+                warnings.filterwarnings(
+                    "ignore", message="Full backward hook is firing"
+                )
                 for q in last:
                     self._track(q, ctx, tolerant)
 
