@@ -73,5 +73,3 @@ def load_cockpit_state(cockpit, state: Mapping[str, Any], strict: bool = True) -
     cockpit.history.load_state_dict(state.get("history") or {})
     cockpit.last_step = state.get("last_step")
     cockpit.optimizer_name = state.get("optimizer_name", cockpit.optimizer_name)
-    if cockpit._stream is not None:
-        cockpit._stream.resume(cockpit.last_step)

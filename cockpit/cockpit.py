@@ -467,6 +467,8 @@ class Cockpit:
         """
         load_cockpit_state(self, state, strict)
         self._plan = None
+        if self._stream is not None:  # records after the checkpoint are superseded
+            self._stream.resume(self.last_step)
 
 
 def _as_step(global_step) -> int:
