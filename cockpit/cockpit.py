@@ -338,7 +338,14 @@ class Cockpit:
                 self._coverage = run.coverage
             else:
                 self._coverage = self._coverage.merged(run.coverage)
-        run.open()
+        try:
+            run.open()
+        except BaseException as error:  # nothing half-open stays behind
+            self._plan = None
+            clearer = run.fail(error)
+            if clearer is not None:
+                raise clearer from error
+            raise
         self._open = run
 
     def end(self, error: BaseException | None = None) -> None:

@@ -239,3 +239,28 @@ def test_several_backward_passes_in_one_tracked_step_are_explained():
             loss.backward()
     assert 0 not in cockpit.history  # nothing half-right was recorded
     assert not any(hasattr(p, "grad_batch") for p in problem.params)
+
+
+def test_a_failure_while_the_step_opens_leaves_nothing_open(monkeypatch):
+    from cockpit.step_run import StepRun
+
+    problem = make_problem("mlp", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [Q.GradHist1d(EVERY)])
+    filters = list(warnings.filters)
+
+    original = StepRun.open
+
+    def breaks_after_entering(self):
+        original(self)  # the backward context and warning capture are entered ...
+        raise RuntimeError("engine broke")  # ... then something fails
+
+    monkeypatch.setattr(StepRun, "open", breaks_after_entering)
+    x, y = problem.make_batch(0)
+    loss = problem.loss_fn(problem.model(x), y)
+    with pytest.raises(RuntimeError, match="engine broke"):
+        cockpit.begin(0, info={"loss": loss})
+    assert warnings.filters == filters
+    monkeypatch.undo()
+    with cockpit(1, info={"loss": loss}):  # the next step opens normally
+        loss.backward()
+    assert "GradHist1d" in cockpit.history[1]
