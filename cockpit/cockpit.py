@@ -317,21 +317,25 @@ class Cockpit:
         step_info = as_info(_as_step(global_step), info)
         if step_info.has("optimizer"):
             self.optimizer_name = type(step_info.get("optimizer")).__name__
-        run = StepRun(
-            self._loop.before(self.plan(step_info.global_step), step_info),
-            step_info,
-            self.params,
-            extensions,
-            self._diagnostics,
-            self.recorder,
-            save_memory=self.BACKPACK_CONV_SAVE_MEMORY,
-            debug=debug,
-            router=self._router,
-            strict=self.strict,
-            chunk=self.PER_SAMPLE_CHUNK,
-            max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
-            probes=self.HUTCHINSON_PROBES,
-        )
+        try:
+            run = StepRun(
+                self._loop.before(self.plan(step_info.global_step), step_info),
+                step_info,
+                self.params,
+                extensions,
+                self._diagnostics,
+                self.recorder,
+                save_memory=self.BACKPACK_CONV_SAVE_MEMORY,
+                debug=debug,
+                router=self._router,
+                strict=self.strict,
+                chunk=self.PER_SAMPLE_CHUNK,
+                max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
+                probes=self.HUTCHINSON_PROBES,
+            )
+        except BaseException:  # e.g. a missing info key: nothing of the step stays
+            self.recorder.discard()
+            raise
         if run.coverage is not None:
             if self._coverage is None:
                 _LOG.info(run.coverage.summary())
@@ -456,6 +460,7 @@ class Cockpit:
 
     def close(self) -> None:
         """Close the streamed log and other subscribers (all is on disk already)."""
+        self._loop.close()
         self.recorder.close()
 
     # --- checkpoints -----------------------------------------------------------------
@@ -474,6 +479,7 @@ class Cockpit:
         """
         load_cockpit_state(self, state, strict)
         self._plan = None
+        self._loop.close()
         if self._stream is not None:  # records after the checkpoint are superseded
             self._stream.resume(self.last_step)
 

@@ -224,6 +224,12 @@ class LoopChecks:
 
         self._watch = UpdateWatch(optimizer, self._params, changed)
 
+    def close(self) -> None:
+        """Stop watching the optimizer (the run ends or is restored)."""
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
     def _missing(self, quantity: Quantity, step: int, reason: str) -> None:
         """Record ``quantity`` as missing at ``step`` (and its pending start)."""
         steps = [step]

@@ -80,12 +80,28 @@ class Recorder:
         fresh = self._fresh.setdefault(int(global_step), {})
         fresh.setdefault(MISSING_KEY, {})[key] = reason
 
+    def discard(self) -> None:
+        """Forget what was recorded since the last flush (a step that failed)."""
+        self._fresh = {}
+
     def flush(self) -> None:
-        """Hand every step recorded since the last flush to every subscriber."""
+        """Hand every step recorded since the last flush to every subscriber.
+
+        Every subscriber gets every step even if another one raises (a full disk
+        under the streamed log must not cost the history its values); the first
+        error is raised afterwards.
+        """
         fresh, self._fresh = self._fresh, {}
-        for step in sorted(fresh):
-            for subscriber in self._subscribers:
-                subscriber.on_record(step, fresh[step])
+        first_error = None
+        for subscriber in self._subscribers:
+            for step in sorted(fresh):
+                try:
+                    subscriber.on_record(step, fresh[step])
+                except Exception as error:
+                    first_error = first_error or error
+                    break
+        if first_error is not None:
+            raise first_error
 
     def close(self) -> None:
         """Flush, then close every subscriber that can be closed."""

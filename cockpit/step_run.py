@@ -44,18 +44,16 @@ from cockpit.recorder import Recorder
 _CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
 
 
-#: Warnings BackPACK and PyTorch's module hooks give on every tracked step, and what
-#: cockpit says about them instead (once; ``None``: nothing, cockpit's own records
-#: say it better). PyTorch's
-#: "Full backward hook is firing ..." comes from BackPACK's hooks on a layer whose
-#: input needs no gradient (the first layer): expected and harmless.
-_ENGINE = {
-    "hook-firing": None,
-    # BackPACK skips a module it has no rule for: routing already sent its
-    # parameters to the autograd engine or recorded what is missing (coverage())
-    "no-rule": None,
-}
-
+#: Warnings BackPACK and PyTorch's module hooks give at every tracked step, ignored
+#: inside cockpit's steps: PyTorch's "Full backward hook is firing ..." comes from
+#: BackPACK's hooks on a layer whose input needs no gradient (expected, harmless);
+#: BackPACK's "... does not have an extension for Module ..." is said better by the
+#: routing, which sends such parameters to the autograd engine or records what is
+#: missing (``Cockpit.coverage()``).
+_ENGINE_MESSAGES = (
+    "Full backward hook is firing",
+    r"Extension saving to \w+ does not have an extension for Module",
+)
 
 _REPEATED = (
     "several backward passes ran inside one tracked step, so the per-sample "
@@ -67,15 +65,6 @@ _REPEATED_WARNING = (
     "steps, or track one micro-batch per optimizer step. (Recorded under "
     "'missing'; warned once.)"
 )
-
-
-def _engine_warning(message: str) -> str | None:
-    """Which of BackPACK's or PyTorch's per-step hook warnings ``message`` is."""
-    if message.startswith("Full backward hook is firing"):
-        return "hook-firing"
-    if "does not have an extension for Module" in message:
-        return "no-rule"
-    return None
 
 
 class _Guarded:
@@ -337,10 +326,11 @@ class StepRun:
         if self.routing is not None and self.routing.estimated:
             self._run_hutchinson(list(self.routing.estimated.values()))
         stack = self._stack
-        # warnings raised inside the backward pass: BackPACK's and PyTorch's hook
-        # warnings become one CockpitWarning each, all others pass through unchanged
-        self._caught = stack.enter_context(warnings.catch_warnings(record=True))
-        warnings.simplefilter("always")
+        # BackPACK's and PyTorch's per-step hook warnings are noise here (see
+        # _ENGINE_MESSAGES); every other warning of the backward pass is left alone
+        stack.enter_context(warnings.catch_warnings())
+        for message in _ENGINE_MESSAGES:
+            warnings.filterwarnings("ignore", message=message)
         if self.plan.create_graph:
             # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
             # the step breaks it when it closes (_release_graph).
@@ -408,20 +398,22 @@ class StepRun:
         try:
             self._stack.__exit__(type(error), error, error.__traceback__)
         finally:
-            self._route_warnings()
             self._abort()
             self._free(self.setup.free_after)
+            if self.plan.create_graph:
+                self._release_graph()
+            self.recorder.discard()  # nothing half-right of a failed step
         return self.diagnostics.explain(error, self.plan)
 
     def close(self) -> None:
         """Leave the backward context, check the step, track and record."""
         self._stack.close()
-        self._route_warnings()
         try:
             if self.plan.active:
                 self._after_backward()
         except BaseException:
             self._abort()
+            self.recorder.discard()  # nothing half-right of a failed step
             raise
         finally:
             self._free(self.setup.free_after)
@@ -535,18 +527,6 @@ class StepRun:
             f"({type(error).__name__}: {error}) and has no value there; training "
             "goes on. Fix: see the warning about non-finite values. (Warned once.)",
         )
-
-    def _route_warnings(self) -> None:
-        """Re-emit the backward pass's warnings; engine noise once, as a summary."""
-        caught, self._caught = getattr(self, "_caught", None) or [], []
-        for record in caught:
-            kind = _engine_warning(str(record.message))
-            if kind is None:
-                warnings.warn_explicit(
-                    record.message, record.category, record.filename, record.lineno
-                )
-            elif _ENGINE[kind] is not None:
-                self.diagnostics.warn_once(("engine-warning", kind), _ENGINE[kind])
 
     # --- cleanup -------------------------------------------------------------------
     def _abort(self) -> None:

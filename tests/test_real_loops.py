@@ -264,3 +264,111 @@ def test_a_failure_while_the_step_opens_leaves_nothing_open(monkeypatch):
     with cockpit(1, info={"loss": loss}):  # the next step opens normally
         loss.backward()
     assert "GradHist1d" in cockpit.history[1]
+
+
+def test_this_packages_signatures_with_defaults_are_not_taken_for_1_0_2():
+    from cockpit.quantities.base import SingleStepQuantity, TwoStepQuantity
+
+    class Scaled(SingleStepQuantity):
+        needs = frozenset({Q.base.Need.GRADIENT})
+
+        def _compute(self, global_step, ctx, scale=2.0):
+            return scale * len(ctx.params)
+
+    class Pair(TwoStepQuantity):
+        def _compute_start(self, global_step, ctx, eps=1e-8):
+            return global_step
+
+        def _compute_end(self, global_step, ctx, state):
+            return float(state)
+
+    assert not Scaled._legacy and not Pair._legacy
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Scaled(EVERY), Pair(EVERY)])
+    for step in range(2):
+        _step(cockpit, problem, opt, step)
+    assert cockpit.history[0]["Scaled"] == 2.0 * len(problem.params)
+    assert cockpit.history[0]["Pair"] == 0.0  # the two-step value is recorded
+
+
+def test_warning_filters_of_the_user_still_apply_inside_tracked_steps():
+    problem = make_problem("mlp", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [Q.GradNorm(EVERY)])
+    x, y = problem.make_batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # once per location
+        warnings.filterwarnings("ignore", message="filtered away")
+        for step in range(3):
+            problem.model.zero_grad()
+            loss = problem.loss_fn(problem.model(x), y)
+            with cockpit(step, info={"loss": loss}):
+                warnings.warn("filtered away", UserWarning, stacklevel=1)
+                warnings.warn("shown once", UserWarning, stacklevel=1)
+                loss.backward()
+    messages = [str(w.message) for w in caught]
+    # the user's filters apply; the warning keeps its category and location
+    # (Python forgets "once per location" whenever filters change, as they do
+    # around each tracked step, so it may show again on later steps)
+    assert "shown once" in messages and "filtered away" not in messages
+    assert all(w.category is UserWarning and w.filename == __file__ for w in caught)
+
+
+def test_a_failed_step_leaves_no_partial_values_and_no_graph():
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.GradNorm(EVERY), Q.HessMaxEV(EVERY)])
+    x, y = problem.make_batch(0)
+    out = problem.model(x)
+    loss = problem.loss_fn(out, y)
+    info = {"loss": loss, "optimizer": opt}
+    with pytest.raises(ZeroDivisionError):
+        with cockpit(0, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))
+            1 / 0  # noqa: B018  (the user's code fails inside the block)
+    assert 0 not in cockpit.history  # not even the learning rates
+    assert all(p.grad.grad_fn is None for p in problem.params)  # graph released
+    _step(cockpit, problem, opt, 1)
+    assert {"GradNorm", "HessMaxEV", "learning_rates"} <= set(cockpit.history[1])
+
+
+def test_the_optimizer_hook_goes_when_the_cockpit_closes():
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.Alpha(EVERY)])
+    x, y = problem.make_batch(0)
+    out = problem.model(x)
+    loss = problem.loss_fn(out, y)
+    info = {
+        "loss": loss,
+        "individual_losses": problem.individual_loss_fn(out, y),
+        "optimizer": opt,
+    }
+    with cockpit(0, info=info):
+        loss.backward()
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    cockpit.close()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_a_failing_subscriber_does_not_cost_the_others_their_values():
+    from cockpit.recorder import Recorder
+
+    seen = []
+
+    class Broken:
+        def on_record(self, step, values):
+            raise OSError("disk full")
+
+    class Keeps:
+        def on_record(self, step, values):
+            seen.append((step, dict(values)))
+
+    recorder = Recorder()
+    recorder.subscribe(Broken())
+    recorder.subscribe(Keeps())
+    recorder.record(3, "Loss", 1.0)
+    recorder.record(4, "Loss", 2.0)
+    with pytest.raises(OSError, match="disk full"):
+        recorder.flush()
+    assert seen == [(3, {"Loss": 1.0}), (4, {"Loss": 2.0})]

@@ -81,10 +81,14 @@ def _takes_params_and_loss(function) -> bool:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
         return False
-    positional = [
-        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    required = [
+        p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        and p.default is p.empty
     ]
-    return len(positional) == 4
+    # (self, global_step, params, batch_loss); this package's form names ``ctx``
+    return len(required) == 4 and required[2].name != "ctx"
 
 
 class Quantity(abc.ABC):
@@ -290,6 +294,14 @@ class Quantity(abc.ABC):
             output.update(zip(steps, values))
         return output
 
+    @output.setter
+    def output(self, value) -> None:
+        """1.0.2 subclasses assign ``self.output = defaultdict(dict)``: accepted.
+
+        The object is kept, and refilled from the history on every access.
+        """
+        self.__dict__["_output"] = value
+
     def get_output(self) -> dict[int, Any]:
         """Return :attr:`output` (cockpit-for-pytorch 1.0.2's accessor)."""
         return self.output
@@ -405,11 +417,11 @@ class TwoStepQuantity(Quantity):
     def _track_legacy(self, global_step: int, ctx: TrackContext) -> list:
         params, loss = ctx.params, ctx.info.get("loss")
         results = []
+        if self.is_start(global_step):  # 1.0.2's order: start, then end
+            self._compute_start(global_step, params, loss)
         if self.is_end(global_step):
             value = self._compute_end(global_step, params, loss)
             results.append((global_step - self.SAVE_SHIFT, value))
-        if self.is_start(global_step):
-            self._compute_start(global_step, params, loss)
         self._evict(global_step)
         return results
 
