@@ -380,6 +380,26 @@ class Diagnostics:
         self._warned.add(key)
         warnings.warn(message, CockpitWarning, stacklevel=4)
 
+    def missing(
+        self, recorder, steps: Sequence[int], key: str, reason: str, once=None
+    ) -> None:
+        """Record quantity ``key`` as missing at ``steps`` with ``reason``; warn once.
+
+        Args:
+            recorder: Where the reason is noted (under ``missing``).
+            steps: The steps without a value (the first is named in the warning).
+            key: The quantity's key.
+            reason: Why, with the fix where there is one.
+            once: What makes the warning new (default: one per quantity).
+        """
+        for step in steps:
+            recorder.note_missing(step, key, reason)
+        self.warn_once(
+            ("missing", key) if once is None else once,
+            f"{key} has no value at step {steps[0]}: {reason}. (Recorded under "
+            "'missing'; warned once.)",
+        )
+
     def param_label(self, index: int) -> str:
         """Describe parameter ``index`` by name, position and shape."""
         return param_label(index, self._params[index], self._names[index])

@@ -235,12 +235,12 @@ class LoopChecks:
         steps = [step]
         if getattr(quantity, "is_end", None) and quantity.is_end(step):
             steps.append(step - 1)  # a two-step value that cannot be finished
-        for s in steps:
-            self._recorder.note_missing(s, quantity.key, reason)
-        self._diagnostics.warn_once(
-            ("missing", quantity.key, reason),
-            f"{quantity.key} has no value at step {step}: {reason}. (Recorded under "
-            "'missing'; warned once.)",
+        self._diagnostics.missing(
+            self._recorder,
+            steps,
+            quantity.key,
+            reason,
+            once=("missing", quantity.key, reason),
         )
 
 

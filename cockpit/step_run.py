@@ -288,12 +288,13 @@ class StepRun:
                 "or use Cockpit(..., strict=False) to record them as missing."
             )
         for quantity, reason, fix in routing.dropped.values():
-            self.recorder.note_missing(step, quantity.key, f"{reason}. Fix: {fix}")
-            self.diagnostics.warn_once(
-                ("not-covered", quantity.key, reason),
-                f"{quantity.key} has no value at step {step} (nor at later steps "
-                f"like it): {reason}. Fix: {fix}. cockpit.coverage() says who "
-                "computes what. (Warned once.)",
+            self.diagnostics.missing(
+                self.recorder,
+                [step],
+                quantity.key,
+                f"{reason} (also at later steps like it). Fix: {fix}. "
+                "cockpit.coverage() says who computes what",
+                once=("not-covered", quantity.key, reason),
             )
         if routing.dropped:
             plan = plan.without(entry[0] for entry in routing.dropped.values())
@@ -477,11 +478,8 @@ class StepRun:
             return
         for save_step, value in results:
             if isinstance(value, Missing):
-                self.recorder.note_missing(save_step, quantity.key, value.reason)
-                self.diagnostics.warn_once(
-                    ("missing", quantity.key),
-                    f"{quantity.key} has no value at step {save_step}: {value.reason} "
-                    "(recorded under 'missing'; warned once)",
+                self.diagnostics.missing(
+                    self.recorder, [save_step], quantity.key, value.reason
                 )
             elif value is not None:
                 self.recorder.record(save_step, quantity.key, value)
@@ -511,11 +509,7 @@ class StepRun:
         )
         if self._strict:
             raise CoverageError(f"strict=True: {message}") from error
-        self.recorder.note_missing(step, quantity.key, message)
-        self.diagnostics.warn_once(
-            ("no-double-backward", quantity.key),
-            f"{message} It has no value at step {step}. (Warned once.)",
-        )
+        self.diagnostics.missing(self.recorder, [step], quantity.key, message)
 
     def _drop(self, quantity: Quantity, error: Exception) -> None:
         """Skip a quantity that failed on a non-finite step (warned once per key)."""

@@ -59,7 +59,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from cockpit.cockpit import Cockpit
+from cockpit.cockpit import LOG_KEYS, Cockpit
 from cockpit.integrations._common import (
     LossCapture,
     default_logpath,
@@ -74,15 +74,9 @@ from cockpit.quantities.base import Quantity
 
 __all__ = ["CockpitCallback"]
 
-#: Keys of :meth:`cockpit.Cockpit.log` that ``metrics=`` can fill, in its order.
-METRIC_KEYS = (
-    "train_loss",
-    "valid_loss",
-    "test_loss",
-    "train_accuracy",
-    "valid_accuracy",
-    "test_accuracy",
-)
+#: Keys of :meth:`cockpit.Cockpit.log` that ``metrics=`` can fill, in its order
+#: (all but ``epoch_count`` and ``learning_rate``, which the callback fills).
+METRIC_KEYS = LOG_KEYS[1:-1]
 DEFAULT_METRICS = {"valid_loss": "val_loss", "valid_accuracy": "val_acc"}
 
 
