@@ -273,7 +273,9 @@ def test_the_lightning_example_runs(tmp_path):
     assert {"Alpha", "GradHist1d", "learning_rate", "valid_accuracy"} <= set(
         history.keys
     )
-    assert history[3]["valid_loss"] is not None
+    valid_loss, valid_accuracy = history[3]["valid_loss"], history[3]["valid_accuracy"]
+    assert math.isfinite(valid_loss) and valid_loss > 0  # a cross-entropy
+    assert 0.0 <= valid_accuracy <= 1.0
 
 
 class Block(nn.Module):
