@@ -12,9 +12,14 @@ else in it knows about cockpit. The log streams to ``<log_dir>/cockpit.jsonl``; 
 TensorBoard installed the trainer logs to TensorBoard and the callback exports the
 cockpit's values into the same run (``tensorboard --logdir <out>``).
 
-Run: ``python examples/lightning_digits.py [--steps 150] [--out lightning_output]``
-(needs ``pip install "cockpit-debugger[lightning]"`` and scikit-learn). Writes the
-log and ``<out>/dashboard.png``.
+With ``--accumulate k`` the trainer accumulates the gradients of ``k`` micro-batches
+per optimizer step (``accumulate_grad_batches=k``); the callback then tracks the
+first micro-batch of every optimizer step and records Alpha as missing (the step is
+the whole window's).
+
+Run: ``python examples/lightning_digits.py [--steps 150] [--out lightning_output]
+[--accumulate 1]`` (needs ``pip install "cockpit-debugger[lightning]"`` and
+scikit-learn). Writes the log and ``<out>/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -85,7 +90,10 @@ def digits_loaders(batch_size: int = 64, seed: int = 0):
 
 
 def main(
-    steps: int = 150, out: str = "lightning_output", config: str = "economy"
+    steps: int = 150,
+    out: str = "lightning_output",
+    config: str = "economy",
+    accumulate: int = 1,
 ) -> dict[str, str]:
     """Fit with the cockpit callback; return the paths of the log and dashboard.
 
@@ -93,12 +101,14 @@ def main(
         steps: Optimizer steps (a test runs a handful).
         out: The trainer's ``default_root_dir``.
         config: ``economy``, ``business`` or ``full``.
+        accumulate: Micro-batches per optimizer step (``accumulate_grad_batches``).
     """
     pl.seed_everything(0, verbose=False)
     callback = CockpitCallback(quantities=configuration(config))
     has_tensorboard = importlib.util.find_spec("tensorboard") is not None
     trainer = pl.Trainer(
         max_steps=steps,
+        accumulate_grad_batches=accumulate,
         accelerator="cpu",
         devices=1,
         default_root_dir=out,
@@ -130,6 +140,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", default="lightning_output")
     parser.add_argument("--config", default="economy")
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
-    for name, path in main(args.steps, args.out, args.config).items():
+    for name, path in main(args.steps, args.out, args.config, args.accumulate).items():
         print(f"{name}: {path}")

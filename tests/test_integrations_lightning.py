@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -199,12 +200,287 @@ def test_tensorboard_logger_gets_the_export(tmp_path):
     assert "cockpit/GradHist1d" in tags["histograms"]
 
 
-def test_gradient_accumulation_warns_and_tracks_nothing(tmp_path):
-    callback = CockpitCallback(quantities=configuration("economy"))
-    trainer = _trainer(tmp_path, callback, max_epochs=1, accumulate_grad_batches=2)
-    with pytest.warns(CockpitWarning, match="accumulate_grad_batches=1"):
-        trainer.fit(Classifier(_net()), _loader())
-    assert len(callback.cockpit.history) == 0
+# --- gradient accumulation and clipping: values recomputed by brute force ------------
+MICRO, MICRO_BATCHES = 8, 5  # float64 runs: 5 micro-batches of 8 samples per epoch
+
+
+def _micro_loader():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(MICRO * MICRO_BATCHES, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (MICRO * MICRO_BATCHES,), generator=generator)
+    data = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(data, batch_size=MICRO, shuffle=False)
+
+
+def _net64():
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+class Recording(pl.LightningModule):
+    """Keeps every micro-batch with the parameters its forward pass saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _net64()
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.seen = []  # (global_step, batch_idx, parameters, x, y)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        params = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        self.seen.append((self.trainer.global_step, batch_idx, params, x, y))
+        return self.loss_fn(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
+
+
+class RecordingStrictBackward(Recording):
+    def backward(self, loss):
+        loss.backward()
+
+
+def _fit64(tmp_path, callback, module=Recording, **kwargs):
+    model = module()
+    trainer = _trainer(tmp_path, callback, max_epochs=-1, limit_val_batches=0, **kwargs)
+    trainer.fit(model, _micro_loader())
+    return model, trainer
+
+
+def _first_micro_batches(model):
+    """The first micro-batch of every optimizer step: {step: (params, x, y)}."""
+    first = {}
+    for step, _, params, x, y in model.seen:
+        first.setdefault(step, (params, x, y))
+    return first
+
+
+def _brute_force(net, params: dict, x, y) -> dict:
+    """Loss, GradNorm, Variance, NormTest, HessTrace, HessMaxEV of one micro-batch.
+
+    Plain autograd: one backward pass per sample, and the full Hessian.
+    """
+    from torch.func import functional_call
+
+    names = list(params)
+    shapes = [params[n].shape for n in names]
+    sizes = [params[n].numel() for n in names]
+
+    def loss(flat, xs, ys):
+        theta = dict(zip(names, (t.view(s) for t, s in zip(flat.split(sizes), shapes))))
+        return nn.functional.cross_entropy(functional_call(net, theta, (xs,)), ys)
+
+    flat = torch.cat([params[n].flatten() for n in names])
+    per_sample = []
+    for i in range(x.shape[0]):
+        point = flat.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(loss(point, x[i : i + 1], y[i : i + 1]), point)
+        per_sample.append(grad.split(sizes))
+    n = x.shape[0]
+    mean = [sum(g[p] for g in per_sample) / n for p in range(len(names))]
+    hessian = torch.autograd.functional.hessian(lambda f: loss(f, x, y), flat)
+    eigenvalues = torch.linalg.eigvalsh(hessian)
+    spread = sum(
+        ((g[p] - mean[p]) ** 2).sum() for g in per_sample for p in range(len(names))
+    )
+    return {
+        "Loss": float(loss(flat, x, y)),
+        "GradNorm": [float(m.norm()) for m in mean],
+        "Variance": [
+            float(sum(((g[p] - mean[p]) ** 2).sum() for g in per_sample) / n)
+            for p in range(len(names))
+        ],
+        "NormTest": float(
+            (spread / (n * (n - 1) * sum((m**2).sum() for m in mean))).sqrt()
+        ),
+        "HessTrace": [float(d.sum()) for d in hessian.diagonal().split(sizes)],
+        "HessMaxEV": float(eigenvalues[eigenvalues.abs().argmax()]),
+    }
+
+
+def _norms_between(a: dict, b: dict) -> list[float]:
+    return [float((a[n] - b[n]).norm()) for n in a]
+
+
+def _exact(got, want, where: str, rel: float = 1e-10):
+    if isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _exact(a, b, f"{where}[{i}]", rel)
+    else:
+        assert math.isclose(got, want, rel_tol=rel, abs_tol=1e-13), (where, got, want)
+
+
+def _accumulation_quantities(create_graph: bool = True):
+    from cockpit.quantities import (
+        Alpha,
+        Distance,
+        GradNorm,
+        HessMaxEV,
+        HessTrace,
+        Loss,
+        NormTest,
+        UpdateSize,
+        Variance,
+    )
+
+    every = linear(1)
+    hess_max_ev = [HessMaxEV(every, rtol=1e-12, atol=1e-14, max_iter=60)]
+    return [
+        Loss(every), GradNorm(every), Variance(every), NormTest(every),
+        HessTrace(every), *(hess_max_ev if create_graph else []),
+        UpdateSize(every), Distance(every), Alpha(every),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("module", [Recording, RecordingStrictBackward])
+def test_accumulation_tracks_the_first_micro_batch_of_every_optimizer_step(
+    tmp_path, module
+):
+    """k=2 over 5 micro-batches an epoch: windows [0, 1], [2, 3], [4] (the epoch's
+    last, short one), then [0, 1], [2, 3] in the next epoch; max_steps=5. An
+    override of ``backward`` without ``**kwargs`` gets the loss of the micro-batch
+    too (HessMaxEV, which needs create_graph, is left out there)."""
+    create_graph = module is Recording
+    callback = CockpitCallback(quantities=_accumulation_quantities(create_graph))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, trainer = _fit64(
+            tmp_path, callback, module, max_steps=5, accumulate_grad_batches=2
+        )
+    history = callback.cockpit.history
+    # the tracked steps are the optimizer steps, each the window's first micro-batch
+    assert trainer.global_step == 5
+    assert history.steps == [0, 1, 2, 3, 4]
+    assert [(s, i) for s, i, *_ in model.seen] == [
+        (0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (3, 0), (3, 1), (4, 2), (4, 3),
+    ]  # fmt: skip
+    first = _first_micro_batches(model)
+    initial = first[0][0]
+    for step in history.steps:
+        params, x, y = first[step]
+        want = _brute_force(_net64(), params, x, y)
+        if not create_graph:
+            del want["HessMaxEV"]
+        for key, value in want.items():
+            _exact(history[step][key], value, f"step {step}, {key}")
+        _exact(history[step]["Distance"], _norms_between(params, initial), "Distance")
+        if step + 1 in first:  # the whole optimizer step, all micro-batches
+            _exact(
+                history[step]["UpdateSize"],
+                _norms_between(first[step + 1][0], params),
+                f"step {step}, UpdateSize",
+            )
+        # Alpha replays the update from this micro-batch alone: missing, with why
+        assert "Alpha" not in history[step]
+        assert "accumulate_grad_batches=2" in history[step]["missing"]["Alpha"]
+    alpha_warnings = [w for w in caught if "Alpha has no value" in str(w.message)]
+    assert len(alpha_warnings) == 1
+    assert issubclass(alpha_warnings[0].category, CockpitWarning)
+    assert "accumulate_grad_batches=1" in str(alpha_warnings[0].message)  # the fix
+    assert "backward" not in model.__dict__  # restored
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_accumulation_with_the_callback_trains_as_without_it(tmp_path, k):
+    """The optimizer gets Lightning's gradients: bit for bit for k = 2 (a power of
+    two), to rounding for k = 3."""
+    callback = CockpitCallback(quantities=configuration("full"))
+    tracked, _ = _fit64(tmp_path, callback, max_steps=4, accumulate_grad_batches=k)
+    plain = Recording()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=k,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(plain, _micro_loader())
+    assert callback.cockpit.history.steps == [0, 1, 2, 3]
+    for a, b in zip(tracked.parameters(), plain.parameters()):
+        if k == 2:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
+def test_an_accumulation_schedule_is_followed_step_by_step(tmp_path):
+    """GradientAccumulationScheduler: k = 1 in epoch 0 (steps 0-4), k = 2 in epoch 1
+    (windows [0, 1], [2, 3], [4]: steps 5-7). Alpha's start at step 4 (a one-batch
+    update) is finished at step 5 with the first micro-batch's per-sample gradients;
+    its starts at steps 5-7 are missing."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from cockpit.quantities import Alpha, GradNorm, Loss
+
+    every = linear(1)
+    callback = CockpitCallback(quantities=[Alpha(every), GradNorm(every), Loss(every)])
+    model = Recording()
+    trainer = pl.Trainer(
+        callbacks=[GradientAccumulationScheduler({0: 1, 1: 2}), callback],
+        accelerator="cpu", devices=1, max_steps=8, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    with pytest.warns(CockpitWarning, match="accumulate_grad_batches=2"):
+        trainer.fit(model, _micro_loader())
+    history = callback.cockpit.history
+    assert history.steps == list(range(8))
+    first = _first_micro_batches(model)
+    for step in history.steps:
+        want = _brute_force(_net64(), *first[step])
+        _exact(history[step]["GradNorm"], want["GradNorm"], f"step {step}")
+        _exact(history[step]["Loss"], want["Loss"], f"step {step}")
+    assert history.series("Alpha")[0] == [0, 1, 2, 3, 4]
+    for step in (5, 6, 7):
+        assert "accumulate_grad_batches=2" in history[step]["missing"]["Alpha"]
+
+
+def test_without_accumulation_the_brute_force_values_hold_too(tmp_path):
+    callback = CockpitCallback(quantities=_accumulation_quantities()[:6])
+    model, _ = _fit64(tmp_path, callback, max_steps=3)
+    history = callback.cockpit.history
+    assert history.steps == [0, 1, 2]
+    first = _first_micro_batches(model)
+    for step in history.steps:
+        want = _brute_force(_net64(), *first[step])
+        for key, value in want.items():
+            _exact(history[step][key], value, f"step {step}, {key}")
+
+
+def _alpha_run(tmp_path, **kwargs):
+    from cockpit.quantities import Alpha, GradNorm
+
+    callback = CockpitCallback(quantities=[Alpha(linear(1)), GradNorm(linear(1))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit64(tmp_path, callback, max_steps=4, **kwargs)
+    caught = [w for w in caught if "Alpha has no value" in str(w.message)]
+    return callback.cockpit.history, caught
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightning_gradient_clipping_makes_alpha_missing(tmp_path, algorithm):
+    history, caught = _alpha_run(
+        tmp_path, gradient_clip_val=1e-3, gradient_clip_algorithm=algorithm
+    )
+    assert history.steps == [0, 1, 2, 3]
+    for step in history.steps:
+        assert "Alpha" not in history[step]
+        reason = history[step]["missing"]["Alpha"]
+        assert "gradient_clip_val=0.001" in reason
+        assert "GradNorm" in history[step]  # the others are unaffected
+    assert len(caught) == 1 and issubclass(caught[0].category, CockpitWarning)
+    assert "Trainer(gradient_clip_val=None)" in str(caught[0].message)  # the fix
+
+
+def test_clipping_that_changes_nothing_keeps_alpha(tmp_path):
+    clipped, caught = _alpha_run(tmp_path, gradient_clip_val=1e6)
+    unclipped, _ = _alpha_run(tmp_path / "plain")
+    assert not caught
+    steps, values = clipped.series("Alpha")
+    assert steps == [0, 1, 2]  # the last start has no next step
+    assert values == unclipped.series("Alpha")[1]
+    assert all(math.isfinite(v) for v in values)
 
 
 class FunctionalLoss(Classifier):
@@ -276,6 +552,18 @@ def test_the_lightning_example_runs(tmp_path):
     valid_loss, valid_accuracy = history[3]["valid_loss"], history[3]["valid_accuracy"]
     assert math.isfinite(valid_loss) and valid_loss > 0  # a cross-entropy
     assert 0.0 <= valid_accuracy <= 1.0
+
+
+def test_the_lightning_example_runs_with_accumulation(tmp_path):
+    pytest.importorskip("sklearn")
+    from tests.test_examples import load_example
+
+    module = load_example("lightning_digits")
+    with pytest.warns(CockpitWarning, match="accumulate_grad_batches=2"):
+        paths = module.main(steps=2, out=str(tmp_path / "out"), accumulate=2)
+    history = History.from_json(paths["log"])
+    assert history.steps == [0, 1]
+    assert "GradNorm" in history[0] and "Alpha" in history[0]["missing"]
 
 
 class Block(nn.Module):

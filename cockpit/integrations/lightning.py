@@ -35,18 +35,40 @@ by ``cockpit plot``, ``History.from_json`` and the live ``CockpitPlotter`` via
 ``callback.cockpit``); with a ``TensorBoardLogger`` the run is also exported to its
 directory when training ends (:mod:`cockpit.integrations.tensorboard`).
 
+Gradient accumulation (``accumulate_grad_batches=k > 1``): the callback tracks one
+micro-batch per optimizer step, the first of each accumulation window, under the
+optimizer step's ``global_step``, as cockpit's own loop rules say (its ``.grad``
+starts at zero, so ``.grad`` and the per-sample statistics describe that
+micro-batch alone). Lightning divides each micro-batch's loss by ``k`` before the
+backward pass; on the tracked micro-batch the callback backpropagates ``k`` times
+that loss instead (exactly the micro-batch's own mean loss: the factor ``k / k`` is
+1 in floating point) and divides the new gradients by ``k`` right after the
+cockpit's step, inside the same ``backward`` call, so every value describes the
+micro-batch's mean loss and the optimizer receives what Lightning would give it
+(bit for bit when ``k`` is a power of two; otherwise to the last bit of rounding).
+Values read from the parameters (``Distance``, ``UpdateSize``) span whole optimizer
+steps and are right. ``Alpha`` replays the optimizer's update from the tracked
+micro-batch's gradient, but the step uses the whole window: it is recorded as
+missing on such steps, with the reason (a ``CockpitWarning`` names the fix once).
+
+Gradient clipping (``Trainer(gradient_clip_val=...)``) and any other change of
+``.grad`` between the backward pass and the optimizer's update (in
+``on_before_optimizer_step`` or ``configure_gradient_clipping``): Lightning calls
+``optimizer.step(closure)``, inside which cockpit's own check cannot look, so the
+callback compares the gradients after the optimizer step with those its step saw;
+where clipping changed them, ``Alpha``'s value of that step is recorded as missing,
+with the reason (clipping that leaves the gradients alone, a norm below the
+threshold, costs nothing).
+
 ``HessMaxEV`` (configuration ``"full"``) needs ``backward(create_graph=True)`` on its
 steps: the callback passes ``create_graph=True`` to ``LightningModule.backward`` on
 those steps. If you override ``backward``, forward the keyword arguments
 (``def backward(self, loss, *args, **kwargs): loss.backward(*args, **kwargs)``);
 an override without ``**kwargs`` gets a warning and HessMaxEV fails on its step.
 
-Not supported (the callback says so): ``accumulate_grad_batches > 1`` (gradients
-of several micro-batches are summed into one step, so per-sample statistics of one
-micro-batch do not describe the step: the callback warns and tracks nothing),
-manual optimisation (warns, tracks nothing) and multi-process strategies such as
-DDP (error at setup). A checkpoint holds the cockpit's state; resuming from it
-continues the run and appends to the same log.
+Not supported (the callback says so): manual optimisation (warns, tracks nothing)
+and multi-process strategies such as DDP (error at setup). A checkpoint holds the
+cockpit's state; resuming from it continues the run and appends to the same log.
 """
 
 from __future__ import annotations
@@ -56,8 +78,10 @@ import os
 from typing import Any, Iterable, Mapping
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import Tensor
 
 from cockpit.cockpit import LOG_KEYS, Cockpit
 from cockpit.integrations._common import (
@@ -70,6 +94,7 @@ from cockpit.integrations._common import (
     trainable_named_parameters,
     warn,
 )
+from cockpit.needs import Need
 from cockpit.quantities.base import Quantity
 
 __all__ = ["CockpitCallback"]
@@ -78,6 +103,107 @@ __all__ = ["CockpitCallback"]
 #: (all but ``epoch_count`` and ``learning_rate``, which the callback fills).
 METRIC_KEYS = LOG_KEYS[1:-1]
 DEFAULT_METRICS = {"valid_loss": "val_loss", "valid_accuracy": "val_acc"}
+
+
+def _accumulation_reason(k: int) -> str:
+    """Why a quantity that replays the optimizer's update has no value (``k > 1``)."""
+    return (
+        f"with accumulate_grad_batches={k} the optimizer step uses the gradients of "
+        "every micro-batch of the accumulation window, but the cockpit tracks the "
+        "first micro-batch only, so the update it replayed from that gradient is not "
+        "the step taken. Fix: accumulate_grad_batches=1 (with the effective batch "
+        "size as batch_size) while debugging with Alpha, or drop Alpha"
+    )
+
+
+def _clipping_reason(changed: int, clip_val) -> str:
+    """Why a quantity that replays the optimizer's update has no value (clipping)."""
+    cause = (
+        f"Lightning's gradient clipping, gradient_clip_val={clip_val}"
+        if clip_val
+        else "e.g. gradient clipping in configure_gradient_clipping or a change in "
+        "on_before_optimizer_step"
+    )
+    return (
+        f".grad of {changed} parameter(s) changed between the backward pass and the "
+        f"optimizer step ({cause}), so the update cockpit replayed is not the step "
+        "taken. Fix: Trainer(gradient_clip_val=None) (or leave .grad unchanged) "
+        "while debugging with Alpha, or drop Alpha"
+    )
+
+
+def _replays_update(quantity: Quantity) -> bool:
+    """Whether ``quantity`` replays the optimizer's update from ``.grad`` (Alpha)."""
+    return Need.OPTIMIZER_UPDATE in frozenset(quantity.needs) and hasattr(
+        quantity, "discard_start"
+    )
+
+
+def _grad_norms(params: list[Tensor]) -> Tensor | None:
+    """The norm of every ``.grad`` (no device sync), or ``None`` if one is missing."""
+    grads = [p.grad for p in params]
+    if not grads or any(g is None for g in grads):
+        return None
+    with torch.no_grad():
+        return torch.stack(
+            [torch.linalg.vector_norm(g.detach()).to(grads[0].device) for g in grads]
+        )
+
+
+def _version(grad: Tensor | None) -> int | None:
+    return None if grad is None else grad._version
+
+
+class _GradWatch:
+    """The gradients a tracked step left, to compare after the optimizer step."""
+
+    def __init__(self, step: int, quantities: list[Quantity], params: list[Tensor]):
+        self.step, self.quantities, self.params = step, quantities, params
+        self._seen = [(p.grad, _version(p.grad)) for p in params]
+        self._norms = _grad_norms(params)
+
+    def changed(self) -> int:
+        """How many ``.grad`` changed in value (one device sync, if any was touched)."""
+        touched = [
+            i
+            for i, (p, (grad, version)) in enumerate(
+                zip(self.params, self._seen, strict=True)
+            )
+            if p.grad is not grad or _version(p.grad) != version
+        ]
+        if not touched:
+            return 0
+        now = _grad_norms(self.params)
+        if now is None or self._norms is None or now.shape != self._norms.shape:
+            return len(touched)
+        # clipping below the threshold multiplies by exactly 1.0: values unchanged
+        index = torch.tensor(touched, device=now.device)
+        return int((now[index] != self._norms[index]).sum())
+
+
+class _Unscale:
+    """Turns the tracked micro-batch's gradients into Lightning's (divided by ``k``).
+
+    Made before the backward pass of ``k`` times Lightning's loss: ``.grad`` that is
+    ``None`` (Lightning's ``zero_grad``) is divided in place afterwards; a ``.grad``
+    that held values keeps them and gets the new part divided by ``k``.
+    """
+
+    def __init__(self, params: list[Tensor], k: int):
+        self.k = k
+        self.before = [
+            (p, None if p.grad is None else p.grad.detach().clone()) for p in params
+        ]
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for p, old in self.before:
+                if p.grad is None:
+                    continue
+                if old is None:
+                    p.grad.div_(self.k)
+                else:
+                    p.grad.sub_(old).div_(self.k).add_(old)
 
 
 class CockpitCallback(Callback):
@@ -128,8 +254,11 @@ class CockpitCallback(Callback):
         self._capture: LossCapture | None = None
         self._tracking = False
         self._open_step: int | None = None
+        self._tracked_step: int | None = None  # global_step of the last tracked step
         self._patched = None
         self._pending_state: dict[str, Any] | None = None
+        self._watch: _GradWatch | None = None
+        self._warned: set[tuple[str, str]] = set()
 
     # --- set-up ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str):
@@ -151,6 +280,7 @@ class CockpitCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
         """Extend the model for BackPACK, create the cockpit, hook the loss."""
         self._tracking = self._can_track(trainer, pl_module)
+        self._tracked_step = None
         extend_for_backpack(pl_module)
         losses = loss_modules(pl_module)
         if not losses:
@@ -180,16 +310,6 @@ class CockpitCallback(Callback):
                 "manual_backward, or automatic optimisation."
             )
             return False
-        if trainer.accumulate_grad_batches > 1:
-            warn(
-                f"CockpitCallback tracks nothing in this run: accumulate_grad_"
-                f"batches={trainer.accumulate_grad_batches} sums the gradients of "
-                "several micro-batches into one optimizer step, and cockpit's "
-                "per-sample statistics see one micro-batch only. Fix: while "
-                "debugging, use accumulate_grad_batches=1 with a larger batch size "
-                "(the effective batch) or a smaller one."
-            )
-            return False
         if str(trainer.precision).startswith("16"):
             warn(
                 f"CockpitCallback with precision={trainer.precision!r}: the loss is "
@@ -199,18 +319,32 @@ class CockpitCallback(Callback):
         return True
 
     # --- the step --------------------------------------------------------------------
+    def _tracks(self, trainer: pl.Trainer) -> bool:
+        """Whether the coming backward pass is tracked: the first of its step.
+
+        With ``accumulate_grad_batches=k`` the first micro-batch of each window
+        (``.grad`` zeroed before its backward pass); ``global_step`` counts the
+        optimizer steps, so it changes exactly when a new window begins.
+        """
+        return self._tracking and trainer.global_step != self._tracked_step
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        """Start capturing the batch's per-sample losses."""
+        """Start capturing the batch's per-sample losses (if it will be tracked)."""
         if self._capture is not None:
-            self._capture.reset(armed=self._tracking)
+            self._capture.reset(armed=self._tracks(trainer))
 
     def on_before_backward(self, trainer, pl_module, loss):
         """Open the cockpit step around the backward pass."""
-        if not self._tracking or self.cockpit is None:
-            return
+        if self.cockpit is None or not self._tracks(trainer):
+            return  # a later micro-batch of an accumulation window is not tracked
         step = trainer.global_step
+        self._tracked_step = step
+        # Lightning divides the loss by k (accumulate_grad_batches); the tracked
+        # micro-batch is described by its own mean loss, k times that
+        k = max(1, int(trainer.accumulate_grad_batches))
         optimizer = trainer.optimizers[0]
-        info: dict[str, Any] = {"loss": loss, "optimizer": optimizer}
+        info: dict[str, Any] = {"loss": loss * k if k > 1 else loss}
+        info["optimizer"] = optimizer
         individual = self._capture.individual_losses()
         self._capture.reset(armed=False)
         if individual is not None:
@@ -218,10 +352,11 @@ class CockpitCallback(Callback):
             info["batch_size"] = individual.shape[0]
         else:
             self._require_individual_losses(step, pl_module)
-        if self.cockpit.create_graph(step):
-            self._patch_backward(pl_module)
+        create_graph = self.cockpit.create_graph(step)
         self.cockpit.begin(step, info=info)
         self._open_step = step
+        if create_graph or k > 1:
+            self._patch_backward(trainer, pl_module, create_graph, k)
 
     def _require_individual_losses(self, step: int, pl_module) -> None:
         needing = [
@@ -240,15 +375,66 @@ class CockpitCallback(Callback):
 
     def on_after_backward(self, trainer, pl_module):
         """Close the step: the cockpit tracks its quantities; record the LR."""
-        if self._open_step is None:
-            return
+        if self._open_step is not None:
+            self._close_step(trainer, pl_module)
+
+    def _close_step(self, trainer, pl_module, unscale: _Unscale | None = None) -> None:
+        """End the cockpit's step; the gradients become Lightning's; check Alpha."""
         step, self._open_step = self._open_step, None
         self._unpatch_backward(pl_module)
-        self.cockpit.end()
+        try:
+            self.cockpit.end()
+        finally:
+            if unscale is not None:
+                unscale.apply()
+        updating = [q for q in self.cockpit.quantities if _replays_update(q)]
+        if unscale is not None:  # accumulation: the update is the whole window's
+            self._missing(
+                [q for q in updating if q.discard_start(step)],
+                step,
+                _accumulation_reason(unscale.k),
+                "accumulation",
+            )
+        else:
+            pending = [q for q in updating if q.is_end(step + 1)]
+            if pending:
+                self._watch = _GradWatch(step, pending, self.cockpit.params)
         lr = learning_rate(trainer.optimizers[0]) if self.log_learning_rate else None
         self._last_log = (step, trainer.current_epoch, lr)
         if self.log_learning_rate:
             self._log(self._last_log, {})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        """After the optimizer step: did clipping change the tracked gradients?"""
+        watch, self._watch = self._watch, None
+        if watch is None or self.cockpit is None:
+            return
+        changed = watch.changed()
+        if changed:
+            self._missing(
+                [q for q in watch.quantities if q.discard_start(watch.step)],
+                watch.step,
+                _clipping_reason(changed, trainer.gradient_clip_val),
+                "clipping",
+            )
+
+    def _missing(
+        self, quantities: list[Quantity], step: int, reason: str, cause: str
+    ) -> None:
+        """Record ``quantities`` as missing at ``step``; warn once per key and cause."""
+        if not quantities:
+            return
+        recorder = self.cockpit.recorder
+        for q in quantities:
+            recorder.note_missing(step, q.key, reason)
+            once = (q.key, cause)
+            if once not in self._warned:
+                self._warned.add(once)
+                warn(
+                    f"{q.key} has no value at step {step}: {reason}. (Recorded under "
+                    "'missing'; warned once.)"
+                )
+        recorder.flush()
 
     def _log(self, where: tuple[int, int, float | None], values: dict) -> None:
         step, epoch, lr = where
@@ -269,6 +455,7 @@ class CockpitCallback(Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         """Abandon an open step (buffers freed, BackPACK context left)."""
+        self._watch = None
         if self._open_step is not None:
             self._open_step = None
             self._unpatch_backward(pl_module)
@@ -312,26 +499,42 @@ class CockpitCallback(Callback):
             )
         return None
 
-    # --- create_graph for HessMaxEV ---------------------------------------------------
-    def _patch_backward(self, pl_module: pl.LightningModule) -> None:
-        """Make Lightning's call of ``pl_module.backward`` pass ``create_graph``."""
+    # --- create_graph for HessMaxEV, the loss of an accumulation window ---------------
+    def _patch_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, create_graph, k: int
+    ) -> None:
+        """Make Lightning's call of ``pl_module.backward`` fit the tracked step.
+
+        ``create_graph=True`` is passed where a quantity needs it. With ``k > 1``
+        (accumulation) the call backpropagates ``k`` times Lightning's loss (the
+        micro-batch's own mean loss), then closes the cockpit's step and divides
+        the new gradients by ``k``, before anything else sees them.
+        """
         method = type(pl_module).backward
         accepts = method is pl.LightningModule.backward or any(
             p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "create_graph"
             for p in inspect.signature(method).parameters.values()
         )
-        if not accepts:
+        if create_graph and not accepts:
             warn(
                 f"{type(pl_module).__name__}.backward takes no keyword arguments, so "
                 "CockpitCallback cannot pass create_graph=True, which HessMaxEV "
                 "needs. Fix: def backward(self, loss, *args, **kwargs): "
                 "loss.backward(*args, **kwargs)."
             )
+            create_graph = False
+        if not create_graph and k == 1:
             return
 
         def backward(loss, *args, **kwargs):
-            kwargs["create_graph"] = True
-            return method(pl_module, loss, *args, **kwargs)
+            if create_graph:
+                kwargs["create_graph"] = True
+            if k == 1:
+                return method(pl_module, loss, *args, **kwargs)
+            trained = [p for p in pl_module.parameters() if p.requires_grad]
+            unscale = _Unscale(trained, k)
+            method(pl_module, loss * k, *args, **kwargs)
+            self._close_step(trainer, pl_module, unscale)
 
         pl_module.__dict__["backward"] = backward
         self._patched = pl_module
