@@ -391,7 +391,8 @@ def test_accumulation_with_the_callback_trains_as_without_it(tmp_path, k):
     plain = Recording()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=k,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        logger=False, default_root_dir=str(tmp_path),
+        enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(plain, _micro_loader())
@@ -418,6 +419,7 @@ def test_an_accumulation_schedule_is_followed_step_by_step(tmp_path):
     trainer = pl.Trainer(
         callbacks=[GradientAccumulationScheduler({0: 1, 1: 2}), callback],
         accelerator="cpu", devices=1, max_steps=8, logger=False,
+        default_root_dir=str(tmp_path),
         enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )  # fmt: skip
