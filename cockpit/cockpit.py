@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import Tensor
 
+from cockpit import distributed
 from cockpit.checkpoint import STATE_VERSION, cockpit_state, load_cockpit_state
 from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.engines import autograd as autograd_engine
@@ -91,6 +92,20 @@ class Cockpit:
             where a value would be estimated or missing instead of exact (by
             default such values are recorded as missing, warned once; see
             :meth:`coverage`).
+        process_group: Data-parallel runs (DDP): ``"auto"`` (default) computes
+            every quantity over the joined batch of all processes when
+            ``torch.distributed`` is initialised (before the Cockpit is created)
+            with more than one process; a process group restricts that to its
+            processes; ``None`` gives each process the values of its own shard.
+            ``info`` always describes the local shard. See
+            ``docs/distributed.md``.
+        timeout: Seconds a process waits for the others at cockpit's
+            collectives before it raises
+            :class:`~cockpit.distributed.DistributedError` (instead of hanging
+            when another process failed).
+        log_rank: In a data-parallel run, the process that streams the log,
+            writes it (:meth:`write`) and warns about diagnoses; every process
+            holds the same values.
 
     Raises:
         ValueError: If a parameter does not require gradients or is given twice,
@@ -117,8 +132,20 @@ class Cockpit:
         logpath: str | None = None,
         diagnose: bool = True,
         strict: bool = False,
+        process_group: Any = distributed.AUTO,
+        timeout: float = distributed.DEFAULT_TIMEOUT,
+        log_rank: int = 0,
     ):
         self.strict = bool(strict)
+        group = distributed.resolve_group(process_group)
+        self._communicator = (
+            distributed.Communicator(group, timeout) if group is not None else None
+        )
+        self._setup_checked = False
+        #: This process's rank in the data-parallel group (0 in a single process).
+        self.rank = self._communicator.rank if self._communicator is not None else 0
+        #: Whether this process writes the log and shows diagnoses.
+        self.is_writer = self._communicator is None or self.rank == int(log_rank)
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []
@@ -165,12 +192,14 @@ class Cockpit:
         self.optimizer_name: str | None = None
         self.recorder = Recorder()
         self.recorder.subscribe(HistoryWriter(self.history))
-        self._stream = LogStream(logpath) if logpath is not None else None
+        self._stream = (
+            LogStream(logpath) if logpath is not None and self.is_writer else None
+        )
         if self._stream is not None:
             self.recorder.subscribe(StreamWriter(self._stream))
         #: The live diagnosis (:class:`cockpit.diagnosis.LiveDiagnosis`) or ``None``.
         self.diagnosis = None
-        if diagnose:
+        if diagnose and self.is_writer:
             from cockpit.diagnosis import LiveDiagnosis
 
             self.diagnosis = LiveDiagnosis(silent=(NONFINITE_KEY,))
@@ -264,8 +293,19 @@ class Cockpit:
         )
 
     def create_graph(self, global_step: int) -> bool:
-        """Return whether ``loss.backward`` needs ``create_graph=True`` at this step."""
+        """Return whether ``loss.backward`` needs ``create_graph=True`` at this step.
+
+        Always ``False`` in a data-parallel run: DDP cannot run such a backward
+        pass, so the cockpit differentiates the local loss itself.
+        """
+        if self._communicator is not None:
+            return False
         return self.plan(_as_step(global_step)).create_graph
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether values are computed over the joined batch of several processes."""
+        return self._communicator is not None
 
     # --- the step --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -315,6 +355,11 @@ class Cockpit:
                 "Fix: call cockpit.end() after the backward pass of each step."
             )
         step_info = as_info(_as_step(global_step), info)
+        if self._communicator is not None and not self._setup_checked:
+            distributed.check_setup(
+                self._communicator, self.quantities, self.params, step_info.global_step
+            )
+            self._setup_checked = True
         if step_info.has("optimizer"):
             self.optimizer_name = type(step_info.get("optimizer")).__name__
         try:
@@ -332,6 +377,7 @@ class Cockpit:
                 chunk=self.PER_SAMPLE_CHUNK,
                 max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
                 probes=self.HUTCHINSON_PROBES,
+                communicator=self._communicator,
             )
         except BaseException:  # e.g. a missing info key: nothing of the step stays
             self.recorder.discard()
@@ -443,12 +489,15 @@ class Cockpit:
                 writes plain arrays. Every reader of cockpit reads both.
 
         Returns:
-            The path written.
+            The path written (``None`` on the processes of a data-parallel run
+            other than ``log_rank``, which write nothing).
 
         Raises:
             OSError: If the path cannot be written (the message names it and the
                 fix); the history stays in memory, so call ``write`` again.
         """
+        if not self.is_writer:
+            return None
         path = self.history.write_json(json_path(logpath), legacy=legacy, packed=packed)
         _LOG.info("Cockpit log written to %s", path)
         return path

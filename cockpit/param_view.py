@@ -110,6 +110,15 @@ class ParamView:
         """
         return self._individual().chunks(max_elements)
 
+    def keep_individual(self) -> IndividualGradients:
+        """Return the per-sample gradients to read after the backward pass.
+
+        Only for data-parallel runs, where some statistics need the joined batch's
+        gradient, known only once every process is done: the caller holds them
+        (``N`` times the parameter, or its factors for ``Linear``) until then.
+        """
+        return self._individual()
+
     def mean_gradient(self) -> Tensor:
         """Return ``g = mean_i g_i`` from the per-sample gradients, shape of param."""
         return self._cached("mean_gradient", lambda: self._individual().mean())

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cockpit import distributed
 from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.context import StepInfo
 from cockpit.engines import autograd as autograd_engine
@@ -38,6 +39,7 @@ from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import DenseGradients
 from cockpit.planner import StepPlan
 from cockpit.quantities.base import Missing, Quantity, TrackContext
+from cockpit.quantities.utils_params import gradients
 from cockpit.recorder import Recorder
 
 #: PyTorch's warning about backward(create_graph=True), silenced on cockpit's steps.
@@ -227,8 +229,17 @@ class StepRun:
         chunk: int = autograd_engine.DEFAULT_CHUNK,
         max_elements: int = autograd_engine.DEFAULT_MAX_ELEMENTS,
         probes: int = autograd_engine.DEFAULT_PROBES,
+        communicator: distributed.Communicator | None = None,
     ):
         self.plan, self.info, self.params = plan, info, params
+        #: cockpit's collectives in a data-parallel run (``None``: one process).
+        self.communicator = communicator
+        #: The data-parallel step, once the header is exchanged in :meth:`open`.
+        self.shared: distributed.StepComm | None = None
+        self._captured: dict[int, Tensor] = {}
+        self._capture_hooks: list = []
+        #: Results (or the error) of quantities tracked before the backward pass.
+        self._early: dict[int, tuple[list | None, Exception | None]] = {}
         self._probes = probes
         self._router = router
         self._skip: set[int] = set()
@@ -318,14 +329,19 @@ class StepRun:
         the autograd engine here, before the user's backward pass frees the
         graph, and are shown to the quantities right away.
         """
+        if self.communicator is not None and self.plan.active:
+            self.shared = self._exchange_header()
         for q in self.plan.active:
-            q.begin_step(self.plan.global_step, self.info)
+            q.begin_step(self.plan.global_step, self.info, self.shared)
         if self.routing is not None and self.routing.autograd:
             self._run_autograd(self.routing.autograd, self.routing.losses)
         self.estimates: dict[int, list[Tensor]] = {}
+        self._probe_traces: dict[int, Tensor] = {}
         self.estimate_guards: list[_Guarded] = []
         if self.routing is not None and self.routing.estimated:
             self._run_hutchinson(list(self.routing.estimated.values()))
+        if self.shared is not None:
+            self._prepare_shared()
         stack = self._stack
         # BackPACK's and PyTorch's per-step hook warnings are noise here (see
         # _ENGINE_MESSAGES); every other warning of the backward pass is left alone
@@ -345,6 +361,156 @@ class StepRun:
             )
         )
 
+    # --- data-parallel runs ------------------------------------------------------
+    def _exchange_header(self) -> distributed.StepComm:
+        """Agree with the other processes on the step and its plan; learn counts."""
+        info, step = self.info, self.plan.global_step
+        if info.has("batch_size"):
+            n_local = int(info.get("batch_size"))
+        elif isinstance(info.get("individual_losses"), Tensor):
+            n_local = int(info.get("individual_losses").shape[0])
+        else:
+            raise KeyError(
+                f"In a data-parallel run cockpit needs info['batch_size'] (the "
+                f"number of samples of this process) at step {step} to weight the "
+                f"processes' shards. Fix: pass it as cockpit({step}, "
+                "info={'batch_size': x.shape[0], ...}), or "
+                "Cockpit(..., process_group=None) for rank-local values."
+            )
+        plan_text = ";".join(
+            f"{q.key}:{sorted(n.name for n in q.needs_at(step))}"
+            for q in self.plan.active
+        )
+        shared = distributed.exchange_header(
+            self.communicator, step, n_local, plan_text
+        )
+        if shared.uneven:
+            self.diagnostics.warn_once(
+                "uneven-shards", distributed.uneven_message(shared.counts, step)
+            )
+        return shared
+
+    def _prepare_shared(self) -> None:
+        """Before the backward pass of a data-parallel step.
+
+        Hessian-vector products need this shard's gradient with its graph, which
+        DDP cannot give (``backward(create_graph=True)`` fails under DDP), and the
+        forward graph, which the user's backward pass frees: the quantities that
+        need them (HessMaxEV) are computed here, before it, from this shard's
+        gradient with its graph (each product averaged over the processes). With
+        shards of different sizes, each parameter's local gradient is caught on
+        its way to DDP, to weight the shards by their size afterwards.
+        """
+        shared, step = self.shared, self.plan.global_step
+        last = [q for q in self.plan.last if id(q) not in self._skip]
+        if self.plan.create_graph and last:
+            loss = self.info.require("loss", "cockpit (Hessian-vector products)")
+            ctx = TrackContext(step, self.params, self.info, comm=shared)
+            with engine.quiet_backward():
+                grads = torch.autograd.grad(
+                    loss, self.params, create_graph=True, allow_unused=True
+                )
+                shared.graph_gradients = [
+                    g if g is not None else torch.zeros_like(p)
+                    for g, p in zip(grads, self.params, strict=True)
+                ]
+                for quantity in last:
+                    try:
+                        self._early[id(quantity)] = (
+                            quantity.track_step(step, ctx),
+                            None,
+                        )
+                    except Exception as error:  # handled where it is recorded
+                        self._early[id(quantity)] = (None, error)
+            shared.graph_gradients = None  # frees the double-backward graph
+        if shared.uneven:
+            for index, param in enumerate(self.params):
+
+                def catch(grad, index=index):
+                    self._captured[index] = grad.detach().clone()
+
+                self._capture_hooks.append(param.register_hook(catch))
+
+    def _remove_capture_hooks(self) -> None:
+        for handle in self._capture_hooks:
+            handle.remove()
+        self._capture_hooks = []
+
+    def _share(self, ctx: TrackContext, quantities: list[Quantity]) -> TrackContext:
+        """Combine the processes: the joined batch's gradient, info and sums.
+
+        Returns:
+            The context the quantities are tracked with: ``info`` of the joined
+            batch (``loss``, ``batch_size``, ``individual_losses``), its gradient
+            and the data-parallel step.
+        """
+        shared, info, step = self.shared, self.info, self.plan.global_step
+        self._remove_capture_hooks()
+        if shared.uneven:
+            local = [self._captured.get(i) for i in range(len(self.params))]
+            shared.gradients = distributed.joined_gradients(shared, local, self.params)
+            self._captured.clear()
+        else:
+            shared.gradients = gradients(self.params)
+        if not getattr(self.communicator, "checked_gradients", False):
+            self._check_synchronised(shared)
+        ctx = TrackContext(step, self.params, info, comm=shared, grads=shared.gradients)
+        bucket = distributed.Bucket(shared)
+        joined = dict(info.values)
+        if info.has("loss"):
+            loss = info.get("loss")
+            loss = loss.detach() if isinstance(loss, Tensor) else torch.tensor(loss)
+            n = shared.n_global
+            bucket.sum(loss * shared.n_local, lambda v: joined.update(loss=v / n))
+        losses = info.get("individual_losses")
+        if isinstance(losses, Tensor) and losses.shape[:1] == (shared.n_local,):
+            per_sample = autograd_engine.sample_losses(losses.detach())
+            bucket.gather(per_sample, lambda v: joined.update(individual_losses=v))
+        joined["batch_size"] = shared.n_global
+        for quantity in quantities:
+            if quantity.share(step, ctx, bucket) is NotImplemented:
+                self.diagnostics.warn_once(
+                    ("rank-local", quantity.key),
+                    distributed.rank_local_message(quantity.key),
+                )
+        for id_, traces in self._probe_traces.items():
+
+            def errors(total, id_=id_):
+                self.estimates[id_] = autograd_engine.trace_errors(total)
+
+            bucket.sum(traces * shared.weight, errors)
+        bucket.reduce()
+        return replace(ctx, info=StepInfo(step, joined))
+
+    def _check_synchronised(self, shared: distributed.StepComm) -> None:
+        """At the first tracked step: are the gradients the same on every process?
+
+        cockpit assumes the parameters are trained data-parallel (DDP averages
+        ``.grad`` over processes). If they differ, the numbers would mix
+        unrelated models.
+
+        Raises:
+            DistributedError: On every process, naming both fixes.
+        """
+        checksum = torch.stack(
+            [g.detach().to(torch.float64).sum() for g in shared.gradients]
+        ).sum()
+        pair = torch.stack([checksum, -checksum])
+        largest = self.communicator.all_reduce(
+            pair, "comparing gradients", shared.global_step, op="max"
+        )
+        self.communicator.checked_gradients = True
+        high, low = float(largest[0]), -float(largest[1])
+        if abs(high - low) > 1e-6 * max(1.0, abs(high), abs(low)):
+            raise distributed.DistributedError(
+                f"cockpit at step {shared.global_step}: the gradients differ across "
+                f"processes (checksums from {low:.6g} to {high:.6g}), so the "
+                "parameters are not trained data-parallel. Fix: wrap the model in "
+                "torch.nn.parallel.DistributedDataParallel (and do not track steps "
+                "inside no_sync()), or pass Cockpit(..., process_group=None) for "
+                "values of each process's own shard."
+            )
+
     def _run_autograd(self, indices: list[int], losses: Tensor) -> None:
         params = [self.params[i] for i in indices]
         with engine.quiet_backward():
@@ -362,11 +528,12 @@ class StepRun:
         """Show Hutchinson estimates of the Hessian diagonal to ``quantities``."""
         try:
             with engine.quiet_backward():
-                diagonals, errors = autograd_engine.hutchinson_diagonals(
+                diagonals, errors, traces = autograd_engine.hutchinson_diagonals(
                     self.routing.losses,
                     self.params,
                     self._probes,
                     self._router.generator,
+                    return_traces=True,
                 )
         except RuntimeError as error:
             if not _no_double_backward(error):
@@ -389,6 +556,8 @@ class StepRun:
                 view.release()
         for quantity in quantities:
             self.estimates[id(quantity)] = errors
+            if self.shared is not None:  # errors of the joined batch's estimate
+                self._probe_traces[id(quantity)] = traces
 
     def fail(self, error: BaseException) -> Exception | None:
         """Abandon the step after ``error`` in the backward pass.
@@ -399,6 +568,7 @@ class StepRun:
         try:
             self._stack.__exit__(type(error), error, error.__traceback__)
         finally:
+            self._remove_capture_hooks()
             self._abort()
             self._free(self.setup.free_after)
             if self.plan.create_graph:
@@ -417,6 +587,7 @@ class StepRun:
             self.recorder.discard()  # nothing half-right of a failed step
             raise
         finally:
+            self._remove_capture_hooks()
             self._free(self.setup.free_after)
             if self.plan.create_graph:
                 self._release_graph()
@@ -450,6 +621,10 @@ class StepRun:
             self._drop(guard.quantity, guard.error)
         dropped = {id(g.quantity) for g in failed} | self._skip
         ctx = TrackContext(step, self.params, self.info)
+        if self.shared is not None:
+            ctx = self._share(
+                ctx, [q for q in self.plan.active if id(q) not in dropped]
+            )
         tolerant = bool(nonfinite)
         for q in self.plan.first:
             if id(q) not in dropped:
@@ -467,7 +642,12 @@ class StepRun:
 
     def _track(self, quantity: Quantity, ctx: TrackContext, tolerant: bool) -> None:
         try:
-            results = quantity.track_step(ctx.global_step, ctx)
+            if id(quantity) in self._early:  # computed before the backward pass
+                results, error = self._early.pop(id(quantity))
+                if error is not None:
+                    raise error
+            else:
+                results = quantity.track_step(ctx.global_step, ctx)
         except Exception as error:
             if _no_double_backward(error):
                 self._without_double_backward(quantity, error)

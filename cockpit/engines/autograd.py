@@ -143,6 +143,7 @@ def hutchinson_diagonals(
     params: Sequence[Tensor],
     probes: int = DEFAULT_PROBES,
     generator: torch.Generator | None = None,
+    return_traces: bool = False,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Estimate the Hessian diagonal of the mean loss, per parameter (Hutchinson).
 
@@ -161,10 +162,13 @@ def hutchinson_diagonals(
         params: The parameters.
         probes: Number of Hessian-vector products (at least 2).
         generator: Random source of the probes (CPU), for reproducible runs.
+        return_traces: Also return the per-probe traces, ``[probes, P]`` (float64;
+            a data-parallel run sums them over processes before
+            :func:`trace_errors`).
 
     Returns:
         The estimated diagonals (one per parameter) and the standard errors of
-        their sums (scalars).
+        their sums (scalars); with ``return_traces`` the traces as well.
     """
     probes = max(2, int(probes))
     loss = sample_losses(individual_losses).mean()
@@ -198,11 +202,21 @@ def hutchinson_diagonals(
             diagonals[i] += estimate
             traces[k][i] = estimate.sum()
     diagonals = [d / probes for d in diagonals]
-    errors = []
-    for i, param in enumerate(params):
-        column = [row[i] for row in traces]
-        if column[0] is None:  # the loss does not depend on it: exactly zero
-            errors.append(param.new_zeros(()))
-        else:
-            errors.append(torch.stack(column).std() / probes**0.5)
-    return diagonals, errors
+    zero = torch.zeros((), dtype=torch.float64)
+    table = torch.stack(  # unused parameters (trace None) have exactly zero
+        [
+            torch.stack(
+                [zero if t is None else t.detach().to("cpu", zero.dtype) for t in row]
+            )
+            for row in traces
+        ]
+    )
+    if return_traces:
+        return diagonals, trace_errors(table), table
+    return diagonals, trace_errors(table)
+
+
+def trace_errors(traces: Tensor) -> list[Tensor]:
+    """Standard errors of the mean trace per parameter, from ``[probes, P]`` traces."""
+    probes = traces.shape[0]
+    return list(traces.std(dim=0) / probes**0.5)

@@ -211,13 +211,17 @@ class CockpitPlotter:
             debug: Warn about every gauge that has no data.
 
         Returns:
-            Paths of the saved images (empty unless ``save_plot``).
+            Paths of the saved images (empty unless ``save_plot``; empty on the
+            processes of a data-parallel run other than the Cockpit's
+            ``log_rank``, which draw nothing).
 
         Raises:
             LogFileError: If a log has no tracked steps.
             ValueError: If another source has no tracked steps, or ``save_plot``
                 has no ``savedir`` for a non-path source.
         """
+        if getattr(source, "is_writer", True) is False:
+            return []  # a data-parallel run draws on its log_rank process only
         self.load(source, discard=discard, plot_title=plot_title, stream=True)
         if save_plot and savedir is None:
             if self._default_savedir is None:

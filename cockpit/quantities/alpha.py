@@ -33,6 +33,9 @@ class _StepParts:
 
     starts: dict[int, _StartEntry] = field(default_factory=dict)
     end_dots: Tensor | None = None
+    #: Data-parallel start steps: per parameter index, the per-sample gradients,
+    #: projected once the step's gradient is known on every process.
+    kept: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,20 +145,47 @@ class Alpha(TwoStepQuantity):
             previous = self.acc.end_dots
             self.acc.end_dots = dots if previous is None else previous + dots
         if self.should_compute(global_step):
-            self.acc.starts[view.index] = self._start_entry(view)
+            if self.shared is not None:  # the update is known after all processes
+                self.acc.kept[view.index] = view.keep_individual()
+            else:
+                grad = view.mean_gradient().detach()
+                self.acc.starts[view.index] = self._start_entry(
+                    view.param, grad, lambda v: _per_sample_dots(view, v)
+                )
 
-    def _start_entry(self, view: ParamView) -> _StartEntry:
+    def _start_entry(self, param, grad: Tensor, project) -> _StartEntry:
         optimizer = self._optimizer
-        grad = view.mean_gradient().detach()
         if is_plain_sgd(optimizer):
-            return _StartEntry("sgd", grad, _per_sample_dots(view, grad))
+            return _StartEntry("sgd", grad, project(grad))
         try:
-            update = replay_update(optimizer, view.param, grad)
+            update = replay_update(optimizer, param, grad)
         except ReplayError as error:
             return _StartEntry("failed", reason=str(error))
-        return _StartEntry(
-            "replay", update, _per_sample_dots(view, update), owner=id(optimizer)
-        )
+        return _StartEntry("replay", update, project(update), owner=id(optimizer))
+
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Gather the per-sample projections of all processes.
+
+        At a start step the direction comes from ``.grad`` (what the optimizer
+        will use: DDP's average), and each process projects its kept per-sample
+        gradients onto it.
+        """
+        acc = self.acc
+        for index in sorted(acc.kept):
+            individual = acc.kept.pop(index)
+            param = ctx.params[index]
+            grad = param.grad.detach() if param.grad is not None else param * 0
+
+            def project(vector, individual=individual, param=param):
+                vector = vector.to(device=param.device, dtype=param.dtype)
+                return individual.project(vector).detach()
+
+            entry = self._start_entry(param, grad.detach(), project)
+            acc.starts[index] = entry
+            if entry.dots is not None:
+                bucket.gather(entry.dots, lambda v, e=entry: setattr(e, "dots", v))
+        if acc.end_dots is not None:
+            bucket.gather(acc.end_dots, lambda v: setattr(acc, "end_dots", v))
 
     # --- after the backward pass ---------------------------------------------------
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:

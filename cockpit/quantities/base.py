@@ -43,6 +43,7 @@ from cockpit import needs as _needs
 from cockpit.context import StepInfo
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.quantities.utils_params import gradients
 from cockpit.recorder import MISSING_KEY  # noqa: F401  (re-exported)
 
 
@@ -67,12 +68,26 @@ class TrackContext:
     Attributes:
         global_step: The current step.
         params: The cockpit's parameters, in order.
-        info: What the user handed in as ``info``.
+        info: What the user handed in as ``info``; in a data-parallel run the
+            joined batch's (``loss``, ``batch_size`` and ``individual_losses`` of
+            all processes).
+        comm: The data-parallel step (:class:`cockpit.distributed.StepComm`), or
+            ``None`` in a single process.
+        grads: The mini-batch gradient per parameter where it is not ``.grad``
+            (the joined batch's, when processes have shards of different sizes).
     """
 
     global_step: int
     params: Sequence[Tensor]
     info: StepInfo
+    comm: Any = None
+    grads: Sequence[Tensor] | None = None
+
+    def gradients(self) -> list[Tensor]:
+        """The mini-batch gradient of every parameter (zeros where unused)."""
+        if self.grads is not None:
+            return list(self.grads)
+        return gradients(self.params)
 
 
 def _takes_params_and_loss(function) -> bool:
@@ -143,6 +158,8 @@ class Quantity(abc.ABC):
         self._key = key
         #: The partial results of the step being tracked (an ``Accumulator``).
         self.acc: Any = None
+        #: The data-parallel step being tracked (``StepComm``), or ``None``.
+        self.shared: Any = None
         self._history = None
 
     @property
@@ -208,10 +225,17 @@ class Quantity(abc.ABC):
         return []
 
     # --- per-step work (called by the cockpit) ------------------------------------
-    def begin_step(self, global_step: int, info: StepInfo | None = None) -> None:
-        """Start the step: a fresh accumulator, then :meth:`prepare`."""
+    def begin_step(
+        self, global_step: int, info: StepInfo | None = None, shared: Any = None
+    ) -> None:
+        """Start the step: a fresh accumulator, then :meth:`prepare`.
+
+        ``shared`` is the data-parallel step (``StepComm``) in a run over several
+        processes: :meth:`accumulate` then keeps what :meth:`share` needs.
+        """
         accumulator = type(self).Accumulator
         self.acc = accumulator() if accumulator is not None else None
+        self.shared = shared
         self.prepare(global_step, info)
 
     def prepare(self, global_step: int, info: StepInfo | None) -> None:  # noqa: B027
@@ -230,9 +254,28 @@ class Quantity(abc.ABC):
         not the buffers.
         """
 
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> Any:
+        """Put the step's partial sums into ``bucket`` (data-parallel runs only).
+
+        Called after the backward pass on every process, before tracking, with
+        ``ctx.info`` of the local shard and ``ctx.gradients()`` of the joined
+        batch. A quantity adds the sums over its local samples
+        (``bucket.sum(tensor, then)``, ``bucket.gather(per_sample, then)``,
+        ``bucket.max``) and, in ``then``, replaces them in ``self.acc`` by the sums
+        over all processes, so that :meth:`track_step` computes the joined batch's
+        value. See ``docs/distributed.md``.
+
+        Returns:
+            ``NotImplemented`` (the default) if the quantity cannot combine
+            processes: its values then describe the local shard, and the cockpit
+            warns once.
+        """
+        return NotImplemented
+
     def abort_step(self, global_step: int) -> None:
         """Forget the partial results of a step that failed."""
         self.acc = None
+        self.shared = None
 
     @abc.abstractmethod
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
@@ -340,6 +383,18 @@ class ByproductQuantity(SingleStepQuantity):
 
     The name is kept for compatibility with cockpit-for-pytorch.
     """
+
+
+class NothingToShare:
+    """Mixin: the quantity reads only what every process already agrees on.
+
+    Parameters, the joined batch's gradient and the joined ``info``: nothing to
+    send in a data-parallel run.
+    """
+
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Nothing to add: the values are the same on every process."""
+        return None
 
 
 class TwoStepQuantity(Quantity):

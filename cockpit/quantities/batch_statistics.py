@@ -2,7 +2,8 @@
 
 Everything here runs inside the backward pass (on a :class:`ParamView`) or finishes
 the per-parameter sums afterwards. Per-parameter results are scalars or ``[N, N]``
-matrices: sums that could be all-reduced across processes.
+matrices. In a data-parallel run the ``share_*`` functions replace the local sums by
+those over all processes (see :meth:`cockpit.quantities.base.Quantity.share`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.utils_params import gradients
 
 
 @dataclass
@@ -44,14 +44,27 @@ def squared_norm_entry(view: ParamView) -> tuple:
     return batch_l2.sum(), grad_sq, batch_l2.shape[0]
 
 
+def share_squared_norms(acc: PerParameter, n_global: int, bucket) -> None:
+    """Data-parallel: sum ``sum_i ||g_i,p||^2`` over processes, in place.
+
+    ``||g_p||^2`` is then read from the joined batch's gradient.
+    """
+    for index, entry in acc.entries.items():
+
+        def then(total, index=index):
+            acc.entries[index] = (total, None, n_global)
+
+        bucket.sum(entry[0], then)
+
+
 def total_squared_norms(
-    acc: PerParameter, params
+    acc: PerParameter, grads
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sum the entries of :func:`squared_norm_entry` over all parameters.
 
     Args:
         acc: The entries of every parameter.
-        params: The cockpit's parameters (``.grad`` is final at this point).
+        grads: The mini-batch gradient of every parameter (``ctx.gradients()``).
 
     Returns:
         ``sum_i ||g_i||^2`` and ``||g||^2`` over the whole model, and ``N``.
@@ -59,9 +72,8 @@ def total_squared_norms(
     Raises:
         RuntimeError: If parameters saw different batch sizes.
     """
-    grads = gradients(params)
     per_sample, mean, sizes = [], [], set()
-    for index, (sum_sq, grad_sq, n) in enumerate(acc.ordered(len(params))):
+    for index, (sum_sq, grad_sq, n) in enumerate(acc.ordered(len(grads))):
         per_sample.append(sum_sq)
         mean.append(grad_sq if grad_sq is not None else (grads[index] ** 2).sum())
         sizes.add(n)
@@ -83,23 +95,59 @@ class GramQuantity(SingleStepQuantity):
 
     @dataclass
     class Accumulator:
-        """The running sum of the parameters' Gram matrices."""
+        """The running sum of the parameters' Gram matrices.
+
+        Data-parallel runs keep each parameter's per-sample gradients instead
+        (``kept``): the projections ``g_i . g`` need the joined batch's ``g``.
+        ``norms`` and ``dots`` then hold ``||g_i||^2`` and ``g_i . g`` of the
+        joined batch.
+        """
 
         gram: torch.Tensor | None = None
+        kept: dict[int, object] = field(default_factory=dict)
+        norms: torch.Tensor | None = None
+        dots: torch.Tensor | None = None
 
     needs = frozenset({Need.GRAM, Need.GRADIENT})
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Add the parameter's Gram matrix to the running sum."""
+        if self.shared is not None:
+            self.acc.kept[view.index] = view.keep_individual()
+            return
         gram = view.gram().detach()
         self.acc.gram = gram if self.acc.gram is None else gram + self.acc.gram
 
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Project the kept per-sample gradients onto the joined ``g``; gather."""
+        acc = self.acc
+        grads = ctx.gradients()
+        norms, dots = 0, 0
+        for index in sorted(acc.kept):
+            individual = acc.kept[index]
+            norms = norms + individual.batch_l2().detach()
+            dots = dots + individual.project(grads[index]).detach()
+        acc.kept.clear()  # the per-sample gradients are freed here
+        bucket.gather(norms, lambda v: setattr(acc, "norms", v))
+        bucket.gather(dots, lambda v: setattr(acc, "dots", v))
+
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
+        if self.acc.dots is not None:
+            grad_squared_norm = sum((g**2).sum() for g in ctx.gradients())
+            return float(
+                self._from_projections(self.acc.norms, self.acc.dots, grad_squared_norm)
+            )
         return float(self._statistic(self.acc.gram))
 
     @abc.abstractmethod
     def _statistic(self, gram: torch.Tensor) -> torch.Tensor:
         """Implemented by each subclass."""
+
+    @abc.abstractmethod
+    def _from_projections(
+        self, norms: torch.Tensor, dots: torch.Tensor, grad_squared_norm: torch.Tensor
+    ) -> torch.Tensor:
+        """The statistic from ``||g_i||^2``, ``g_i . g`` and ``||g||^2``."""
 
 
 def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
@@ -117,6 +165,26 @@ def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
         unbiased=unbiased,
     )
     return snr, view.param.numel(), n
+
+
+def snr_parts(view: ParamView, shared) -> tuple:
+    """Data-parallel: keep ``sum_i g_i^2`` elementwise (summed over processes later)."""
+    return (view.sum_grad_squared(shared.n_local).detach(),)
+
+
+def share_snr(
+    acc: PerParameter, ctx: TrackContext, bucket, epsilon: float, unbiased: bool
+) -> None:
+    """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook."""
+    grads = ctx.gradients()
+    n = ctx.comm.n_global
+    for index, (sum_grad_squared,) in list(acc.entries.items()):
+
+        def then(total, index=index):
+            snr = F.snr_sum(grads[index], total, n, epsilon, unbiased=unbiased)
+            acc.entries[index] = (snr, total.numel(), n)
+
+        bucket.sum(sum_grad_squared, then)
 
 
 def total_snr(acc: PerParameter, num_params: int) -> tuple[torch.Tensor, int, int]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from cockpit.needs import Need
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.base import NothingToShare, SingleStepQuantity, TrackContext
 from cockpit.quantities.utils_params import norms, snapshot
 
 
-class Distance(SingleStepQuantity):
+class Distance(NothingToShare, SingleStepQuantity):
     """``||theta_t,p - theta_0,p||_2`` per parameter tensor.
 
     ``theta_0`` is the parameters at the first step this quantity sees (whatever the

@@ -6,7 +6,13 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import PerParameter, snr_entry, total_snr
+from cockpit.quantities.batch_statistics import (
+    PerParameter,
+    share_snr,
+    snr_entry,
+    snr_parts,
+    total_snr,
+)
 from cockpit.quantities.optim import require_plain_sgd
 
 
@@ -45,7 +51,14 @@ class EarlyStopping(SingleStepQuantity):
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (s_d^2 + epsilon)`` over the parameter's coordinates."""
+        if self.shared is not None:  # the joined batch's g is known only later
+            self.acc.entries[view.index] = snr_parts(view, self.shared)
+            return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=True)
+
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
+        share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=True)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         snr, dim, n = total_snr(self.acc, len(ctx.params))

@@ -68,7 +68,13 @@ def inner_test(gram: Tensor) -> Tensor:
     Returns:
         A scalar tensor (``nan`` or ``inf`` if ``N < 2`` or ``g = 0``).
     """
-    dots, grad_squared_norm, n = _gram_parts(gram)
+    dots, grad_squared_norm, _ = _gram_parts(gram)
+    return inner_test_from_projections(dots, grad_squared_norm)
+
+
+def inner_test_from_projections(dots: Tensor, grad_squared_norm: Tensor) -> Tensor:
+    """:func:`inner_test` from ``g_i . g`` (``[N]``) and ``||g||^2``."""
+    n = dots.shape[0]
     spread = ((dots - grad_squared_norm) ** 2).sum()
     return (spread / (n * (n - 1) * grad_squared_norm**2)).sqrt()
 
@@ -85,8 +91,16 @@ def ortho_test(gram: Tensor) -> Tensor:
     Returns:
         A scalar tensor (``nan`` or ``inf`` if ``N < 2`` or ``g = 0``).
     """
-    dots, grad_squared_norm, n = _gram_parts(gram)
-    orthogonal = (torch.diagonal(gram) - dots**2 / grad_squared_norm).clamp(min=0)
+    dots, grad_squared_norm, _ = _gram_parts(gram)
+    return ortho_test_from_projections(torch.diagonal(gram), dots, grad_squared_norm)
+
+
+def ortho_test_from_projections(
+    norms: Tensor, dots: Tensor, grad_squared_norm: Tensor
+) -> Tensor:
+    """:func:`ortho_test` from ``||g_i||^2`` and ``g_i . g`` (``[N]``), ``||g||^2``."""
+    n = dots.shape[0]
+    orthogonal = (norms - dots**2 / grad_squared_norm).clamp(min=0)
     return (orthogonal.sum() / (n * (n - 1) * grad_squared_norm)).sqrt()
 
 

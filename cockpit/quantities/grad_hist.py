@@ -653,6 +653,22 @@ class _Histogram(SingleStepQuantity):
                     if reduced is not None:
                         self.acc.reduced.setdefault(axis, []).append(reduced)
 
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum the counts over processes; the range policies take the maximum.
+
+        The ranges are the same on every process: they start equal and every
+        process adapts them from the same (reduced) values.
+        """
+        acc = self.acc
+        if acc.counts is not None:
+            bucket.sum(acc.counts, lambda v: setattr(acc, "counts", v))
+        for index, counts in list(acc.per_param.items()):
+            bucket.sum(counts, lambda v, i=index: acc.per_param.__setitem__(i, v))
+        for axis, reduced in list(acc.reduced.items()):
+            if reduced:
+                largest = torch.stack([r.detach().reshape(()) for r in reduced]).max()
+                bucket.max(largest, lambda v, a=axis: acc.reduced.__setitem__(a, [v]))
+
     def _keep(self, index: int, counts: Tensor) -> None:  # noqa: B027
         """Keep one parameter's counts as well (GradHist2d's ``keep_individual``)."""
 

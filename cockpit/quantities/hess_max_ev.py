@@ -26,7 +26,7 @@ from torch import Tensor
 
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.base import NothingToShare, SingleStepQuantity, TrackContext
 
 HVP = Callable[[Tensor], Tensor]
 
@@ -172,7 +172,7 @@ def lanczos_max_ev(
         )
 
 
-class HessMaxEV(SingleStepQuantity):
+class HessMaxEV(NothingToShare, SingleStepQuantity):
     """Eigenvalue of largest magnitude of the mini-batch loss Hessian, a float.
 
     ``H = nabla^2_theta L`` over all parameters handed to the cockpit. As in
@@ -258,10 +258,20 @@ class HessMaxEV(SingleStepQuantity):
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         params = list(ctx.params)
-        grads = _graph_gradients(params, self.key, global_step)
+        shared = ctx.comm
+        if shared is not None and shared.graph_gradients is not None:
+            grads = list(shared.graph_gradients)  # this shard's, with their graph
+        else:
+            grads = _graph_gradients(params, self.key, global_step)
         dtype = _common_dtype(params)
         device = params[0].device
         hvp = _make_hvp(params, grads, dtype, device)
+        if shared is not None:  # the joined batch's Hessian: shards by their share
+            local_hvp = hvp
+
+            def hvp(vector: Tensor) -> Tensor:
+                return shared.mean(local_hvp(vector), "a Hessian-vector product")
+
         v0 = self._start_vector(global_step, sum(p.numel() for p in params))
         v0 = v0.to(device=device, dtype=dtype)
         solver = power_max_ev if self.use_power else lanczos_max_ev

@@ -44,5 +44,11 @@ class HessTrace(SingleStepQuantity):
         """Sum the parameter's curvature diagonal."""
         self.acc.entries[view.index] = view.curvature(self.curvature).sum()
 
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Weight each shard's trace by its share of the joined batch; sum."""
+        entries, weight = self.acc.entries, ctx.comm.weight
+        for index, trace in list(entries.items()):
+            bucket.sum(trace * weight, lambda v, i=index: entries.__setitem__(i, v))
+
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
         return torch.stack(self.acc.ordered(len(ctx.params))).tolist()

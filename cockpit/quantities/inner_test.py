@@ -19,3 +19,6 @@ class InnerTest(GramQuantity):
 
     def _statistic(self, gram: Tensor) -> Tensor:
         return F.inner_test(gram)
+
+    def _from_projections(self, norms: Tensor, dots: Tensor, grad_squared_norm):
+        return F.inner_test_from_projections(dots, grad_squared_norm)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from cockpit.quantities.base import ByproductQuantity, TrackContext
+from cockpit.quantities.base import ByproductQuantity, NothingToShare, TrackContext
 
 
-class Loss(ByproductQuantity):
+class Loss(NothingToShare, ByproductQuantity):
     """The mean-reduced mini-batch loss ``L`` as a float (reads ``info['loss']``)."""
 
     info_keys = ("loss",)

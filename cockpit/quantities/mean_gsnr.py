@@ -5,7 +5,13 @@ from __future__ import annotations
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import PerParameter, snr_entry, total_snr
+from cockpit.quantities.batch_statistics import (
+    PerParameter,
+    share_snr,
+    snr_entry,
+    snr_parts,
+    total_snr,
+)
 
 
 class MeanGSNR(SingleStepQuantity):
@@ -32,7 +38,14 @@ class MeanGSNR(SingleStepQuantity):
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (v_d + epsilon)`` over the parameter's coordinates."""
+        if self.shared is not None:  # the joined batch's g is known only later
+            self.acc.entries[view.index] = snr_parts(view, self.shared)
+            return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=False)
+
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
+        share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=False)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         snr, dim, _ = total_snr(self.acc, len(ctx.params))

@@ -8,6 +8,7 @@ from cockpit.quantities import functional as F
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
+    share_squared_norms,
     squared_norm_entry,
     total_squared_norms,
 )
@@ -33,6 +34,10 @@ class NormTest(SingleStepQuantity):
         """Reduce the parameter to ``sum_i ||g_i,p||^2`` and ``||g_p||^2``."""
         self.acc.entries[view.index] = squared_norm_entry(view)
 
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum the per-sample squared norms over processes."""
+        share_squared_norms(self.acc, ctx.comm.n_global, bucket)
+
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        per_sample, mean, n = total_squared_norms(self.acc, ctx.params)
+        per_sample, mean, n = total_squared_norms(self.acc, ctx.gradients())
         return float(F.norm_test(per_sample, mean, n))

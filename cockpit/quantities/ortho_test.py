@@ -18,3 +18,6 @@ class OrthoTest(GramQuantity):
 
     def _statistic(self, gram: Tensor) -> Tensor:
         return F.ortho_test(gram)
+
+    def _from_projections(self, norms: Tensor, dots: Tensor, grad_squared_norm):
+        return F.ortho_test_from_projections(norms, dots, grad_squared_norm)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from cockpit.needs import Need
-from cockpit.quantities.base import ByproductQuantity, TrackContext
+from cockpit.quantities.base import ByproductQuantity, NothingToShare, TrackContext
 
 
-class Parameters(ByproductQuantity):
+class Parameters(NothingToShare, ByproductQuantity):
     """All parameter values, one nested list per parameter tensor.
 
     The log grows by the model size at every tracked step; use a sparse schedule.

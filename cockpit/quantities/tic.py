@@ -79,9 +79,28 @@ class _TIC(SingleStepQuantity):
         with torch.no_grad():
             scaled = view.scaled_sum_grad_squared().detach()
             diag = view.curvature(self.curvature).detach()
-            self.acc.parts[view.index] = self._reduce(scaled, diag)
+            if self.shared is not None:  # reduced once summed over processes
+                n = self.shared.n_local
+                self.acc.parts[view.index] = (scaled * n**2, diag * n)
+            else:
+                self.acc.parts[view.index] = self._reduce(scaled, diag)
         if view.has_individual_gradients:
             self.acc.seen_batch_size = view.batch_size
+
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum ``sum_i g_i^2`` and ``n_r h_r`` over processes, then reduce."""
+        acc, n = self.acc, ctx.comm.n_global
+        for index, (squares, curvature) in list(acc.parts.items()):
+            sums = {}
+
+            def then(total, index=index, sums=sums, slot=0):
+                sums[slot] = total
+                if len(sums) == 2:
+                    acc.parts[index] = self._reduce(sums[0] / n**2, sums[1] / n)
+
+            bucket.sum(squares, then)
+            bucket.sum(curvature, lambda v, then=then: then(v, slot=1))
+        acc.seen_batch_size = n if acc.seen_batch_size is not None else None
 
     @abc.abstractmethod
     def _reduce(self, scaled, diag):

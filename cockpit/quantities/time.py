@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from cockpit.quantities.base import ByproductQuantity, TrackContext
+from cockpit.quantities.base import ByproductQuantity, NothingToShare, TrackContext
 
 
-class Time(ByproductQuantity):
+class Time(NothingToShare, ByproductQuantity):
     """Wall-clock time (``time.time()``, seconds since the epoch) when tracked."""
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from torch import Tensor
 
 from cockpit.needs import Need
-from cockpit.quantities.base import TrackContext, TwoStepQuantity
+from cockpit.quantities.base import NothingToShare, TrackContext, TwoStepQuantity
 from cockpit.quantities.utils_params import norms, snapshot
 
 
-class UpdateSize(TwoStepQuantity):
+class UpdateSize(NothingToShare, TwoStepQuantity):
     """``||theta_{t+1},p - theta_t,p||_2`` per parameter tensor, stored under ``t``.
 
     ``theta_t`` is read when the cockpit context of step ``t`` is left (after the

@@ -8,7 +8,6 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import PerParameter
-from cockpit.quantities.utils_params import gradients
 
 
 class Variance(SingleStepQuantity):
@@ -32,9 +31,15 @@ class Variance(SingleStepQuantity):
         batch_l2 = view.batch_l2()
         self.acc.entries[view.index] = (batch_l2.sum(), batch_l2.shape[0])
 
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum ``sum_i ||g_i,p||^2`` over processes (``N`` of the joined batch)."""
+        entries, n = self.acc.entries, ctx.comm.n_global
+        for index, (sum_sq, _) in list(entries.items()):
+            bucket.sum(sum_sq, lambda v, i=index: entries.__setitem__(i, (v, n)))
+
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
         values = []
         entries = self.acc.ordered(len(ctx.params))
-        for (sum_sq, n), grad in zip(entries, gradients(ctx.params), strict=True):
+        for (sum_sq, n), grad in zip(entries, ctx.gradients(), strict=True):
             values.append(sum_sq / n - (grad**2).sum())
         return torch.stack(values).tolist()

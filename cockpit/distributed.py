@@ -1,0 +1,417 @@
+"""Data-parallel runs: every quantity over the global batch of all processes.
+
+In a run with ``torch.distributed`` (DDP via ``torchrun``), each process hands the
+cockpit its own shard of the batch (``info`` describes the local shard, as in a
+single-process loop). At a tracked step the cockpit then
+
+1. exchanges a small header before the backward pass (the step, the shard's size and
+   a fingerprint of the step's plan): shards are weighted by their sample counts,
+   and processes that disagree about what to track fail at once, on every process;
+2. after the backward pass, lets each quantity put its *partial sums* (sums over the
+   local samples: per-sample squared norms, histogram counts, curvature diagonals
+   weighted by the shard's share, per-sample projections in the shard's slots of a
+   global vector, ...) into one :class:`Bucket`, all-reduced in one collective (two
+   when a histogram range needs a maximum);
+3. hands the quantities a global ``info`` (the loss of the joined batch, all
+   per-sample losses, the global batch size) and the joined batch's gradient.
+
+Untracked steps cost no communication. Every wait is bounded (``timeout``): a
+process that fails or tracks different steps makes the others raise a
+:class:`DistributedError` naming the step, instead of hanging.
+
+Only cockpit's collectives live here; quantities see a :class:`StepComm`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+#: ``Cockpit(process_group=AUTO)``: data-parallel when ``torch.distributed`` runs.
+AUTO = "auto"
+#: Default seconds a process waits for the others at one of cockpit's collectives.
+DEFAULT_TIMEOUT = 300.0
+#: Steps ahead over which the quantities' schedules are compared across processes.
+SCHEDULE_HORIZON = 2048
+
+
+class DistributedError(RuntimeError):
+    """The processes of a data-parallel run disagree, or one did not answer."""
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def resolve_group(process_group: Any) -> Any | None:
+    """Return the process group to reduce over, or ``None`` for rank-local values.
+
+    Args:
+        process_group: :data:`AUTO` (the default group when ``torch.distributed``
+            is initialised with more than one process), a process group, or
+            ``None`` (rank-local: each process describes its own shard).
+
+    Raises:
+        ValueError: For a string other than ``"auto"``.
+    """
+    if process_group is None:
+        return None
+    if isinstance(process_group, str):
+        if process_group != AUTO:
+            raise ValueError(
+                f"process_group must be 'auto', None or a torch.distributed process "
+                f"group, got {process_group!r}."
+            )
+        dist = _dist()
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    dist = _dist()
+    if not dist.is_initialized():
+        raise ValueError(
+            "Cockpit(process_group=...) got a process group, but torch.distributed "
+            "is not initialised. Fix: call torch.distributed.init_process_group() "
+            "first, or pass process_group=None."
+        )
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def _digest(text: str) -> int:
+    """A 62-bit hash of ``text`` (fits an int64 on every process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
+
+
+class Communicator:
+    """cockpit's collectives on one process group, each wait bounded.
+
+    Args:
+        group: The process group.
+        timeout: Seconds to wait for the other processes at each collective.
+    """
+
+    def __init__(self, group: Any, timeout: float = DEFAULT_TIMEOUT):
+        dist = _dist()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.timeout = float(timeout)
+        self.backend = str(dist.get_backend(group))
+        #: Bytes this process sent into cockpit's collectives (benchmarks).
+        self.bytes_sent = 0
+        #: Number of cockpit's collectives so far.
+        self.calls = 0
+
+    def _device(self, tensor: Tensor) -> torch.device:
+        """Where a tensor must be for the group's backend."""
+        if self.backend == "gloo":
+            return torch.device("cpu")
+        return tensor.device
+
+    def _wait(self, work, what: str, step: int | None) -> None:
+        at = f" at step {step}" if step is not None else ""
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise DistributedError(
+                f"cockpit on rank {self.rank} of {self.size}: no answer from the other "
+                f"processes within {self.timeout:g} s{at} ({what}): {error}. Another "
+                "process probably failed inside this step, or the processes track "
+                "different steps. Fix: see the other processes' errors; every process "
+                "must create the Cockpit with the same quantities and enter "
+                "`with cockpit(step, ...)` at the same steps."
+            ) from error
+        if done is False:
+            raise DistributedError(
+                f"cockpit on rank {self.rank}: a collective{at} ({what}) did not "
+                "complete."
+            )
+
+    def all_reduce(
+        self, tensor: Tensor, what: str, step: int | None, op: str = "sum"
+    ) -> Tensor:
+        """Return the sum (or maximum) of ``tensor`` over the group."""
+        dist = _dist()
+        device = self._device(tensor)
+        buffer = tensor.detach().to(device).contiguous()
+        if buffer is tensor:
+            buffer = buffer.clone()
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        work = dist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=True)
+        self.calls += 1
+        self.bytes_sent += buffer.numel() * buffer.element_size()
+        self._wait(work, what, step)
+        return buffer.to(tensor.device)
+
+    def all_gather_ints(
+        self, values: Sequence[int], what: str, step: int | None
+    ) -> list[list[int]]:
+        """Return every process's ``values`` (same length on all), in rank order."""
+        dist = _dist()
+        device = torch.device("cpu")
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        self.calls += 1
+        self.bytes_sent += mine.numel() * mine.element_size()
+        self._wait(work, what, step)
+        return [t.tolist() for t in gathered]
+
+
+def setup_fingerprint(quantities, params, first_step: int) -> dict[str, int]:
+    """Hashes of what every process must agree on before tracking anything.
+
+    The quantities (class and key), their schedules over the next
+    :data:`SCHEDULE_HORIZON` steps, and the parameters' shapes and dtypes.
+    """
+    names = ";".join(f"{type(q).__qualname__}:{q.key}" for q in quantities)
+    steps = range(first_step, first_step + SCHEDULE_HORIZON)
+    schedules = ";".join(
+        "".join("1" if q.should_compute(s) else "0" for s in steps) for q in quantities
+    )
+    shapes = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    return {
+        "quantities": _digest(names),
+        "schedules": _digest(schedules),
+        "parameters": _digest(shapes),
+    }
+
+
+def check_setup(comm: Communicator, quantities, params, first_step: int) -> None:
+    """Compare the set-up of all processes once; raise on every process if it differs.
+
+    Raises:
+        DistributedError: Naming what differs (quantities, schedules, parameters,
+            first step) and between which ranks.
+    """
+    mine = setup_fingerprint(quantities, params, first_step)
+    rows = comm.all_gather_ints(
+        [first_step, *mine.values()], "comparing the set-up", first_step
+    )
+    labels = ["first step", *mine]
+    for column, label in enumerate(labels):
+        values = [row[column] for row in rows]
+        if len(set(values)) > 1:
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            raise DistributedError(
+                f"cockpit's set-up differs across processes: the {label} of rank(s) "
+                f"{odd} differ from rank 0's. Every process must create the Cockpit "
+                "with the same quantities (same classes, keys and schedules) over the "
+                "same parameters, and enter the first step together. Fix: build the "
+                "Cockpit from the same code on every process, or pass "
+                "Cockpit(..., process_group=None) for rank-local values."
+            )
+
+
+@dataclass
+class _Slot:
+    """A tensor in the bucket and what to do with its reduced value."""
+
+    tensor: Tensor
+    then: Callable[[Tensor], None] | None
+    value: Tensor | None = None
+
+
+class Bucket:
+    """Partial sums of one step, reduced together in one collective (per operation).
+
+    Quantities add tensors with :meth:`sum` (or :meth:`max`, :meth:`gather`) and get
+    the global value back through ``then`` (or ``slot.value``) once
+    :meth:`reduce` ran. Everything travels as float64, so counts stay exact.
+    """
+
+    def __init__(self, comm: StepComm):
+        self.comm = comm
+        self._slots: dict[str, list[_Slot]] = {"sum": [], "max": []}
+
+    def sum(self, tensor: Tensor, then: Callable[[Tensor], None] | None = None):
+        """Add ``tensor``: its sum over processes goes to ``then``."""
+        slot = _Slot(torch.as_tensor(tensor), then)
+        self._slots["sum"].append(slot)
+        return slot
+
+    def max(self, tensor: Tensor, then: Callable[[Tensor], None] | None = None):
+        """Add ``tensor``: its elementwise maximum over processes goes to ``then``."""
+        slot = _Slot(torch.as_tensor(tensor), then)
+        self._slots["max"].append(slot)
+        return slot
+
+    def gather(self, per_sample: Tensor, then: Callable[[Tensor], None] | None = None):
+        """Add one value per local sample: all samples, in rank order, go to ``then``.
+
+        The values go into this shard's slots of a zero vector over the global
+        batch, summed over processes.
+        """
+        comm = self.comm
+        per_sample = torch.as_tensor(per_sample).reshape(-1)
+        if per_sample.numel() != comm.n_local:
+            raise ValueError(
+                f"Bucket.gather got {per_sample.numel()} values for a shard of "
+                f"{comm.n_local} samples."
+            )
+        full = per_sample.new_zeros(comm.n_global)
+        full[comm.offset : comm.offset + comm.n_local] = per_sample
+        return self.sum(full, then)
+
+    def reduce(self, what: str = "the step's sums") -> None:
+        """All-reduce everything added (one collective per operation used)."""
+        comm = self.comm
+        for op, slots in self._slots.items():
+            if not slots:
+                continue
+            device = slots[0].tensor.device
+            flat = torch.cat(
+                [s.tensor.detach().to(device, torch.float64).reshape(-1) for s in slots]
+            )
+            total = comm.communicator.all_reduce(flat, what, comm.global_step, op=op)
+            position = 0
+            for slot in slots:
+                size = slot.tensor.numel()
+                piece = total[position : position + size].reshape(slot.tensor.shape)
+                position += size
+                slot.value = piece.to(slot.tensor.device, slot.tensor.dtype)
+        for slots in self._slots.values():
+            for slot in slots:
+                if slot.then is not None:
+                    slot.then(slot.value)
+        self._slots = {"sum": [], "max": []}
+
+
+class StepComm:
+    """One tracked step of a data-parallel run, as the quantities see it.
+
+    Attributes:
+        communicator: The collectives.
+        global_step: The step.
+        counts: Samples per process, in rank order.
+        n_local: This process's samples.
+        n_global: All samples (the joined batch).
+        offset: Where this process's samples start in the joined batch.
+        weight: ``n_local / n_global``: this shard's share of a mean over the
+            joined batch.
+        gradients: The joined batch's gradient per parameter (set after backward).
+        graph_gradients: This shard's gradients with their autograd graph (for
+            Hessian-vector products), where a quantity needs them.
+    """
+
+    def __init__(self, communicator: Communicator, global_step: int, counts):
+        self.communicator = communicator
+        self.global_step = global_step
+        self.counts = [int(c) for c in counts]
+        rank = communicator.rank
+        self.n_local = self.counts[rank]
+        self.n_global = sum(self.counts)
+        self.offset = sum(self.counts[:rank])
+        self.weight = self.n_local / self.n_global if self.n_global else 0.0
+        self.uneven = len(set(self.counts)) > 1
+        self.gradients: list[Tensor] | None = None
+        self.graph_gradients: list[Tensor] | None = None
+
+    def mean(self, local_mean: Tensor, what: str) -> Tensor:
+        """Return the mean over the joined batch of per-shard means (one collective).
+
+        Used where a value is needed at once (each Hessian-vector product);
+        partial sums of a step go into a :class:`Bucket` instead.
+        """
+        weighted = local_mean * self.weight
+        return self.communicator.all_reduce(weighted, what, self.global_step)
+
+
+def exchange_header(
+    communicator: Communicator, global_step: int, n_local: int, plan_text: str
+) -> StepComm:
+    """Before the backward pass: agree on the step and the plan, learn the counts.
+
+    Raises:
+        DistributedError: If processes are at different steps or plan different
+            work (on every process).
+    """
+    rows = communicator.all_gather_ints(
+        [global_step, n_local, _digest(plan_text)], "starting the step", global_step
+    )
+    steps = [row[0] for row in rows]
+    if len(set(steps)) > 1:
+        raise DistributedError(
+            f"cockpit: the processes track different steps at once (steps {steps} in "
+            "rank order). Fix: pass the same global_step on every process (the "
+            "optimizer step), and give every process the same schedules."
+        )
+    plans = [row[2] for row in rows]
+    if len(set(plans)) > 1:
+        odd = [r for r, p in enumerate(plans) if p != plans[0]]
+        raise DistributedError(
+            f"cockpit at step {global_step}: rank(s) {odd} plan different work than "
+            "rank 0 (other quantities, schedules or info). Fix: create the Cockpit "
+            "with the same quantities on every process."
+        )
+    counts = [row[1] for row in rows]
+    if min(counts) <= 0:
+        raise DistributedError(
+            f"cockpit at step {global_step}: a process has an empty shard (samples "
+            f"per rank {counts}). Fix: give every process at least one sample, or "
+            "skip tracking at this step on every process."
+        )
+    return StepComm(communicator, global_step, counts)
+
+
+def joined_gradients(step: StepComm, local: Sequence[Tensor | None], params):
+    """The joined batch's gradient from each shard's own (uneven shards).
+
+    ``sum_r (n_r / N) g_r``, one collective. (With equal shards DDP's averaged
+    ``.grad`` is already this, and nothing is sent.)
+    """
+    pieces = [
+        (g if g is not None else torch.zeros_like(p)).detach() * step.weight
+        for g, p in zip(local, params, strict=True)
+    ]
+    flat = torch.cat([p.reshape(-1).to(torch.float64) for p in pieces])
+    total = step.communicator.all_reduce(flat, "the joined gradient", step.global_step)
+    out, position = [], 0
+    for p in params:
+        out.append(total[position : position + p.numel()].reshape(p.shape).to(p.dtype))
+        position += p.numel()
+    return out
+
+
+def uneven_message(counts: Sequence[int], global_step: int) -> str:
+    """The warning for shards of different sizes (shown once per run)."""
+    return (
+        f"cockpit: the processes have shards of different sizes at step "
+        f"{global_step} ({list(counts)} samples). DDP averages the processes' "
+        "gradients with equal weights, so the optimizer's gradient is not the "
+        "joined batch's; cockpit weights every sample equally and describes the "
+        "joined batch (see docs/distributed.md). Nothing to fix unless DDP should "
+        "weight by sample count. (Shown once.)"
+    )
+
+
+def rank_local_message(key: str) -> str:
+    """The warning for a quantity that cannot combine processes."""
+    return (
+        f"{key} has no share() method, so in this data-parallel run its values "
+        "describe this process's shard only, not the joined batch. Fix: implement "
+        f"{key}.share(global_step, ctx, bucket) (see docs/distributed.md), or read "
+        "only .grad and the parameters and inherit "
+        "cockpit.quantities.base.NothingToShare. (Warned once.)"
+    )
+
+
+__all__ = [
+    "AUTO",
+    "Bucket",
+    "Communicator",
+    "DistributedError",
+    "StepComm",
+    "check_setup",
+    "exchange_header",
+    "joined_gradients",
+    "resolve_group",
+]

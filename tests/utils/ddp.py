@@ -1,0 +1,237 @@
+"""Data-parallel test runs: real ``torch.distributed`` processes (gloo, CPU, float64).
+
+:func:`launch` starts one process per rank; each trains with DDP on its shard of the
+joined batches and writes its cockpit history to a file. :func:`train` runs the same
+training in one process on the joined batches (the reference). A worker that raises
+writes the error instead, so tests can check what every rank said.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from typing import Any
+
+import torch
+from backpack import extend
+
+from cockpit import Cockpit, quantities
+from cockpit.quantities.bin_adaptation import GradAbsMax
+from cockpit.utils.configuration import configuration
+from cockpit.utils.schedules import linear
+
+DTYPE = torch.float64
+
+
+class _GatedGRU(torch.nn.Module):
+    """A GRU classifier: no BackPACK rule (the autograd engine computes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = torch.nn.GRU(3, 4, batch_first=True)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    """The model of a case, the same on every process (seeded)."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = torch.nn.Sequential(
+            torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)
+        )
+    elif kind == "cnn":
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 2, 3),
+            torch.nn.Sigmoid(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(2 * 3 * 3, 3),
+        )
+    elif kind == "gru":
+        model = _GatedGRU()
+    else:
+        raise ValueError(kind)
+    return extend(model.to(DTYPE))
+
+
+def make_inputs(kind: str, generator, n: int) -> torch.Tensor:
+    if kind == "mlp":
+        return torch.randn(n, 5, generator=generator, dtype=DTYPE)
+    if kind == "cnn":
+        return torch.randn(n, 1, 5, 5, generator=generator, dtype=DTYPE)
+    return torch.randn(n, 4, 3, generator=generator, dtype=DTYPE)
+
+
+def joined_batches(kind: str, sizes: list[int]):
+    """The joined batch of every step (the same data on every process)."""
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for n in sizes:
+        x = make_inputs(kind, generator, n)
+        y = torch.randint(0, 3, (n,), generator=generator)
+        batches.append((x, y))
+    return batches
+
+
+def shard_counts(n: int, world: int) -> list[int]:
+    """Split ``n`` samples over ``world`` processes, the larger shards first."""
+    return [n // world + (1 if r < n % world else 0) for r in range(world)]
+
+
+def make_quantities(case: dict[str, Any]):
+    """The quantities of a case: full (or economy) plus Variance, MeanGSNR, ..."""
+    every = linear(1)
+    label = case.get("configuration", "full")
+    chosen = configuration(label, every)
+    chosen += [
+        quantities.Variance(every),
+        quantities.MeanGSNR(every),
+        quantities.GradHist1d(
+            every, bins=7, adapt=GradAbsMax(linear(2)), key="GradHist1dAdaptive"
+        ),
+    ]
+    if label == "full":
+        chosen += [
+            quantities.TICTrace(every),
+            quantities.TICDiag(every, curvature="diag_ggn_exact", key="TICDiagGGN"),
+            quantities.GradHist2d(every, bins=(5, 4), keep_individual=True, key="H2"),
+        ]
+    if case["optimizer"] == "sgd":
+        chosen += [quantities.CABS(every), quantities.EarlyStopping(every)]
+    if label == "economy" and case.get("curvature"):
+        chosen += [quantities.HessTrace(every)]
+    return chosen
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.3)
+    return torch.optim.Adam(params, lr=0.05)
+
+
+def train(
+    case: dict[str, Any],
+    rank: int | None = None,
+    world: int | None = None,
+    **cockpit_kwargs,
+) -> Cockpit:
+    """Train a case: on the joined batches (``rank=None``) or on one shard (DDP)."""
+    model = make_model(case["model"])
+    network = model
+    if rank is not None:
+        network = torch.nn.parallel.DistributedDataParallel(model)
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(case["optimizer"], params)
+    cockpit = Cockpit(
+        params, quantities=make_quantities(case), diagnose=False, **cockpit_kwargs
+    )
+    for step, (x, y) in enumerate(joined_batches(case["model"], case["sizes"])):
+        if rank is not None:
+            counts = shard_counts(x.shape[0], world)
+            start = sum(counts[:rank])
+            x, y = x[start : start + counts[rank]], y[start : start + counts[rank]]
+        optimizer.zero_grad()
+        outputs = network(x)
+        loss = loss_fn(outputs, y)
+        losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+        info = {
+            "batch_size": x.shape[0],
+            "individual_losses": losses,
+            "loss": loss,
+            "optimizer": optimizer,
+        }
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+# --- processes -----------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, outdir, target, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    result: dict[str, Any] = {"rank": rank}
+    started = time.perf_counter()
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=_timedelta(120)
+        )
+        result.update(target(rank, world, **args) or {})
+    except BaseException as error:  # reported to the test, which decides
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["traceback"] = traceback.format_exc()
+    result["seconds"] = time.perf_counter() - started
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        if dist.is_initialized() and not result.get("skip_destroy"):
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _timedelta(seconds):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dict]:
+    """Run ``target(rank, world, **args)`` on ``world`` processes; their results.
+
+    ``target`` must be importable (a module-level function). Processes still alive
+    after ``limit`` seconds are killed and reported as ``{"error": "hung"}``.
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_worker, args=(rank, world, port, str(outdir), target, args)
+        )
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + limit
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    results = []
+    for rank, process in enumerate(processes):
+        if process.is_alive():
+            process.kill()
+            process.join()
+            results.append({"rank": rank, "error": "hung"})
+            continue
+        path = os.path.join(str(outdir), f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        else:
+            results.append({"rank": rank, "error": f"exit code {process.exitcode}"})
+    return results
+
+
+def ddp_history(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Worker: train a case with DDP; return the history."""
+    cockpit = train(case, rank, world, timeout=60)
+    return {
+        "history": cockpit.history.to_dict(),
+        "data_parallel": cockpit.data_parallel,
+    }
