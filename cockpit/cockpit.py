@@ -98,7 +98,8 @@ class Cockpit:
             with more than one process; a process group restricts that to its
             processes; ``None`` gives each process the values of its own shard.
             ``info`` always describes the local shard. See
-            ``docs/distributed.md``.
+            ``docs/distributed.md``. (With ``None`` under DDP, each process
+            should stream to a log path of its own.)
         timeout: Seconds a process waits for the others at cockpit's
             collectives before it raises
             :class:`~cockpit.distributed.DistributedError` (instead of hanging
@@ -139,13 +140,17 @@ class Cockpit:
         self.strict = bool(strict)
         group = distributed.resolve_group(process_group)
         self._communicator = (
-            distributed.Communicator(group, timeout) if group is not None else None
+            distributed.Communicator(group, timeout)
+            if group is not None
+            else distributed.local_communicator()
+            if process_group is None
+            else None
         )
         self._setup_checked = False
         #: This process's rank in the data-parallel group (0 in a single process).
         self.rank = self._communicator.rank if self._communicator is not None else 0
         #: Whether this process writes the log and shows diagnoses.
-        self.is_writer = self._communicator is None or self.rank == int(log_rank)
+        self.is_writer = not self.data_parallel or self.rank == int(log_rank)
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []
@@ -305,7 +310,7 @@ class Cockpit:
     @property
     def data_parallel(self) -> bool:
         """Whether values are computed over the joined batch of several processes."""
-        return self._communicator is not None
+        return self._communicator is not None and not self._communicator.local
 
     # --- the step --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -355,7 +360,7 @@ class Cockpit:
                 "Fix: call cockpit.end() after the backward pass of each step."
             )
         step_info = as_info(_as_step(global_step), info)
-        if self._communicator is not None and not self._setup_checked:
+        if self.data_parallel and not self._setup_checked:
             distributed.check_setup(
                 self._communicator, self.quantities, self.params, step_info.global_step
             )

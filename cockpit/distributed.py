@@ -96,6 +96,9 @@ class Communicator:
         timeout: Seconds to wait for the other processes at each collective.
     """
 
+    #: Whether values describe the local shard only (:class:`LocalCommunicator`).
+    local = False
+
     def __init__(self, group: Any, timeout: float = DEFAULT_TIMEOUT):
         dist = _dist()
         self.group = group
@@ -164,6 +167,38 @@ class Communicator:
         self.bytes_sent += mine.numel() * mine.element_size()
         self._wait(work, what, step)
         return [t.tolist() for t in gathered]
+
+
+class LocalCommunicator(Communicator):
+    """Each process on its own (``process_group=None`` in a run with several).
+
+    The same step machinery with collectives that return their input: values
+    describe the local shard. ``.grad`` is DDP's average over processes, so the
+    shard's own gradient is caught on its way to DDP instead (``local = True``).
+    """
+
+    local = True
+
+    def __init__(self):  # no super().__init__: there is no group
+        self.group, self.rank, self.size = None, 0, 1
+        self.timeout, self.backend = 0.0, "none"
+        self.bytes_sent, self.calls = 0, 0
+
+    def all_reduce(self, tensor, what, step, op="sum"):
+        """The tensor itself (one process)."""
+        return tensor.detach().clone()
+
+    def all_gather_ints(self, values, what, step):
+        """The values themselves (one process)."""
+        return [list(values)]
+
+
+def local_communicator() -> LocalCommunicator | None:
+    """For ``process_group=None``: a local one if several processes run, else None."""
+    dist = _dist()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return LocalCommunicator()
+    return None
 
 
 def setup_fingerprint(quantities, params, first_step: int) -> dict[str, int]:

@@ -423,7 +423,7 @@ class StepRun:
                     except Exception as error:  # handled where it is recorded
                         self._early[id(quantity)] = (None, error)
             shared.graph_gradients = None  # frees the double-backward graph
-        if shared.uneven:
+        if shared.uneven or self.communicator.local:
             for index, param in enumerate(self.params):
 
                 def catch(grad, index=index):
@@ -446,13 +446,21 @@ class StepRun:
         """
         shared, info, step = self.shared, self.info, self.plan.global_step
         self._remove_capture_hooks()
-        if shared.uneven:
+        if self.communicator.local:  # .grad is DDP's average: the shard's own
+            shared.gradients = [
+                self._captured.get(i, torch.zeros_like(p))
+                for i, p in enumerate(self.params)
+            ]
+            self._captured.clear()
+        elif shared.uneven:
             local = [self._captured.get(i) for i in range(len(self.params))]
             shared.gradients = distributed.joined_gradients(shared, local, self.params)
             self._captured.clear()
         else:
             shared.gradients = gradients(self.params)
-        if not getattr(self.communicator, "checked_gradients", False):
+        if not self.communicator.local and not getattr(
+            self.communicator, "checked_gradients", False
+        ):
             self._check_synchronised(shared)
         ctx = TrackContext(step, self.params, info, comm=shared, grads=shared.gradients)
         bucket = distributed.Bucket(shared)

@@ -131,7 +131,8 @@ def train(
     cockpit = Cockpit(
         params, quantities=make_quantities(case), diagnose=False, **cockpit_kwargs
     )
-    for step, (x, y) in enumerate(joined_batches(case["model"], case["sizes"])):
+    batches = case.get("batches") or joined_batches(case["model"], case["sizes"])
+    for step, (x, y) in enumerate(batches):
         if rank is not None:
             counts = shard_counts(x.shape[0], world)
             start = sum(counts[:rank])
@@ -150,6 +151,11 @@ def train(
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     return cockpit
+
+
+def train_on(case: dict[str, Any], batches, **cockpit_kwargs) -> Cockpit:
+    """Train a case in one process on the given ``(x, y)`` batches."""
+    return train({**case, "batches": batches}, **cockpit_kwargs)
 
 
 # --- processes -----------------------------------------------------------------------
@@ -234,4 +240,77 @@ def ddp_history(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {
         "history": cockpit.history.to_dict(),
         "data_parallel": cockpit.data_parallel,
+    }
+
+
+# --- misuse ------------------------------------------------------------------------
+def _one_step(cockpit, network, optimizer, step, x, y):
+    optimizer.zero_grad()
+    outputs = network(x)
+    loss = torch.nn.functional.cross_entropy(outputs, y)
+    losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+    info = {
+        "batch_size": x.shape[0],
+        "individual_losses": losses,
+        "loss": loss,
+        "optimizer": optimizer,
+    }
+    with cockpit(step, info=info):
+        loss.backward()
+    optimizer.step()
+
+
+def misuse(rank: int, world: int, how: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Worker: a run where the processes disagree; what each process raised."""
+    model = make_model("mlp")
+    wrap = how != "no-ddp"
+    network = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    every = linear(1)
+    chosen = [quantities.GradNorm(every), quantities.NormTest(every)]
+    if how == "quantities" and rank == 1:
+        chosen.append(quantities.Variance(every))
+    if how == "schedules" and rank == 1:
+        chosen[1] = quantities.NormTest(linear(2))
+    cockpit = Cockpit(
+        model.parameters(), quantities=chosen, diagnose=False, timeout=timeout
+    )
+    x, y = joined_batches("mlp", [8])[0]
+    if how == "no-ddp":  # each process its own data and model: not data-parallel
+        x = x + rank
+    x, y = x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]
+    step = 1 if (how == "steps" and rank == 1) else 0
+    if how.startswith("raise") and rank == 1:
+        try:
+            optimizer.zero_grad()
+            outputs = network(x)
+            loss = torch.nn.functional.cross_entropy(outputs, y)
+            with cockpit(0, info={"batch_size": 4, "loss": loss}):
+                loss.backward()
+                raise ValueError("the user's code failed on rank 1")
+        except ValueError as error:
+            if how == "raise-and-wait":  # alive, but never joins the step
+                time.sleep(timeout + 10)
+            return {"raised": f"{type(error).__name__}: {error}"}
+    _one_step(cockpit, network, optimizer, step, x, y)
+    return {"raised": None}
+
+
+def local_and_logged(rank: int, world: int, logdir: str) -> dict[str, Any]:
+    """Worker: a rank-local cockpit and a data-parallel one that streams a log."""
+    case = {
+        "model": "mlp",
+        "optimizer": "sgd",
+        "sizes": [8, 8],
+        "configuration": "economy",
+    }
+    local = train(case, rank, world, process_group=None)
+    logged = train(case, rank, world, logpath=os.path.join(logdir, "run"))
+    written = logged.write(os.path.join(logdir, "written"))
+    return {
+        "local": local.history.to_dict(),
+        "local_data_parallel": local.data_parallel,
+        "logged": logged.history.to_dict(),
+        "logpath": logged.logpath,
+        "written": written,
     }

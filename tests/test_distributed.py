@@ -1,0 +1,188 @@
+"""Data-parallel runs (DDP): the same numbers on P processes as on one.
+
+Real ``torch.distributed`` processes (gloo, CPU, float64) train with DDP, each on its
+shard of the joined batches; one process trains on the joined batches. Every value of
+the full configuration plus Variance, MeanGSNR, TICTrace, TICDiag (GGN), an adapted
+GradHist1d, a per-parameter GradHist2d and (with SGD) CABS and EarlyStopping must
+agree to 1e-6 relative. The last step has uneven shards (the last batch of an epoch),
+where values are weighted by sample count; DDP's own update there weights the
+processes equally, which is why it is the last step (only values of that step exist).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from tests.utils import ddp
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo",
+)
+
+#: Values that are not functions of the data (wall-clock time).
+_NOT_COMPARED = ("Time",)
+
+
+def _compare(want, got, path, problems):
+    """Collect where ``got`` differs from ``want`` (numbers: 1e-6 relative)."""
+    if isinstance(want, dict):
+        if set(want) != set(got):
+            problems.append(f"{path}: keys {sorted(set(want) ^ set(got))}")
+            return
+        for key in want:
+            if key not in _NOT_COMPARED:
+                _compare(want[key], got[key], f"{path}/{key}", problems)
+    elif isinstance(want, list):
+        if len(want) != len(got):
+            problems.append(f"{path}: length {len(want)} != {len(got)}")
+            return
+        for i, (a, b) in enumerate(zip(want, got)):
+            _compare(a, b, f"{path}[{i}]", problems)
+    elif isinstance(want, bool) or not isinstance(want, (int, float)):
+        if want != got:
+            problems.append(f"{path}: {want!r} != {got!r}")
+    elif not math.isclose(want, got, rel_tol=1e-6, abs_tol=1e-12):
+        problems.append(f"{path}: {want!r} != {got!r}")
+
+
+def _leaves(value) -> int:
+    if isinstance(value, dict):
+        return sum(_leaves(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_leaves(v) for v in value)
+    return 1
+
+
+def _as_json(history):
+    """The reference history with the JSON key types the processes wrote."""
+    import json
+
+    return json.loads(json.dumps(history))
+
+
+CASES = [
+    ("mlp", "sgd", 2, "full"),
+    ("cnn", "adam", 2, "full"),
+    ("mlp", "adam", 3, "full"),
+    ("cnn", "sgd", 3, "full"),
+    ("gru", "sgd", 3, "economy"),  # the autograd engine and a Hutchinson HessTrace
+]
+
+
+@pytest.mark.parametrize(
+    "model, optimizer, world, label",
+    CASES,
+    ids=["-".join(map(str, c)) for c in CASES],
+)
+def test_every_value_equals_one_process_on_the_joined_batch(
+    tmp_path, model, optimizer, world, label
+):
+    even = 4 * world
+    case = {
+        "model": model,
+        "optimizer": optimizer,
+        "sizes": [even, even, even, even - 1],  # the last shard is one short
+        "configuration": label,
+        "curvature": True,
+    }
+    results = ddp.launch(ddp.ddp_history, world, tmp_path, case=case)
+    want = _as_json(ddp.train(case).history.to_dict())
+    assert list(want) == ["0", "1", "2", "3"]
+    keys = {key for step in want.values() for key in step}
+    expected = {"Loss", "GradNorm", "Variance", "MeanGSNR", "InnerTest", "OrthoTest"}
+    expected |= {"NormTest", "Alpha", "UpdateSize", "Distance", "GradHist1d"}
+    expected |= {"HessTrace", "GradHist1dAdaptive"}
+    if label == "full":
+        expected |= {"HessMaxEV", "TICTrace", "TICDiagGGN", "GradHist2d", "H2"}
+    else:
+        expected |= {"HessTrace_estimate"}  # a GRU: estimated, with errors
+    if optimizer == "sgd":
+        expected |= {"CABS", "EarlyStopping"}
+    assert expected <= keys, expected - keys
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        assert result["data_parallel"]
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, "\n".join(problems[:20])
+    assert _leaves(want) > 200  # the comparison covered many values
+
+
+def _errors(results):
+    return {r["rank"]: r.get("error", "") for r in results}
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("quantities", "quantities of rank(s) [1] differ"),
+        ("schedules", "schedules of rank(s) [1] differ"),
+        ("steps", "first step of rank(s) [1] differ"),
+        ("no-ddp", "gradients differ across processes"),
+    ],
+)
+def test_processes_that_disagree_fail_with_a_clear_error_on_every_rank(
+    tmp_path, how, says
+):
+    results = ddp.launch(ddp.misuse, 2, tmp_path, limit=90, how=how)
+    for rank, error in _errors(results).items():
+        assert error.startswith("DistributedError"), (rank, error)
+        assert says in error, (rank, error)
+        assert "Fix:" in error or "process_group=None" in error
+
+
+@pytest.mark.parametrize("how", ["raise", "raise-and-wait"])
+def test_a_rank_that_raises_inside_a_tracked_step_does_not_block_the_others(
+    tmp_path, how
+):
+    """Rank 1 raises after its backward pass, inside the tracked step: rank 0 gets
+    an error (the peer left, or no answer within the timeout), never a hang."""
+    results = ddp.launch(ddp.misuse, 2, tmp_path, limit=90, how=how, timeout=5.0)
+    first, second = results
+    assert second.get("raised") == "ValueError: the user's code failed on rank 1"
+    assert "error" in first and first["error"] != "hung", first
+    assert first["error"].startswith(("DistributedError", "RuntimeError")), first
+    assert first["seconds"] < 60
+    if how == "raise-and-wait":  # alive but silent: cockpit's own timeout
+        assert "no answer from the other processes within 5 s" in first["error"]
+
+
+def test_rank_local_opt_out_and_one_log_writer(tmp_path):
+    """process_group=None: each process describes its own shard (as one process
+    on that shard would); with the default, only rank 0 streams and writes the
+    log, and every rank holds the same values."""
+    results = ddp.launch(ddp.local_and_logged, 2, tmp_path, logdir=str(tmp_path))
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+    case = {"model": "mlp", "optimizer": "sgd", "configuration": "economy"}
+    for result in results:
+        assert result["local_data_parallel"] is False
+        rank = result["rank"]
+        # the shard's own run: its first step is one process on that shard
+        shard = ddp.joined_batches("mlp", [8])[0]
+        one = ddp.train_on(
+            case,
+            [(shard[0][rank * 4 : rank * 4 + 4], shard[1][rank * 4 : rank * 4 + 4])],
+        )
+        want = _as_json(one.history.to_dict())["0"]  # (no step 1: no two-step values)
+        got = {k: v for k, v in result["local"]["0"].items() if k in want}
+        assert len(got) >= 8
+        problems: list[str] = []
+        _compare(want, got, f"rank {rank}", problems)
+        assert not problems, "\n".join(problems)
+    first, second = results
+    assert first["logpath"] == str(tmp_path / "run.jsonl")
+    assert second["logpath"] is None and second["written"] is None
+    assert first["written"] == str(tmp_path / "written.json")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".json") == [
+        "run.jsonl"
+    ]
+    problems = []
+    _compare(first["logged"], second["logged"], "ranks", problems)
+    assert not problems
+    assert first["local"]["0"]["Loss"] != second["local"]["0"]["Loss"]
