@@ -115,6 +115,8 @@ class Communicator:
         """Where a tensor must be for the group's backend."""
         if self.backend == "gloo":
             return torch.device("cpu")
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
         return tensor.device
 
     def _wait(self, work, what: str, step: int | None) -> None:
@@ -142,9 +144,7 @@ class Communicator:
         """Return the sum (or maximum) of ``tensor`` over the group."""
         dist = _dist()
         device = self._device(tensor)
-        buffer = tensor.detach().to(device).contiguous()
-        if buffer is tensor:
-            buffer = buffer.clone()
+        buffer = tensor.detach().to(device, copy=True).contiguous()  # never in place
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         work = dist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=True)
         self.calls += 1

@@ -49,6 +49,9 @@ class _TIC(SingleStepQuantity):
     """
 
     info_keys = ("batch_size",)
+    #: Whether the value needs the diagonals elementwise (data-parallel runs
+    #: then send whole diagonals; otherwise two sums per parameter).
+    elementwise = True
 
     @dataclass
     class Accumulator:
@@ -81,7 +84,10 @@ class _TIC(SingleStepQuantity):
             diag = view.curvature(self.curvature).detach()
             if self.shared is not None:  # reduced once summed over processes
                 n = self.shared.n_local
-                self.acc.parts[view.index] = (scaled * n**2, diag * n)
+                squares, curvature = scaled * n**2, diag * n
+                if not self.elementwise:  # linear in both: sums suffice
+                    squares, curvature = squares.sum(), curvature.sum()
+                self.acc.parts[view.index] = (squares, curvature)
             else:
                 self.acc.parts[view.index] = self._reduce(scaled, diag)
         if view.has_individual_gradients:
@@ -175,6 +181,8 @@ class TICTrace(_TIC):
     Raises:
         ValueError: For an unknown ``curvature`` or a negative ``epsilon``.
     """
+
+    elementwise = False
 
     def _reduce(self, scaled, diag):
         return torch.stack([scaled.sum(), diag.sum()])
