@@ -223,3 +223,31 @@ def test_variants_alternate_and_the_reference_skips_what_it_lacks(monkeypatch):
     )
     assert "### Same run: ref 1.0" in text
     assert "| A | 5.00 | 50.0 | 10.0 | 50.0 | 50.0 |" in text
+
+
+def test_ddp_benchmark_runs_two_processes_and_counts_cockpits_collectives(tmp_path):
+    """benchmarks/ddp.py at tiny settings: two gloo processes, a record, the tables."""
+    raw = tmp_path / "ddp.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "benchmarks.ddp", "--quick", "--problems", "mlp",
+            "--configs", "economy", "--min-rounds", "2", "--out", str(raw),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads(raw.read_text())
+    case = saved["cases"]["mlp/economy"]
+    assert case["rounds"] == 2 and saved["settings"]["world"] == 2
+    assert set(case["median_s"]) == {"plain", "plain_local", "dp", "local"}
+    # one header all-gather (3 int64) and one float64 bucket per tracked step
+    assert case["cockpit_calls_per_step"] == 2
+    assert case["cockpit_bytes_by_kind"]["header"] == 24
+    assert case["cockpit_bytes_per_step"] > 24 + 8 * 128  # loss, 128 losses, sums
+    assert case["ddp_bytes_per_step"] == 4 * case["num_params"] == 4 * 101_770
+    assert "| mlp/economy |" in proc.stdout
+    again = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ddp", "--table", str(raw)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.strip() == proc.stdout.strip()
