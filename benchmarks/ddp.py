@@ -158,7 +158,10 @@ class Case:
             )
         self.loss_fn = first.loss_fn
         self.communicator = self.cockpits["dp"]._communicator
-        if self.communicator is None or self.cockpits["local"]._communicator:
+        if (
+            not self.cockpits["dp"].data_parallel
+            or self.cockpits["local"].data_parallel
+        ):
             raise RuntimeError("cockpit did not take the expected process groups")
         self.clock = CollectiveClock(self.communicator)
         self.counts = dict.fromkeys(VARIANTS, 0)
