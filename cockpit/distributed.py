@@ -297,7 +297,11 @@ class Bucket:
         return self.sum(full, then)
 
     def reduce(self, what: str = "the step's sums") -> None:
-        """All-reduce everything added (one collective per operation used)."""
+        """All-reduce everything added (one collective per operation used).
+
+        Every slot has its value before the first ``then`` runs, so a ``then``
+        may read other slots of the same bucket.
+        """
         comm = self.comm
         for op, slots in self._slots.items():
             if not slots:
@@ -349,6 +353,9 @@ class StepComm:
         self.uneven = len(set(self.counts)) > 1
         self.gradients: list[Tensor] | None = None
         self.graph_gradients: list[Tensor] | None = None
+        #: What several quantities of the step compute alike (e.g. the Gram
+        #: tests' projections), computed and sent once: ``name -> result``.
+        self.common: dict[str, Any] = {}
 
     def mean(self, local_mean: Tensor, what: str) -> Tensor:
         """Return the mean over the joined batch of per-shard means (one collective).

@@ -99,14 +99,13 @@ class GramQuantity(SingleStepQuantity):
 
         Data-parallel runs keep each parameter's per-sample gradients instead
         (``kept``): the projections ``g_i . g`` need the joined batch's ``g``.
-        ``norms`` and ``dots`` then hold ``||g_i||^2`` and ``g_i . g`` of the
-        joined batch.
+        ``joined`` then holds the bucket slots of ``||g_i||^2`` and ``g_i . g``
+        over the joined batch.
         """
 
         gram: torch.Tensor | None = None
         kept: dict[int, object] = field(default_factory=dict)
-        norms: torch.Tensor | None = None
-        dots: torch.Tensor | None = None
+        joined: tuple | None = None
 
     needs = frozenset({Need.GRAM, Need.GRADIENT})
 
@@ -119,24 +118,30 @@ class GramQuantity(SingleStepQuantity):
         self.acc.gram = gram if self.acc.gram is None else gram + self.acc.gram
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
-        """Project the kept per-sample gradients onto the joined ``g``; gather."""
+        """Project the kept per-sample gradients onto the joined ``g``; gather.
+
+        Every Gram quantity of the step kept the same per-sample gradients, so
+        the first computes and sends the projections, the others reuse them.
+        """
         acc = self.acc
-        grads = ctx.gradients()
-        norms, dots = 0, 0
-        for index in sorted(acc.kept):
-            individual = acc.kept[index]
-            norms = norms + individual.batch_l2().detach()
-            dots = dots + individual.project(grads[index]).detach()
+        joined = ctx.comm.common.get("gram projections")
+        if joined is None:
+            grads = ctx.gradients()
+            norms, dots = 0, 0
+            for index in sorted(acc.kept):
+                individual = acc.kept[index]
+                norms = norms + individual.batch_l2().detach()
+                dots = dots + individual.project(grads[index]).detach()
+            joined = (bucket.gather(norms), bucket.gather(dots))
+            ctx.comm.common["gram projections"] = joined
         acc.kept.clear()  # the per-sample gradients are freed here
-        bucket.gather(norms, lambda v: setattr(acc, "norms", v))
-        bucket.gather(dots, lambda v: setattr(acc, "dots", v))
+        acc.joined = joined
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        if self.acc.dots is not None:
+        if self.acc.joined is not None:
+            norms, dots = (slot.value for slot in self.acc.joined)
             grad_squared_norm = sum((g**2).sum() for g in ctx.gradients())
-            return float(
-                self._from_projections(self.acc.norms, self.acc.dots, grad_squared_norm)
-            )
+            return float(self._from_projections(norms, dots, grad_squared_norm))
         return float(self._statistic(self.acc.gram))
 
     @abc.abstractmethod

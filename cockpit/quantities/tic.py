@@ -97,15 +97,12 @@ class _TIC(SingleStepQuantity):
         """Sum ``sum_i g_i^2`` and ``n_r h_r`` over processes, then reduce."""
         acc, n = self.acc, ctx.comm.n_global
         for index, (squares, curvature) in list(acc.parts.items()):
-            sums = {}
+            joined_squares = bucket.sum(squares)  # its value is set before any then
 
-            def then(total, index=index, sums=sums, slot=0):
-                sums[slot] = total
-                if len(sums) == 2:
-                    acc.parts[index] = self._reduce(sums[0] / n**2, sums[1] / n)
+            def then(total, index=index, joined_squares=joined_squares):
+                acc.parts[index] = self._reduce(joined_squares.value / n**2, total / n)
 
-            bucket.sum(squares, then)
-            bucket.sum(curvature, lambda v, then=then: then(v, slot=1))
+            bucket.sum(curvature, then)
         acc.seen_batch_size = n if acc.seen_batch_size is not None else None
 
     @abc.abstractmethod

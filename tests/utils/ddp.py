@@ -185,7 +185,7 @@ def _worker(rank, world, port, outdir, target, args):
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     try:
-        if dist.is_initialized() and not result.get("skip_destroy"):
+        if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:
         pass
