@@ -18,30 +18,37 @@ Each process holds four variants of one step and times them in interleaved round
   ``plain - plain_local`` is what DDP's own communication costs;
 * ``dp``: the tracked step (a ``--configs`` configuration, every step tracked,
   ``diagnose=False``) of an extended DDP model with a cockpit in data-parallel
-  mode (``process_group="auto"``): a header all-gather before the backward pass
-  and one float64 all-reduce bucket after it;
+  mode (``process_group="auto"``): a header all-gather started before the backward
+  pass and waited for after it, and one float64 all-reduce bucket;
 * ``local``: the same tracked step with ``process_group=None``: the same work,
-  rank-local, without any of cockpit's communication.
+  rank-local (the shard's own gradient caught on its way to DDP, the per-sample
+  projections after the backward pass), without any of cockpit's communication;
+* ``unaware``: the same tracked step of an extended DDP model with a cockpit that
+  has no communicator at all, as if it knew nothing of DDP (cockpit-for-pytorch
+  1.0.2's behaviour: per-sample statistics reduced in the backward hooks, values
+  silently rank-local and partly wrong, since ``.grad`` is DDP's average).
 
-cockpit's communication cost is ``dp - local`` (reported as a share of ``dp``: the
-goal of issue 12 is at most 10% for economy), and the overheads are ``dp / plain``
-and ``local / plain``. Both processes meet at a barrier (not timed) before every
-timed step; a step's time is the larger of the two processes' times, and the
-figures are medians over the rounds (``(paired)``: the median of the rounds'
-``dp - local``). The cockpit's ``Communicator`` (private, ``cockpit._communicator``)
-counts the calls and bytes of its collectives (bytes this process puts into them;
-DDP's figure likewise: parameters x element size). Its methods are wrapped on the
-instance to stamp every collective's entry and exit; ``time.perf_counter`` is one
-clock for all processes on Linux, so each collective splits into the time both
-processes spend in it together, the time of the process that arrived last (which
-adds its own return to the former) and the time of the slower process (which adds
-waiting for the other one to arrive). ``in collectives`` is the part of the ``dp``
-step spent inside them (the step's time less the larger of the processes' times
-outside them), ``extra outside`` the rest of ``dp - local`` (the data-parallel
-bookkeeping: per-sample projections onto the joined gradient, the bucket; paired
-with the same round's ``local`` step). After the rounds, bare gloo collectives of
-the same sizes are timed right after a barrier and after ``--compute-s`` of
-computing on both processes.
+cockpit's communication cost is ``dp - local`` (reported as a share of ``dp``: the goal
+of issue 12 is at most 10% for economy), and the overheads are ``dp / plain`` and
+``local / plain``. Everything being right in a data-parallel run costs cockpit,
+communication and the data-parallel bookkeeping (catching the shard's gradient,
+projecting per-sample gradients onto the joined gradient after the backward pass)
+together, is ``data-parallel extra``: the paired ``dp - unaware``. Both processes meet
+at a barrier (not timed) before every timed step; a step's time is the larger of the two
+processes' times, and the figures are medians over the rounds (``(paired)``: the median
+of the rounds' ``dp - local``). The cockpit's ``Communicator`` (private,
+``cockpit._communicator``) counts the calls and bytes of its collectives (bytes this
+process puts into them; DDP's figure likewise: parameters x element size). Its methods
+are wrapped on the instance to stamp every collective's entry and exit;
+``time.perf_counter`` is one clock for all processes on Linux, so each collective splits
+into the time both processes spend in it together, the time of the process that arrived
+last (which adds its own return to the former) and the time of the slower process (which
+adds waiting for the other one to arrive). ``in collectives`` is the part of the ``dp``
+step spent inside them (the step's time less the larger of the processes' times outside
+them), ``extra outside`` the rest of ``dp - local`` (the data-parallel bookkeeping:
+per-sample projections onto the joined gradient, the bucket; paired with the same
+round's ``local`` step). After the rounds, bare gloo collectives of the same sizes are
+timed right after a barrier and after ``--compute-s`` of computing on both processes.
 
 Pinning: left to the scheduler, the two busy processes of a 2-core machine lose
 milliseconds around every synchronisation (a process woken by a collective waits
@@ -82,9 +89,9 @@ from benchmarks.measure import CHILD_ENV, REPO
 
 DEFAULT_OUT = REPO / "benchmarks" / "ddp_results.json"
 #: The variants of a step, see the module docstring.
-VARIANTS = ("plain", "plain_local", "dp", "local")
+VARIANTS = ("plain", "plain_local", "dp", "local", "unaware")
 #: What the header collective is called by cockpit's communicator.
-HEADER = "starting the step"
+HEADER = "starting the step"  # cockpit.distributed.HEADER
 #: Goal of issue 12: communication adds at most this share to the tracked step.
 GOAL = 0.10
 
@@ -106,8 +113,16 @@ class CollectiveClock:
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
         self.recording = False
-        for name in ("all_gather_ints", "all_reduce"):
+        for name in ("start_gather_ints", "all_reduce"):
             setattr(communicator, name, self._wrap(getattr(communicator, name)))
+
+    def _record(self, kind: str, start: float, seconds: float, sent: int) -> None:
+        if self.recording:
+            span = self.step.setdefault(kind, [start, 0.0, 0.0])
+            span[1] = start + seconds
+            span[2] += seconds
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + sent
 
     def _wrap(self, method):
         def timed(*args, **kwargs):
@@ -117,19 +132,30 @@ class CollectiveClock:
             start = time.perf_counter()
             out = method(*args, **kwargs)
             seconds = time.perf_counter() - start
-            if self.recording:
-                span = self.step.setdefault(kind, [start, 0.0, 0.0])
-                span[1] = start + seconds
-                span[2] += seconds
-                self.calls[kind] = self.calls.get(kind, 0) + 1
-                self.bytes[kind] = self.bytes.get(kind, 0) + self.comm.bytes_sent - sent
+            sent = self.comm.bytes_sent - sent
+            if not hasattr(out, "wait"):  # a blocking collective
+                self._record(kind, start, seconds, sent)
+                return out
+            # started now, waited for later (the header travels during the
+            # backward pass): what blocks the step is starting it plus the wait;
+            # the span runs from the wait's start to its end
+            wait = out.wait
+
+            def timed_wait():
+                begin = time.perf_counter()
+                rows = wait()
+                waited = time.perf_counter() - begin
+                self._record(kind, begin, seconds + waited, sent)
+                return rows
+
+            out.wait = timed_wait
             return out
 
         return timed
 
 
 class Case:
-    """The four variants of one problem and configuration on this process."""
+    """The variants of one problem and configuration on this process."""
 
     def __init__(self, problem: str, config: str, batch: int, rank: int):
         import torch
@@ -142,11 +168,16 @@ class Case:
         # different data on each process; DDP copies rank 0's weights to the others
         first = make(problem, batch_size=batch, seed=rank)
         second = make(problem, batch_size=batch, seed=rank, need_plain=False)
+        third = make(problem, batch_size=batch, seed=rank, need_plain=False)
         self.bench = first
         self.plain = DDP(first.plain)
         self.plain_opt = torch.optim.SGD(first.plain.parameters(), lr=0.01)
         self.models, self.opts, self.cockpits = {}, {}, {}
-        for name, bench, group in (("dp", first, "auto"), ("local", second, None)):
+        for name, bench, group in (
+            ("dp", first, "auto"),
+            ("local", second, None),
+            ("unaware", third, None),
+        ):
             params = list(bench.extended.parameters())
             self.models[name] = DDP(bench.extended)
             self.opts[name] = torch.optim.SGD(params, lr=0.01)
@@ -156,6 +187,9 @@ class Case:
                 process_group=group,
                 diagnose=False,
             )
+        # a cockpit blind to DDP: no communicator at all (benchmark only; under
+        # torch.distributed, process_group=None gets a rank-local one)
+        self.cockpits["unaware"]._communicator = None
         self.loss_fn = first.loss_fn
         self.communicator = self.cockpits["dp"]._communicator
         if (
@@ -502,6 +536,14 @@ def combine(per_rank: list[dict]) -> dict:
             o - lo for o, lo in zip(outside, times["local"], strict=True)
         ),
         "ddp_communication_s": med["plain"] - med["plain_local"],
+        # what being right under DDP costs: dp against a cockpit blind to DDP,
+        # and local (no communication) against it
+        "data_parallel_extra_s": statistics.median(
+            d - u for d, u in zip(times["dp"], times["unaware"], strict=True)
+        ),
+        "bookkeeping_s": statistics.median(
+            lo - u for lo, u in zip(times["local"], times["unaware"], strict=True)
+        ),
         "meets_goal": comm / med["dp"] <= GOAL,
         "collective_s": collective,
         "bare_collective_s": {
@@ -579,6 +621,20 @@ def table(record: dict) -> str:
             f"| {c['cockpit_bytes_per_step']:,.0f} | {c['ddp_bytes_per_step']:,} "
             f"| {_three(col['header'])} | {_three(joined)} "
             f"| {_three(bare['header'])} | {_three(bare['bucket'])} |"
+        )
+    lines += [
+        "",
+        "| case | unaware | local - unaware (paired) | dp - unaware (paired) | of dp |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, c in cases.items():
+        if "data_parallel_extra_s" not in c:  # records before the unaware variant
+            continue
+        extra = c["data_parallel_extra_s"]
+        lines.append(
+            f"| {name} | {_ms(c['median_s']['unaware'])} "
+            f"| {_ms(c['bookkeeping_s'])} | {_ms(extra)} "
+            f"| {100 * extra / c['median_s']['dp']:.1f}% |"
         )
     lines += [
         "",

@@ -4,9 +4,11 @@ In a run with ``torch.distributed`` (DDP via ``torchrun``), each process hands t
 cockpit its own shard of the batch (``info`` describes the local shard, as in a
 single-process loop). At a tracked step the cockpit then
 
-1. exchanges a small header before the backward pass (the step, the shard's size and
-   a fingerprint of the step's plan): shards are weighted by their sample counts,
-   and processes that disagree about what to track fail at once, on every process;
+1. starts a small header before the backward pass (the step, the shard's size and
+   a fingerprint of the step's plan), gathered while the backward pass runs and
+   checked before any other of cockpit's collectives: shards are weighted by their
+   sample counts, and processes that disagree about what to track fail on every
+   process;
 2. after the backward pass, lets each quantity put its *partial sums* (sums over the
    local samples: per-sample squared norms, histogram counts, curvature diagonals
    weighted by the shard's share, per-sample projections in the shard's slots of a
@@ -156,6 +158,16 @@ class Communicator:
         self, values: Sequence[int], what: str, step: int | None
     ) -> list[list[int]]:
         """Return every process's ``values`` (same length on all), in rank order."""
+        return self.start_gather_ints(values, what, step).wait()
+
+    def start_gather_ints(
+        self, values: Sequence[int], what: str, step: int | None
+    ) -> PendingGather:
+        """Start gathering every process's ``values``; ``.wait()`` returns them.
+
+        The collective runs while the caller goes on (the backward pass); the wait
+        is bounded by ``timeout``.
+        """
         dist = _dist()
         device = torch.device("cpu")
         if self.backend == "nccl":
@@ -165,8 +177,26 @@ class Communicator:
         work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
         self.calls += 1
         self.bytes_sent += mine.numel() * mine.element_size()
-        self._wait(work, what, step)
-        return [t.tolist() for t in gathered]
+        return PendingGather(self, work, gathered, what, step)
+
+
+class PendingGather:
+    """An all-gather of integers in flight (:meth:`Communicator.start_gather_ints`)."""
+
+    def __init__(self, comm: Communicator, work, gathered, what: str, step):
+        self.comm, self.work, self.gathered = comm, work, gathered
+        self.what, self.step = what, step
+
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return at once (never blocks)."""
+        return self.work is None or bool(self.work.is_completed())
+
+    def wait(self) -> list[list[int]]:
+        """Every process's values, in rank order (waits at most ``timeout``)."""
+        if self.work is not None:
+            self.comm._wait(self.work, self.what, self.step)
+            self.work = None
+        return [t.tolist() for t in self.gathered]
 
 
 class LocalCommunicator(Communicator):
@@ -188,9 +218,9 @@ class LocalCommunicator(Communicator):
         """The tensor itself (one process)."""
         return tensor.detach().clone()
 
-    def all_gather_ints(self, values, what, step):
-        """The values themselves (one process)."""
-        return [list(values)]
+    def start_gather_ints(self, values, what, step):
+        """The values themselves (one process), already there."""
+        return PendingGather(self, None, [torch.tensor(list(values))], what, step)
 
 
 def local_communicator() -> LocalCommunicator | None:
@@ -327,35 +357,137 @@ class Bucket:
 class StepComm:
     """One tracked step of a data-parallel run, as the quantities see it.
 
+    The header (every process's step, shard size and plan) is gathered while the
+    backward pass runs: :meth:`settle` waits for it and checks that the processes
+    agree. ``n_local`` is known at once; ``counts``, ``n_global``, ``offset``,
+    ``weight`` and ``uneven`` settle the header when first read.
+
     Attributes:
         communicator: The collectives.
         global_step: The step.
-        counts: Samples per process, in rank order.
         n_local: This process's samples.
+        counts: Samples per process, in rank order.
         n_global: All samples (the joined batch).
         offset: Where this process's samples start in the joined batch.
         weight: ``n_local / n_global``: this shard's share of a mean over the
             joined batch.
+        uneven: Whether the shards differ in size.
         gradients: The joined batch's gradient per parameter (set after backward).
         graph_gradients: This shard's gradients with their autograd graph (for
             Hessian-vector products), where a quantity needs them.
     """
 
-    def __init__(self, communicator: Communicator, global_step: int, counts):
+    def __init__(
+        self,
+        communicator: Communicator,
+        global_step: int,
+        counts: Sequence[int] | None = None,
+        *,
+        n_local: int | None = None,
+        header: PendingGather | None = None,
+        plan: int | None = None,
+    ):
         self.communicator = communicator
         self.global_step = global_step
-        self.counts = [int(c) for c in counts]
-        rank = communicator.rank
-        self.n_local = self.counts[rank]
-        self.n_global = sum(self.counts)
-        self.offset = sum(self.counts[:rank])
-        self.weight = self.n_local / self.n_global if self.n_global else 0.0
-        self.uneven = len(set(self.counts)) > 1
+        if counts is None and header is None:
+            raise ValueError("StepComm needs the counts or a header in flight.")
+        self._header, self._plan = header, plan
+        self._error: DistributedError | None = None
+        self._counts: list[int] | None = None
+        if counts is not None:
+            self._set_counts(counts)
+        else:
+            self.n_local = int(n_local)
         self.gradients: list[Tensor] | None = None
         self.graph_gradients: list[Tensor] | None = None
         #: What several quantities of the step compute alike (e.g. the Gram
         #: tests' projections), computed and sent once: ``name -> result``.
         self.common: dict[str, Any] = {}
+
+    def _set_counts(self, counts: Sequence[int]) -> None:
+        self._counts = [int(c) for c in counts]
+        rank = self.communicator.rank
+        self.n_local = self._counts[rank]
+        self._n_global = sum(self._counts)
+        self._offset = sum(self._counts[:rank])
+
+    @property
+    def settled(self) -> bool:
+        """Whether the header has been waited for (and agreed)."""
+        return self._counts is not None
+
+    def known_even(self) -> bool:
+        """Whether the shards are known to be of one size, without waiting.
+
+        ``False`` while the header is still on its way (or if it is bad).
+        """
+        if self._counts is None and (self._header is None or not self._header.ready()):
+            return False
+        try:
+            return not self.uneven
+        except DistributedError:
+            return False
+
+    def settle(self) -> StepComm:
+        """Wait for the header and check it (once; later calls return at once).
+
+        Raises:
+            DistributedError: If processes are at different steps, plan different
+                work or have an empty shard (on every process, every call).
+        """
+        if self._error is not None:
+            raise self._error
+        if self._counts is None:
+            rows = self._header.wait()
+            self._header = None
+            try:
+                self._set_counts(_check_header(rows, self.global_step, self._plan))
+            except DistributedError as error:
+                self._error = error
+                raise
+        return self
+
+    @property
+    def counts(self) -> list[int]:
+        """Samples per process, in rank order (settles the header)."""
+        return list(self.settle()._counts)
+
+    @property
+    def n_global(self) -> int:
+        """All samples of the step (the joined batch)."""
+        return self.settle()._n_global
+
+    @property
+    def offset(self) -> int:
+        """Where this process's samples start in the joined batch."""
+        return self.settle()._offset
+
+    @property
+    def weight(self) -> float:
+        """``n_local / n_global``: this shard's share of a joined mean."""
+        n_global = self.n_global
+        return self.n_local / n_global if n_global else 0.0
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the shards differ in size."""
+        return len(set(self.counts)) > 1
+
+    def projection(self, index: int, individual, vector: Tensor) -> Tensor:
+        """``g_i . vector`` for parameter ``index``'s kept per-sample gradients.
+
+        Computed once per step and parameter for equal vectors: with equal
+        shards, the gradient tests' joined gradient and Alpha's SGD direction
+        (``.grad``) are the same vector, and each projection costs a pass over
+        the per-sample gradients.
+        """
+        key = ("projection", index)
+        hit = self.common.get(key)
+        if hit is not None and _same_values(hit[0], vector):
+            return hit[1]
+        dots = individual.project(vector).detach()
+        self.common[key] = (vector, dots)
+        return dots
 
     def mean(self, local_mean: Tensor, what: str) -> Tensor:
         """Return the mean over the joined batch of per-shard means (one collective).
@@ -367,18 +499,51 @@ class StepComm:
         return self.communicator.all_reduce(weighted, what, self.global_step)
 
 
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors hold the same values (the same memory: at once)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return bool(torch.equal(a, b))
+
+
+#: What cockpit's communicator calls the header collective.
+HEADER = "starting the step"
+
+
+def start_header(
+    communicator: Communicator, global_step: int, n_local: int, plan_text: str
+) -> StepComm:
+    """Before the backward pass: send the step, the shard size and the plan.
+
+    The collective runs during the backward pass; :meth:`StepComm.settle` (after
+    it, or at the first read of the counts) waits for it and checks it, before any
+    other collective of cockpit's in the step.
+    """
+    plan = _digest(plan_text)
+    header = communicator.start_gather_ints(
+        [global_step, n_local, plan], HEADER, global_step
+    )
+    return StepComm(
+        communicator, global_step, n_local=n_local, header=header, plan=plan
+    )
+
+
 def exchange_header(
     communicator: Communicator, global_step: int, n_local: int, plan_text: str
 ) -> StepComm:
-    """Before the backward pass: agree on the step and the plan, learn the counts.
+    """:func:`start_header` and wait for it: agree on the step and plan, get counts.
 
     Raises:
         DistributedError: If processes are at different steps or plan different
             work (on every process).
     """
-    rows = communicator.all_gather_ints(
-        [global_step, n_local, _digest(plan_text)], "starting the step", global_step
-    )
+    return start_header(communicator, global_step, n_local, plan_text).settle()
+
+
+def _check_header(rows: list[list[int]], global_step: int, plan) -> list[int]:
+    """The counts of a gathered header; raise if the processes disagree."""
     steps = [row[0] for row in rows]
     if len(set(steps)) > 1:
         raise DistributedError(
@@ -401,7 +566,7 @@ def exchange_header(
             f"per rank {counts}). Fix: give every process at least one sample, or "
             "skip tracking at this step on every process."
         )
-    return StepComm(communicator, global_step, counts)
+    return counts
 
 
 def joined_gradients(step: StepComm, local: Sequence[Tensor | None], params):
@@ -454,6 +619,7 @@ __all__ = [
     "StepComm",
     "check_setup",
     "exchange_header",
+    "start_header",
     "joined_gradients",
     "resolve_group",
 ]

@@ -363,7 +363,11 @@ class StepRun:
 
     # --- data-parallel runs ------------------------------------------------------
     def _exchange_header(self) -> distributed.StepComm:
-        """Agree with the other processes on the step and its plan; learn counts."""
+        """Send the step, this shard's size and the plan to the other processes.
+
+        The header travels during the backward pass; :meth:`_share` (or the first
+        quantity that needs the counts earlier) waits for it and checks it.
+        """
         info, step = self.info, self.plan.global_step
         if info.has("batch_size"):
             n_local = int(info.get("batch_size"))
@@ -381,14 +385,7 @@ class StepRun:
             f"{q.key}:{sorted(n.name for n in q.needs_at(step))}"
             for q in self.plan.active
         )
-        shared = distributed.exchange_header(
-            self.communicator, step, n_local, plan_text
-        )
-        if shared.uneven:
-            self.diagnostics.warn_once(
-                "uneven-shards", distributed.uneven_message(shared.counts, step)
-            )
-        return shared
+        return distributed.start_header(self.communicator, step, n_local, plan_text)
 
     def _prepare_shared(self) -> None:
         """Before the backward pass of a data-parallel step.
@@ -423,13 +420,26 @@ class StepRun:
                     except Exception as error:  # handled where it is recorded
                         self._early[id(quantity)] = (None, error)
             shared.graph_gradients = None  # frees the double-backward graph
-        if shared.uneven or self.communicator.local:
+        if self.communicator.local or not shared.settled or shared.uneven:
             for index, param in enumerate(self.params):
+                self._capture_hooks.append(param.register_hook(self._catcher(index)))
 
-                def catch(grad, index=index):
-                    self._captured[index] = grad.detach().clone()
+    def _catcher(self, index: int):
+        """A hook that keeps parameter ``index``'s local gradient where needed.
 
-                self._capture_hooks.append(param.register_hook(catch))
+        Rank-local runs always need it (``.grad`` becomes DDP's average). In
+        data-parallel runs only shards of different sizes do. The hook never
+        waits for the header (the backward pass goes on while it travels): until
+        it has arrived with equal shard sizes, gradients are kept, and
+        :meth:`_share` drops them if the shards turn out even.
+        """
+        shared = self.shared
+
+        def catch(grad):
+            if self.communicator.local or not shared.known_even():
+                self._captured[index] = grad.detach().clone()
+
+        return catch
 
     def _remove_capture_hooks(self) -> None:
         for handle in self._capture_hooks:
@@ -446,6 +456,11 @@ class StepRun:
         """
         shared, info, step = self.shared, self.info, self.plan.global_step
         self._remove_capture_hooks()
+        shared.settle()
+        if shared.uneven:
+            self.diagnostics.warn_once(
+                "uneven-shards", distributed.uneven_message(shared.counts, step)
+            )
         if self.communicator.local:  # .grad is DDP's average: the shard's own
             shared.gradients = [
                 self._captured.get(i, torch.zeros_like(p))
@@ -457,6 +472,7 @@ class StepRun:
             shared.gradients = distributed.joined_gradients(shared, local, self.params)
             self._captured.clear()
         else:
+            self._captured.clear()  # kept while the header travelled: not needed
             shared.gradients = gradients(self.params)
         if not self.communicator.local and not getattr(
             self.communicator, "checked_gradients", False

@@ -239,7 +239,8 @@ def test_ddp_benchmark_runs_two_processes_and_counts_cockpits_collectives(tmp_pa
     saved = json.loads(raw.read_text())
     case = saved["cases"]["mlp/economy"]
     assert case["rounds"] == 2 and saved["settings"]["world"] == 2
-    assert set(case["median_s"]) == {"plain", "plain_local", "dp", "local"}
+    assert set(case["median_s"]) == {"plain", "plain_local", "dp", "local", "unaware"}
+    assert "data_parallel_extra_s" in case and "bookkeeping_s" in case
     # one header all-gather (3 int64) and one float64 bucket per tracked step
     assert case["cockpit_calls_per_step"] == 2
     assert case["cockpit_bytes_by_kind"]["header"] == 24

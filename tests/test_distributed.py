@@ -186,3 +186,82 @@ def test_rank_local_opt_out_and_one_log_writer(tmp_path):
     _compare(first["logged"], second["logged"], "ranks", problems)
     assert not problems
     assert first["local"]["0"]["Loss"] != second["local"]["0"]["Loss"]
+
+
+# --- the step's header and shared projections, without processes ---------------------
+class _Gathering:
+    """A header in flight: ready when told, then every process's row."""
+
+    def __init__(self, rows):
+        self.rows, self.is_ready, self.waits = rows, False, 0
+
+    def ready(self):
+        return self.is_ready
+
+    def wait(self):
+        self.waits += 1
+        return self.rows
+
+
+class _Rank:
+    rank, size, local = 1, 2, False
+
+
+def test_header_settles_once_when_first_needed_and_keeps_its_error():
+    """The header travels during the backward pass; counts are read after it."""
+    from cockpit.distributed import DistributedError, StepComm
+
+    header = _Gathering([[7, 3, 11], [7, 5, 11]])
+    step = StepComm(_Rank(), 7, n_local=5, header=header, plan=11)
+    assert step.n_local == 5 and not step.settled and header.waits == 0
+    assert not step.known_even()  # not arrived yet: never waits
+    assert header.waits == 0
+    assert (step.n_global, step.offset, step.counts) == (8, 3, [3, 5])
+    assert step.weight == 5 / 8 and step.uneven and step.settled
+    assert header.waits == 1 and step.settle() is step and header.waits == 1
+
+    even = _Gathering([[7, 4, 11], [7, 4, 11]])
+    step = StepComm(_Rank(), 7, n_local=4, header=even, plan=11)
+    even.is_ready = True
+    assert step.known_even() and step.n_global == 8
+
+    for rows, message in (
+        ([[7, 4, 11], [8, 4, 11]], "track different steps"),
+        ([[7, 4, 11], [7, 4, 12]], "plan different work"),
+        ([[7, 0, 11], [7, 4, 11]], "empty shard"),
+    ):
+        bad = _Gathering(rows)
+        step = StepComm(_Rank(), 7, n_local=4, header=bad, plan=11)
+        bad.is_ready = True
+        assert not step.known_even()  # a bad header is left for settle() to raise
+        for _ in range(2):  # the same error again, without a second wait
+            with pytest.raises(DistributedError, match=message):
+                step.settle()
+        assert bad.waits == 1
+
+
+def test_projections_onto_one_vector_are_computed_once_per_parameter():
+    """Alpha's SGD direction and the gradient tests' gradient share a projection."""
+    import torch
+
+    from cockpit.distributed import StepComm
+    from cockpit.per_sample import DenseGradients
+
+    torch.manual_seed(0)
+    per_sample = torch.randn(6, 3, 2, dtype=torch.float64)
+    individual = DenseGradients(per_sample, scale=1)
+    calls = []
+    project = individual.project
+    individual.project = lambda v: calls.append(1) or project(v)
+    step = StepComm(_Rank(), 0, counts=[6, 6])
+    grad = torch.randn(3, 2, dtype=torch.float64)
+    want = torch.einsum("nij,ij->n", per_sample, grad)
+    first = step.projection(0, individual, grad)
+    assert torch.allclose(first, want) and len(calls) == 1
+    again = step.projection(0, individual, grad.detach())  # same memory
+    equal = step.projection(0, individual, grad.clone())  # equal values
+    assert len(calls) == 1 and again is first and equal is first
+    other = grad + 1
+    moved = step.projection(0, individual, other)
+    assert len(calls) == 2
+    assert torch.allclose(moved, torch.einsum("nij,ij->n", per_sample, other))

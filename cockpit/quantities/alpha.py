@@ -176,9 +176,9 @@ class Alpha(TwoStepQuantity):
             param = ctx.params[index]
             grad = param.grad.detach() if param.grad is not None else param * 0
 
-            def project(vector, individual=individual, param=param):
+            def project(vector, individual=individual, index=index, param=param):
                 vector = vector.to(device=param.device, dtype=param.dtype)
-                return individual.project(vector).detach()
+                return ctx.comm.projection(index, individual, vector)
 
             entry = self._start_entry(param, grad.detach(), project)
             acc.starts[index] = entry

@@ -131,7 +131,7 @@ class GramQuantity(SingleStepQuantity):
             for index in sorted(acc.kept):
                 individual = acc.kept[index]
                 norms = norms + individual.batch_l2().detach()
-                dots = dots + individual.project(grads[index]).detach()
+                dots = dots + ctx.comm.projection(index, individual, grads[index])
             joined = (bucket.gather(norms), bucket.gather(dots))
             ctx.comm.common["gram projections"] = joined
         acc.kept.clear()  # the per-sample gradients are freed here
