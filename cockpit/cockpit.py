@@ -32,7 +32,7 @@ from cockpit.log_stream import LogStream
 from cockpit.loop_checks import LoopChecks
 from cockpit.planner import StepPlan, plan_step
 from cockpit.quantities.base import Quantity
-from cockpit.recorder import HistoryWriter, Recorder, StreamWriter
+from cockpit.recorder import MISSING_KEY, HistoryWriter, Recorder, StreamWriter
 from cockpit.step_run import StepRun, as_info
 
 __all__ = ["Cockpit", "LOG_KEYS", "NONFINITE_KEY", "STATE_VERSION"]
@@ -195,7 +195,7 @@ class Cockpit:
         self.quantities: list[Quantity] = []
         self.history = History()
         self.optimizer_name: str | None = None
-        self.recorder = Recorder()
+        self.recorder = Recorder(sent_missing=self._recorded_missing)
         self.recorder.subscribe(HistoryWriter(self.history))
         self._stream = (
             LogStream(logpath) if logpath is not None and self.is_writer else None
@@ -429,6 +429,125 @@ class Cockpit:
         run.close()
         self.last_step = run.plan.global_step
         self._loop.after(run.plan, run.info)
+
+    def missing(
+        self,
+        global_step: int,
+        quantities: Quantity | str | Iterable[Quantity | str],
+        reason: str,
+        cause: Any = None,
+    ) -> None:
+        """Record that ``quantities`` have no value at ``global_step``, and why.
+
+        For integrations and training loops that know a value would be wrong, e.g.
+        ``Alpha`` when the optimizer's step is not the update it replays::
+
+            cockpit.missing(step, ["Alpha"], "the step used the gradients of "
+                            "several micro-batches. Fix: ...", cause="accumulation")
+
+        The reason goes under the step's ``missing`` entry (``{key: reason}``, next
+        to reasons recorded there before; a quantity's later reason replaces its
+        earlier one), into :meth:`get_output`, the history and the streamed log,
+        which is flushed at once (crash-safe). A
+        :class:`~cockpit.errors.CockpitWarning` says ``"<key> has no value at step
+        <step>: <reason>"`` once per key and ``cause``. A value of a two-step
+        quantity started at ``global_step`` and not yet finished (``Alpha``) is
+        dropped, so it does not arrive later.
+
+        Args:
+            global_step: The step without the values (an int).
+            quantities: This cockpit's quantities, or their keys, or one of either
+                (an empty list records nothing).
+            reason: Why the values are missing; end it with the fix where there
+                is one.
+            cause: What makes the warning new (any hashable, e.g. ``"clipping"``):
+                one warning per key and cause. Default: the reason itself, for
+                reasons whose text does not change from step to step.
+
+        Raises:
+            ValueError: If a key or quantity is not one of this cockpit's, a
+                quantity already has a value at ``global_step``, or ``reason``
+                is empty.
+            TypeError: If ``global_step`` is not an int, ``reason`` not a string,
+                or an item of ``quantities`` neither a quantity nor a string.
+            RuntimeError: If a step is open (call it before :meth:`begin` or after
+                :meth:`end`).
+        """
+        step = _as_step(global_step)
+        if not isinstance(reason, str):
+            raise TypeError(
+                f"reason must be a string, got {reason!r}. Fix: say why the values "
+                "are missing, e.g. cockpit.missing(step, ['Alpha'], 'the update was "
+                "clipped. Fix: ...')."
+            )
+        if not reason.strip():
+            raise ValueError(
+                "reason is empty. Fix: say why the values are missing (and the fix), "
+                "it is what the log and the warning show."
+            )
+        if self._open is not None:
+            raise RuntimeError(
+                f"Cockpit.missing() was called while step "
+                f"{self._open.plan.global_step} is open. Fix: call it before "
+                "cockpit.begin() or after cockpit.end()."
+            )
+        chosen = self._quantities_of(quantities)
+        if step in self.history:
+            recorded = self.history.view(step)
+            taken = [q.key for q in chosen if q.key in recorded]
+            if taken:
+                raise ValueError(
+                    f"{', '.join(taken)} already has a value at step {step}, so it "
+                    "cannot be missing there. Fix: call cockpit.missing() for values "
+                    "that were not recorded (e.g. right after cockpit.end() for a "
+                    "value that a later step would finish, such as Alpha)."
+                )
+        for q in chosen:
+            discard = getattr(q, "discard_start", None)
+            if discard is not None:
+                discard(step)
+            self._diagnostics.missing(
+                self.recorder,
+                [step],
+                q.key,
+                reason,
+                once=("missing", q.key, reason if cause is None else cause),
+            )
+        self.recorder.flush()
+
+    def _quantities_of(self, quantities) -> list[Quantity]:
+        """This cockpit's quantities named by ``quantities`` (objects or keys)."""
+        if isinstance(quantities, (Quantity, str)):
+            quantities = [quantities]
+        by_key = {q.key: q for q in self.quantities}
+        chosen: list[Quantity] = []
+        for item in quantities:
+            if isinstance(item, str):
+                quantity = by_key.get(item)
+                what = f"key {item!r}"
+            elif isinstance(item, Quantity):
+                quantity = item if any(q is item for q in self.quantities) else None
+                what = f"quantity {item!r}"
+            else:
+                raise TypeError(
+                    f"Cockpit.missing() takes quantities or their keys, got {item!r}. "
+                    "Fix: pass e.g. [quantity] or ['Alpha']."
+                )
+            if quantity is None:
+                raise ValueError(
+                    f"Cockpit.missing() got the {what}, which is not one of this "
+                    f"cockpit's quantities (keys: {sorted(by_key)}). Fix: pass one "
+                    "of those keys or quantities (cockpit.quantities)."
+                )
+            if all(q is not quantity for q in chosen):
+                chosen.append(quantity)
+        return chosen
+
+    def _recorded_missing(self, global_step: int) -> Mapping[str, str] | None:
+        """The ``missing`` entries the history holds for ``global_step``."""
+        if global_step not in self.history:
+            return None
+        return self.history.view(global_step).get(MISSING_KEY)
 
     def track(self, global_step: int, protected_savefields=()) -> None:
         """cockpit-for-pytorch 1.0.2's tracking entry point, kept for old scripts.

@@ -11,7 +11,7 @@ called when the cockpit closes, if the subscriber has it.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 #: History key of quantities without a value at a step: ``{key: reason}``.
 MISSING_KEY = "missing"
@@ -52,11 +52,21 @@ class StreamWriter:
 
 
 class Recorder:
-    """Collects the values of a step and hands them to the subscribers."""
+    """Collects the values of a step and hands them to the subscribers.
 
-    def __init__(self):
+    Args:
+        sent_missing: Returns the ``missing`` entries already handed on for a
+            step (or ``None``). A reason noted for a step after its values were
+            flushed is then sent with those entries, so the history and the log
+            (where a step's later ``missing`` replaces the earlier one) keep all.
+    """
+
+    def __init__(
+        self, sent_missing: Callable[[int], Mapping[str, str] | None] | None = None
+    ):
         self._subscribers: list = []
         self._fresh: dict[int, dict[str, Any]] = {}
+        self._sent_missing = sent_missing
 
     def subscribe(self, subscriber) -> None:
         """Add a subscriber (order is kept: the history first, then the log, ...)."""
@@ -76,9 +86,16 @@ class Recorder:
         self._fresh.setdefault(int(global_step), {})[key] = value
 
     def note_missing(self, global_step: int, key: str, reason: str) -> None:
-        """Record that quantity ``key`` has no value at ``global_step``, and why."""
-        fresh = self._fresh.setdefault(int(global_step), {})
-        fresh.setdefault(MISSING_KEY, {})[key] = reason
+        """Record that quantity ``key`` has no value at ``global_step``, and why.
+
+        The step's reasons noted earlier (flushed or not) are kept.
+        """
+        step = int(global_step)
+        fresh = self._fresh.setdefault(step, {})
+        if MISSING_KEY not in fresh:
+            sent = self._sent_missing(step) if self._sent_missing else None
+            fresh[MISSING_KEY] = dict(sent or {})
+        fresh[MISSING_KEY][key] = reason
 
     def discard(self) -> None:
         """Forget what was recorded since the last flush (a step that failed)."""

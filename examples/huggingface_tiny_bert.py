@@ -13,9 +13,13 @@ see) and tracks the parameters of the ``nn.Linear`` layers (it says which tensor
 leaves out: embeddings, LayerNorms). The log streams to ``<out>/cockpit.jsonl``;
 ``cockpit export <out>/cockpit.jsonl --tensorboard <dir>`` puts it into TensorBoard.
 
-Run: ``python examples/huggingface_tiny_bert.py [--steps 120] [--out hf_output]``
-(needs ``pip install "cockpit-debugger[transformers]"``). Writes the log and
-``<out>/dashboard.png``.
+With ``--accumulate k`` the trainer accumulates the gradients of ``k`` micro-batches
+per optimizer step (``gradient_accumulation_steps=k``); the cockpit then tracks the
+first micro-batch of every optimizer step.
+
+Run: ``python examples/huggingface_tiny_bert.py [--steps 120] [--out hf_output]
+[--accumulate 1]`` (needs ``pip install "cockpit-debugger[transformers]"``).
+Writes the log and ``<out>/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ def tiny_bert(vocab: int = 30, length: int = 12) -> BertForSequenceClassificatio
 
 
 def main(
-    steps: int = 120, out: str = "hf_output", config: str = "economy"
+    steps: int = 120,
+    out: str = "hf_output",
+    config: str = "economy",
+    accumulate: int = 1,
 ) -> dict[str, str]:
     """Train with cockpit; return the paths of the log and the dashboard.
 
@@ -72,12 +79,15 @@ def main(
         out: The trainer's ``output_dir``.
         config: ``economy`` (curvature quantities need BackPACK to differentiate
             through attention, which it cannot).
+        accumulate: Micro-batches per optimizer step
+            (``gradient_accumulation_steps``).
     """
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=out,
         max_steps=steps,
         per_device_train_batch_size=32,
+        gradient_accumulation_steps=accumulate,
         learning_rate=3e-3,
         lr_scheduler_type="linear",
         warmup_steps=max(1, steps // 10),
@@ -110,6 +120,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--out", default="hf_output")
     parser.add_argument("--config", default="economy")
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
-    for name, path in main(args.steps, args.out, args.config).items():
+    for name, path in main(args.steps, args.out, args.config, args.accumulate).items():
         print(f"{name}: {path}")

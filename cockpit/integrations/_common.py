@@ -13,6 +13,7 @@ from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
 from cockpit.errors import CockpitWarning
+from cockpit.needs import Need
 from cockpit.quantities.base import Quantity
 from cockpit.utils.configuration import configuration
 
@@ -124,3 +125,43 @@ def default_logpath(directory: str | os.PathLike | None) -> str:
 def learning_rate(optimizer: torch.optim.Optimizer) -> float:
     """The learning rate of the optimizer's first parameter group."""
     return float(optimizer.param_groups[0]["lr"])
+
+
+def replays_update(quantity: Quantity) -> bool:
+    """Whether ``quantity`` replays the optimizer's update from ``.grad`` (Alpha).
+
+    Its value started at a step is finished at the next one (``discard_start``).
+    """
+    return Need.OPTIMIZER_UPDATE in frozenset(quantity.needs) and hasattr(
+        quantity, "discard_start"
+    )
+
+
+class ScaleNewGradients:
+    """Multiplies the gradients a coming backward pass adds by ``factor``.
+
+    Made before the backward pass: a ``.grad`` that is ``None`` is multiplied in
+    place by :meth:`apply`; one that held values keeps them and gets the new part
+    scaled.
+
+    Args:
+        params: The parameters whose gradients the backward pass adds to.
+        factor: A number or a 0-dim tensor (on the gradients' device).
+    """
+
+    def __init__(self, params: Iterable[Tensor], factor: float | Tensor):
+        self.factor = factor
+        self.before = [
+            (p, None if p.grad is None else p.grad.detach().clone()) for p in params
+        ]
+
+    def apply(self) -> None:
+        """Scale what the backward pass added (once, after it)."""
+        with torch.no_grad():
+            for p, old in self.before:
+                if p.grad is None:
+                    continue
+                if old is None:
+                    p.grad.mul_(self.factor)
+                else:
+                    p.grad.sub_(old).mul_(self.factor).add_(old)

@@ -22,10 +22,39 @@ loss itself in ``compute_loss``: it calls the model without ``labels`` and appli
 ``reduction="none"`` on the detached logits, so no extra forward pass runs. For
 classification (logits ``[N, C]``) and token classification (``[N, T, C]``,
 moved to ``[N, C, T]``) this is the loss the model computes itself (for tokens:
-when no label is ignored). The step is opened (:meth:`~cockpit.Cockpit.begin`)
-after ``compute_loss`` and closed (:meth:`~cockpit.Cockpit.end`) when
-``training_step`` returns, i.e. around ``accelerator.backward``; the learning rate
-is recorded at every step.
+when no label is ignored). The mixin tells the ``Trainer`` that this loss is the
+batch's mean (``loss_is_scaled_for_ga = False`` during the training step; the
+Trainer would otherwise take it for a sum over ``num_items_in_batch``). The step is
+opened (:meth:`~cockpit.Cockpit.begin`) and closed (:meth:`~cockpit.Cockpit.end`)
+inside the Trainer's call of ``accelerator.backward``; the learning rate is recorded
+at every step.
+
+Gradient accumulation (``gradient_accumulation_steps=k > 1``): one micro-batch is
+tracked per optimizer step, the first of each accumulation window (its ``.grad``
+starts at zero: the Trainer zeroes the gradients after each step), under the
+optimizer step's ``state.global_step``, as cockpit's own loop rules say. Every
+micro-batch's loss is the mixin's mean loss, and the Trainer divides it by the
+window's micro-batches (``k``, fewer in the last window of an epoch), so an
+optimizer step's gradient is the mean of the micro-batches' mean-loss gradients,
+as in Lightning or a plain loop. (The plain ``Trainer`` does the same with the
+model's own loss for models without ``**kwargs`` in ``forward``. To models with
+them it passes the labels counted over the window, ``num_items_in_batch``, and does
+not divide: a loss that divides its sum by that count gives the window's mean (the
+same as the mixin's when every micro-batch counts as many labels), one that
+ignores it, as BERT's sequence classification does, adds the micro-batches' mean
+losses, ``k`` times the mixin's gradient.) On the tracked micro-batch the
+backward pass runs on the undivided mean loss inside the cockpit's step, and the
+new gradients are multiplied right after by the factor the Trainer put on the loss
+(``d loss / d mean``, ``1/k``), before anything else sees them: every value
+describes the micro-batch's mean loss, and the optimizer gets what the Trainer
+would give it (bit for bit when ``k`` is a power of two, otherwise to the last bit
+of rounding). A loss given to ``accelerator.backward`` that is not that mean loss
+times a constant (a ``training_step`` override adding terms) is an error. Values
+read from the parameters (``Distance``, ``UpdateSize``) span whole optimizer steps.
+``Alpha`` replays the optimizer's update from the tracked micro-batch's gradient,
+but the step uses the whole window: it is recorded as missing on such steps (with
+the reason, :meth:`~cockpit.Cockpit.missing`; a ``CockpitWarning`` names the fix
+once); on a window of one micro-batch it has its value.
 
 Which parameters are tracked: per-sample gradients exist in BackPACK for some layer
 types only, and transformers also hold LayerNorm, position embeddings (shared by
@@ -41,9 +70,10 @@ through every layer, which attention blocks do not allow.
 With ``report_to=["tensorboard"]`` the cockpit's values are exported into the run's
 TensorBoard directory when training ends (:mod:`cockpit.integrations.tensorboard`).
 
-Not supported (the trainer says so): ``gradient_accumulation_steps > 1`` (warns,
-tracks nothing), several processes or GPUs (error), and models whose output has no
-``logits``. A run resumed from a checkpoint starts a fresh cockpit and a second log
+Not supported (the trainer says so): several processes or GPUs (error), models
+whose output has no ``logits``, and ``gradient_accumulation_steps > 1`` with a
+transformers version whose ``Trainer`` has no ``loss_is_scaled_for_ga`` (warns,
+tracks nothing). A run resumed from a checkpoint starts a fresh cockpit and a second log
 (``cockpit_from_step_<k>.jsonl``), so the first run's log is kept.
 """
 
@@ -52,16 +82,19 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
+import torch
 from backpack import extend
 from torch import Tensor, nn
 from transformers import Trainer
 
 from cockpit.cockpit import Cockpit
 from cockpit.integrations._common import (
+    ScaleNewGradients,
     default_logpath,
     default_quantities,
     learning_rate,
     per_sample_losses,
+    replays_update,
     warn,
 )
 from cockpit.quantities.base import Quantity
@@ -111,10 +144,16 @@ class CockpitTrainerMixin:
         self.cockpit_params = None if cockpit_params is None else list(cockpit_params)
         self.cockpit: Cockpit | None = None
         self._cockpit_tracking = True
-        self._cockpit_in_step = False
+        self._cockpit_in_step = False  # in training_step: compute_loss is the mixin's
+        self._cockpit_track = False  # and this micro-batch is tracked
+        self._cockpit_window: int | None = None  # global_step of the last micro-batch
+        self._cockpit_model: nn.Module | None = None
+        self._cockpit_pending: tuple[int, dict, Tensor] | None = None
         self._cockpit_open: int | None = None
         self._cockpit_backward = None
+        self._cockpit_declared: tuple[Any] | None = None
         self._cockpit_warned_labels = False
+        self._cockpit_warned_backward = False
 
     # --- set-up -----------------------------------------------------------------------
     def _cockpit_setup(self, model: nn.Module) -> None:
@@ -126,14 +165,15 @@ class CockpitTrainerMixin:
                 "of one process do not describe a data-parallel step. Fix: debug "
                 "on one device (CUDA_VISIBLE_DEVICES=0, no torchrun)."
             )
-        if args.gradient_accumulation_steps > 1:
+        k = args.gradient_accumulation_steps
+        if k > 1 and not hasattr(Trainer, "loss_is_scaled_for_ga"):
             warn(
-                f"CockpitTrainer tracks nothing in this run: gradient_accumulation_"
-                f"steps={args.gradient_accumulation_steps} sums the gradients of "
-                "several micro-batches into one step and cockpit's per-sample "
-                "statistics see one micro-batch. Fix: while debugging, use "
-                "gradient_accumulation_steps=1 and per_device_train_batch_size set "
-                "to the effective batch size (or smaller)."
+                f"CockpitTrainer tracks nothing in this run: with gradient_"
+                f"accumulation_steps={k} it must tell the Trainer that its loss is "
+                "a per-micro-batch mean (Trainer.loss_is_scaled_for_ga), which this "
+                "transformers version does not have. Fix: upgrade transformers, or "
+                "debug with gradient_accumulation_steps=1 and "
+                "per_device_train_batch_size set to the effective batch size."
             )
             self._cockpit_tracking = False
         if args.fp16:
@@ -161,36 +201,40 @@ class CockpitTrainerMixin:
 
     # --- the step ---------------------------------------------------------------------
     def training_step(self, model, inputs, *args, **kwargs):
-        """Run Trainer's training step with the cockpit step around its backward."""
+        """Run Trainer's training step; track the first micro-batch of each step."""
         if self.cockpit is None:
             self._cockpit_setup(model)
+        step = self.state.global_step  # counts optimizer steps: new in a new window
+        first, self._cockpit_window = step != self._cockpit_window, step
         self._cockpit_in_step = self._cockpit_tracking
+        self._cockpit_track = self._cockpit_tracking and first
+        self._cockpit_model = model
         try:
-            loss = super().training_step(model, inputs, *args, **kwargs)
+            result = super().training_step(model, inputs, *args, **kwargs)
         except BaseException as error:
-            self._cockpit_in_step = False
-            self._cockpit_restore_backward()
             if self._cockpit_open is not None:
                 self._cockpit_open = None
+                self._cockpit_restore_backward()
                 self.cockpit.end(error)  # abandons the step, re-raises the error
             raise
-        self._cockpit_in_step = False
-        self._cockpit_restore_backward()
-        if self._cockpit_open is not None:
-            step, self._cockpit_open = self._cockpit_open, None
-            self.cockpit.end()
-            lr = learning_rate(self.optimizer)
-            epoch = int(self.state.epoch or 0)
-            self.cockpit.log(step, epoch, None, None, None, None, None, None, lr)
-        return loss
+        else:
+            if self._cockpit_pending is not None:
+                self._cockpit_warn_no_backward()
+            return result
+        finally:
+            self._cockpit_in_step = self._cockpit_track = False
+            self._cockpit_pending = self._cockpit_model = None
+            self._cockpit_restore_backward()
+            self._cockpit_undeclare()
 
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-        """Compute the loss with ``cockpit_loss_fn`` and open the cockpit step.
+        """Compute the loss with ``cockpit_loss_fn``; prepare the tracked step.
 
-        Outside training steps (evaluation) this is the ``Trainer``'s own loss.
+        Outside training steps (evaluation), and for batches without ``labels``,
+        this is the ``Trainer``'s own loss.
         """
         if self._cockpit_in_step and "labels" not in inputs:
-            self._cockpit_in_step = False
+            self._cockpit_in_step = self._cockpit_track = False
             if not self._cockpit_warned_labels:
                 self._cockpit_warned_labels = True
                 warn(
@@ -200,7 +244,8 @@ class CockpitTrainerMixin:
                 )
         if not self._cockpit_in_step:
             return super().compute_loss(model, inputs, return_outputs, **kwargs)
-        self._cockpit_in_step = False  # one cockpit step per training step
+        self._cockpit_in_step = False  # one loss per training step
+        track, self._cockpit_track = self._cockpit_track, False
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         outputs = model(**inputs)
@@ -208,27 +253,96 @@ class CockpitTrainerMixin:
         if logits.dim() > 2:  # [N, T, C] -> [N, C, T], as CrossEntropyLoss wants it
             logits = logits.movedim(-1, 1)
         loss = self.cockpit_loss_fn(logits, labels)
-        individual = per_sample_losses(self.cockpit_loss_fn, (logits, labels))
-        step = self.state.global_step
-        if self.cockpit.create_graph(step):
-            self._cockpit_create_graph()
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        info = {"loss": loss, "individual_losses": individual,
-                "batch_size": individual.shape[0], "optimizer": optimizer}  # fmt: skip
-        self.cockpit.begin(step, info=info)
-        self._cockpit_open = step
+        self._cockpit_declare_mean()
+        if track:
+            individual = per_sample_losses(self.cockpit_loss_fn, (logits, labels))
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+            info = {"loss": loss, "individual_losses": individual,
+                    "batch_size": len(individual), "optimizer": optimizer}  # fmt: skip
+            self._cockpit_pending = (self.state.global_step, info, loss)
+            self._cockpit_patch_backward()
         return (loss, outputs) if return_outputs else loss
 
-    def _cockpit_create_graph(self) -> None:
-        """Let this step's ``accelerator.backward`` keep the graph (HessMaxEV)."""
+    def _cockpit_warn_no_backward(self) -> None:
+        if not self._cockpit_warned_backward:
+            self._cockpit_warned_backward = True
+            warn(
+                f"CockpitTrainer tracked nothing at step {self.state.global_step}: "
+                "the training step ran no accelerator.backward, inside which the "
+                "cockpit's step runs. Fix: in an override of training_step, call "
+                "self.accelerator.backward(loss) (not loss.backward()), or call "
+                "super().training_step."
+            )
+
+    def _cockpit_declare_mean(self) -> None:
+        """Tell the Trainer that the loss is the micro-batch's mean, undivided.
+
+        ``loss_is_scaled_for_ga = False`` until the training step ends: the Trainer
+        then divides the loss by the micro-batches of the accumulation window.
+        """
+        if self._cockpit_declared is None:
+            saved = self.__dict__.get("loss_is_scaled_for_ga", _UNSET)
+            self._cockpit_declared = (saved,)
+            self.loss_is_scaled_for_ga = False
+
+    def _cockpit_undeclare(self) -> None:
+        if self._cockpit_declared is not None:
+            (saved,), self._cockpit_declared = self._cockpit_declared, None
+            if saved is _UNSET:
+                self.__dict__.pop("loss_is_scaled_for_ga", None)
+            else:
+                self.loss_is_scaled_for_ga = saved
+
+    def _cockpit_patch_backward(self) -> None:
+        """Make the step's ``accelerator.backward`` the tracked backward pass.
+
+        It backpropagates the micro-batch's mean loss (the loss ``compute_loss``
+        returned) inside the cockpit's step, with ``create_graph=True`` where a
+        quantity needs it, closes the step, and then multiplies the new gradients
+        by the factor the Trainer put on that loss (one over the window's
+        micro-batches), so the optimizer gets what the Trainer would give it.
+        """
         accelerator = self.accelerator
         original = accelerator.backward
 
         def backward(loss: Tensor, **kwargs: Any) -> None:
-            return original(loss, create_graph=True, **kwargs)
+            self._cockpit_restore_backward()
+            (step, info, mean), self._cockpit_pending = self._cockpit_pending, None
+            factor = _factor(loss, mean)
+            if self.cockpit.create_graph(step):
+                kwargs["create_graph"] = True
+            trained = [p for p in self._cockpit_model.parameters() if p.requires_grad]
+            rescale = None if factor is None else ScaleNewGradients(trained, factor)
+            self.cockpit.begin(step, info=info)
+            self._cockpit_open = step
+            original(mean, **kwargs)
+            self._cockpit_close(rescale)
 
         accelerator.backward = backward
         self._cockpit_backward = accelerator
+
+    def _cockpit_close(self, rescale: ScaleNewGradients | None) -> None:
+        """End the cockpit's step, hand the Trainer its gradients, record the LR."""
+        step, self._cockpit_open = self._cockpit_open, None
+        try:
+            self.cockpit.end()
+        finally:
+            if rescale is not None:
+                rescale.apply()
+        k = self.args.gradient_accumulation_steps
+        if getattr(self, "current_gradient_accumulation_steps", k) > 1:
+            # the optimizer step uses the whole window: no update to replay
+            started = [
+                q
+                for q in self.cockpit.quantities
+                if replays_update(q) and q.is_end(step + 1)  # a value started here
+            ]
+            self.cockpit.missing(
+                step, started, _accumulation_reason(k), cause="accumulation"
+            )
+        lr = learning_rate(self.optimizer)
+        epoch = int(self.state.epoch or 0)
+        self.cockpit.log(step, epoch, None, None, None, None, None, None, lr)
 
     def _cockpit_restore_backward(self) -> None:
         if self._cockpit_backward is not None:
@@ -262,6 +376,54 @@ class CockpitTrainerMixin:
 
 class CockpitTrainer(CockpitTrainerMixin, Trainer):
     """``transformers.Trainer`` with cockpit (see :class:`CockpitTrainerMixin`)."""
+
+
+_UNSET = object()
+
+
+def _accumulation_reason(k: int) -> str:
+    """Why a quantity that replays the optimizer's update has no value (``k > 1``)."""
+    return (
+        f"with gradient_accumulation_steps={k} the optimizer step uses the gradients "
+        "of every micro-batch of the accumulation window, but the cockpit tracks the "
+        "first micro-batch only, so the update it replayed from that gradient is not "
+        "the step taken. Fix: gradient_accumulation_steps=1 (with "
+        "per_device_train_batch_size the effective batch size) while debugging with "
+        "Alpha, or drop Alpha"
+    )
+
+
+def _factor(loss: Tensor, mean: Tensor) -> Tensor | None:
+    """``d loss / d mean`` where ``loss`` is ``mean`` times or divided by constants.
+
+    ``None`` if ``loss`` is ``mean``. The Trainer divides the mean loss of a
+    micro-batch by the accumulation steps before the backward pass.
+
+    Raises:
+        RuntimeError: If ``loss`` is anything else of ``mean``: then the gradients
+            of ``mean`` are not those the Trainer asked for.
+    """
+    if loss is mean:
+        return None
+    node = loss.grad_fn
+    while node is not mean.grad_fn:
+        inputs = [] if node is None else [f for f, _ in node.next_functions if f]
+        if type(node).__name__ not in _SCALINGS or len(inputs) != 1:
+            raise RuntimeError(
+                "CockpitTrainer: the loss given to accelerator.backward is not the "
+                "loss compute_loss returned, multiplied or divided by constants, so "
+                "the cockpit cannot describe the micro-batch's mean loss and hand the "
+                "Trainer its gradients. Fix: pass the loss of the mixin's "
+                "compute_loss unchanged (scaled as you like) to accelerator.backward, "
+                "and put other terms into cockpit_loss_fn (a mean-reduced loss "
+                "module)."
+            )
+        node = inputs[0]
+    (factor,) = torch.autograd.grad(loss, mean, retain_graph=True)
+    return factor
+
+
+_SCALINGS = ("DivBackward0", "MulBackward0")
 
 
 def _extend_owners(model: nn.Module, params: Iterable) -> None:
