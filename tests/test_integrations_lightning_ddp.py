@@ -116,8 +116,13 @@ class Dump(pl.Callback):
         self.cockpit_callback, self.outdir = cockpit_callback, outdir
 
     def on_train_end(self, trainer, pl_module):
+        from cockpit import CockpitPlotter
+
         cockpit = self.cockpit_callback.cockpit
+        plots = os.path.join(self.outdir, "plots")  # the live dashboard, as users do
+        plotted = CockpitPlotter().plot(cockpit, save_plot=True, savedir=plots)
         payload = {
+            "plotted": plotted,
             "history": cockpit.history.to_dict(),
             "data_parallel": cockpit.data_parallel,
             "is_writer": cockpit.is_writer,
@@ -270,7 +275,11 @@ def test_ddp_spawn_logs_what_one_process_logs_on_the_joined_batch(tmp_path):
         _same(logged, _as_json(result["history"]), "rank", problems, rel=0.0)
         assert not problems, "\n".join(problems[:20])
 
-    # only rank 0 wrote files: the log, and TensorBoard through the logger
+    # only rank 0 wrote files: the log, the dashboard, TensorBoard (the logger's)
+    assert first["plotted"] and second["plotted"] == []
+    assert sorted(os.listdir(tmp_path / "plots")) == sorted(
+        os.path.basename(path) for path in first["plotted"]
+    )
     files = sorted(
         os.path.relpath(os.path.join(d, f), tmp_path)
         for d, _, names in os.walk(tmp_path)

@@ -66,9 +66,21 @@ those steps. If you override ``backward``, forward the keyword arguments
 (``def backward(self, loss, *args, **kwargs): loss.backward(*args, **kwargs)``);
 an override without ``**kwargs`` gets a warning and HessMaxEV fails on its step.
 
+DDP (``Trainer(strategy="ddp" or "ddp_spawn", devices=N)``): ``on_fit_start`` runs
+after the strategy initialised ``torch.distributed`` and wrapped the model, so the
+cockpit joins the processes (``docs/distributed.md``): every value describes the
+joined batch of all processes, every process holds the same values (the metrics are
+rank 0's), and rank 0 alone streams the log, exports to TensorBoard and warns.
+``HessMaxEV`` is computed before the backward pass (DDP cannot run one with
+``create_graph=True``). With accumulation the tracked micro-batch runs inside DDP's
+``no_sync()``; the cockpit then joins the processes' own gradients itself. With
+``ddp_spawn`` the cockpit lives in the spawned processes (``callback.cockpit`` of
+the launching process stays ``None``): read the log file after ``fit``.
+
 Not supported (the callback says so): manual optimisation (warns, tracks nothing)
-and multi-process strategies such as DDP (error at setup). A checkpoint holds the
-cockpit's state; resuming from it continues the run and appends to the same log.
+and strategies that shard the model, e.g. FSDP or DeepSpeed (error at setup). A
+checkpoint holds the cockpit's state; resuming from it continues the run and appends
+to the same log.
 """
 
 from __future__ import annotations
@@ -251,6 +263,9 @@ class CockpitCallback(Callback):
     Attributes:
         cockpit: The :class:`~cockpit.Cockpit` (created at ``on_fit_start``), e.g.
             for ``CockpitPlotter().plot(callback.cockpit)`` or ``get_output()``.
+            Under DDP one per process, each with the same values (the plotter
+            draws on rank 0 only); with ``ddp_spawn`` it lives in the spawned
+            processes.
     """
 
     def __init__(
