@@ -330,8 +330,9 @@ class Cockpit:
                 ``no_sync()`` (gradient accumulation), so ``.grad`` holds this
                 process's own gradient. The cockpit then catches each process's
                 gradient and joins them itself (one all-reduce of the gradient's
-                size). Pass the same value on every process; ignored in a single
-                process.
+                size). Pass the same value on every process; ``True`` outside
+                ``no_sync()`` is still right (only costs the all-reduce); ignored
+                in a single process.
 
         Yields:
             Nothing; run the backward pass inside the ``with`` block.

@@ -237,8 +237,9 @@ class StepRun:
         self.communicator = communicator
         #: The backward pass runs inside DDP's ``no_sync()``: ``.grad`` is this
         #: process's own gradient, so the joined one is formed from the shards'.
-        self.no_sync = bool(no_sync) and communicator is not None
-        self.no_sync = self.no_sync and not communicator.local
+        self.no_sync = bool(
+            no_sync and communicator is not None and not communicator.local
+        )
         #: The data-parallel step, once the header is exchanged in :meth:`open`.
         self.shared: distributed.StepComm | None = None
         self._captured: dict[int, Tensor] = {}
