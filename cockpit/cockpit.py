@@ -314,7 +314,9 @@ class Cockpit:
 
     # --- the step --------------------------------------------------------------------
     @contextlib.contextmanager
-    def __call__(self, global_step: int, *extensions, info=None, debug=False):
+    def __call__(
+        self, global_step: int, *extensions, info=None, debug=False, no_sync=False
+    ):
         """Context manager around ``loss.backward()`` of step ``global_step``.
 
         Args:
@@ -324,6 +326,13 @@ class Cockpit:
             info: The step's ``batch_size``, ``individual_losses``, ``loss`` and
                 ``optimizer`` (each quantity reads only what it needs).
             debug: Print the step's plan and turn on BackPACK's debug output.
+            no_sync: Data-parallel runs: the backward pass runs inside DDP's
+                ``no_sync()`` (gradient accumulation), so ``.grad`` holds this
+                process's own gradient. The cockpit then catches each process's
+                gradient and joins them itself (one all-reduce of the gradient's
+                size). Pass the same value on every process; ``True`` outside
+                ``no_sync()`` is still right (only costs the all-reduce); ignored
+                in a single process.
 
         Yields:
             Nothing; run the backward pass inside the ``with`` block.
@@ -336,7 +345,7 @@ class Cockpit:
                 quantities due at this step, e.g. BatchNorm in train mode.
             RuntimeError: If the model or the loss function is not extended.
         """
-        self.begin(global_step, *extensions, info=info, debug=debug)
+        self.begin(global_step, *extensions, info=info, debug=debug, no_sync=no_sync)
         try:
             yield
         except BaseException as error:
@@ -344,7 +353,9 @@ class Cockpit:
             raise
         self.end()
 
-    def begin(self, global_step: int, *extensions, info=None, debug=False) -> None:
+    def begin(
+        self, global_step: int, *extensions, info=None, debug=False, no_sync=False
+    ) -> None:
         """Open step ``global_step`` without a ``with`` block (for callbacks).
 
         ``cockpit.begin(step, info=...)``, ``loss.backward(...)``,
@@ -383,6 +394,7 @@ class Cockpit:
                 max_elements=self.PER_SAMPLE_MAX_ELEMENTS,
                 probes=self.HUTCHINSON_PROBES,
                 communicator=self._communicator,
+                no_sync=no_sync,
             )
         except BaseException:  # e.g. a missing info key: nothing of the step stays
             self.recorder.discard()

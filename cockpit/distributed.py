@@ -556,8 +556,9 @@ def _check_header(rows: list[list[int]], global_step: int, plan) -> list[int]:
         odd = [r for r, p in enumerate(plans) if p != plans[0]]
         raise DistributedError(
             f"cockpit at step {global_step}: rank(s) {odd} plan different work than "
-            "rank 0 (other quantities, schedules or info). Fix: create the Cockpit "
-            "with the same quantities on every process."
+            "rank 0 (other quantities, schedules or info, or no_sync on some ranks "
+            "only). Fix: create the Cockpit with the same quantities on every "
+            "process, and pass the same no_sync everywhere."
         )
     counts = [row[1] for row in rows]
     if min(counts) <= 0:

@@ -230,10 +230,16 @@ class StepRun:
         max_elements: int = autograd_engine.DEFAULT_MAX_ELEMENTS,
         probes: int = autograd_engine.DEFAULT_PROBES,
         communicator: distributed.Communicator | None = None,
+        no_sync: bool = False,
     ):
         self.plan, self.info, self.params = plan, info, params
         #: cockpit's collectives in a data-parallel run (``None``: one process).
         self.communicator = communicator
+        #: The backward pass runs inside DDP's ``no_sync()``: ``.grad`` is this
+        #: process's own gradient, so the joined one is formed from the shards'.
+        self.no_sync = bool(
+            no_sync and communicator is not None and not communicator.local
+        )
         #: The data-parallel step, once the header is exchanged in :meth:`open`.
         self.shared: distributed.StepComm | None = None
         self._captured: dict[int, Tensor] = {}
@@ -385,6 +391,7 @@ class StepRun:
             f"{q.key}:{sorted(n.name for n in q.needs_at(step))}"
             for q in self.plan.active
         )
+        plan_text += f";no_sync={self.no_sync}"  # the joined gradient's collective
         return distributed.start_header(self.communicator, step, n_local, plan_text)
 
     def _prepare_shared(self) -> None:
@@ -395,8 +402,10 @@ class StepRun:
         forward graph, which the user's backward pass frees: the quantities that
         need them (HessMaxEV) are computed here, before it, from this shard's
         gradient with its graph (each product averaged over the processes). With
-        shards of different sizes, each parameter's local gradient is caught on
-        its way to DDP, to weight the shards by their size afterwards.
+        shards of different sizes, or inside DDP's ``no_sync()`` (where ``.grad``
+        stays this process's own), each parameter's local gradient is caught on
+        its way to DDP, to join the shards' gradients (weighted by their sizes)
+        afterwards.
         """
         shared, step = self.shared, self.plan.global_step
         last = [q for q in self.plan.last if id(q) not in self._skip]
@@ -420,23 +429,30 @@ class StepRun:
                     except Exception as error:  # handled where it is recorded
                         self._early[id(quantity)] = (None, error)
             shared.graph_gradients = None  # frees the double-backward graph
-        if self.communicator.local or not shared.settled or shared.uneven:
+        if (
+            self.communicator.local
+            or self.no_sync
+            or not shared.settled
+            or shared.uneven
+        ):
             for index, param in enumerate(self.params):
                 self._capture_hooks.append(param.register_hook(self._catcher(index)))
 
     def _catcher(self, index: int):
         """A hook that keeps parameter ``index``'s local gradient where needed.
 
-        Rank-local runs always need it (``.grad`` becomes DDP's average). In
-        data-parallel runs only shards of different sizes do. The hook never
+        Rank-local runs (``.grad`` becomes DDP's average) and steps inside DDP's
+        ``no_sync()`` (``.grad`` stays this process's own) always need it; other
+        data-parallel steps only with shards of different sizes. The hook never
         waits for the header (the backward pass goes on while it travels): until
         it has arrived with equal shard sizes, gradients are kept, and
         :meth:`_share` drops them if the shards turn out even.
         """
         shared = self.shared
+        always = self.communicator.local or self.no_sync
 
         def catch(grad):
-            if self.communicator.local or not shared.known_even():
+            if always or not shared.known_even():
                 self._captured[index] = grad.detach().clone()
 
         return catch
@@ -467,16 +483,16 @@ class StepRun:
                 for i, p in enumerate(self.params)
             ]
             self._captured.clear()
-        elif shared.uneven:
+        elif shared.uneven or self.no_sync:  # .grad is not the joined gradient
             local = [self._captured.get(i) for i in range(len(self.params))]
             shared.gradients = distributed.joined_gradients(shared, local, self.params)
             self._captured.clear()
         else:
             self._captured.clear()  # kept while the header travelled: not needed
             shared.gradients = gradients(self.params)
-        if not self.communicator.local and not getattr(
+        if not (self.communicator.local or self.no_sync) and not getattr(
             self.communicator, "checked_gradients", False
-        ):
+        ):  # inside no_sync() the processes' .grad differ by design
             self._check_synchronised(shared)
         ctx = TrackContext(step, self.params, info, comm=shared, grads=shared.gradients)
         bucket = distributed.Bucket(shared)
@@ -530,9 +546,10 @@ class StepRun:
                 f"cockpit at step {shared.global_step}: the gradients differ across "
                 f"processes (checksums from {low:.6g} to {high:.6g}), so the "
                 "parameters are not trained data-parallel. Fix: wrap the model in "
-                "torch.nn.parallel.DistributedDataParallel (and do not track steps "
-                "inside no_sync()), or pass Cockpit(..., process_group=None) for "
-                "values of each process's own shard."
+                "torch.nn.parallel.DistributedDataParallel (a step tracked inside "
+                "its no_sync() needs `with cockpit(step, info=..., no_sync=True)`), "
+                "or pass Cockpit(..., process_group=None) for values of each "
+                "process's own shard."
             )
 
     def _run_autograd(self, indices: list[int], losses: Tensor) -> None:

@@ -113,6 +113,26 @@ def test_every_value_equals_one_process_on_the_joined_batch(
     assert _leaves(want) > 200  # the comparison covered many values
 
 
+def test_a_micro_batch_tracked_inside_no_sync_describes_the_joined_batch(tmp_path):
+    """Gradient accumulation with DDP: the tracked micro-batch runs inside
+    ``no_sync()``, where ``.grad`` is each process's own; with ``no_sync=True`` the
+    cockpit joins the processes' gradients itself. Every value (full configuration,
+    with Alpha recorded as missing: ``.grad`` changes before the step) equals one
+    process on the joined micro-batches, on every rank."""
+    case = {"model": "mlp", "optimizer": "sgd", "sizes": [8] * 6}
+    results = ddp.launch(ddp.ddp_accumulating_history, 2, tmp_path, case=case)
+    want = _as_json(ddp.train_accumulating(case).history.to_dict())
+    assert list(want) == ["0", "1", "2"]
+    assert {"GradNorm", "Variance", "HessMaxEV", "InnerTest", "CABS"} <= set(want["1"])
+    assert "Alpha" in want["0"]["missing"]  # .grad changed before optimizer.step()
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, "\n".join(problems[:20])
+    assert _leaves(want) > 100
+
+
 def _errors(results):
     return {r["rank"]: r.get("error", "") for r in results}
 
@@ -124,6 +144,8 @@ def _errors(results):
         ("schedules", "schedules of rank(s) [1] differ"),
         ("steps", "first step of rank(s) [1] differ"),
         ("no-ddp", "gradients differ across processes"),
+        ("inside-no-sync", "no_sync=True"),
+        ("no-sync-one-rank", "plan different work than rank 0"),
     ],
 )
 def test_processes_that_disagree_fail_with_a_clear_error_on_every_rank(

@@ -531,10 +531,11 @@ def test_an_override_of_backward_with_kwargs_gets_create_graph(tmp_path):
     assert "backward" not in trainer.lightning_module.__dict__  # restored
 
 
-def test_multi_process_strategies_are_refused(tmp_path):
-    callback = CockpitCallback()
-    trainer = _trainer(tmp_path, callback, strategy="ddp_spawn", devices=2)
-    with pytest.raises(RuntimeError, match="single-device"):
+def test_ddp_strategies_are_accepted(tmp_path):
+    """(Trained under DDP in tests/test_integrations_lightning_ddp.py.)"""
+    for strategy in ("ddp", "ddp_spawn"):
+        callback = CockpitCallback()
+        trainer = _trainer(tmp_path, callback, strategy=strategy, devices=2)
         callback.setup(trainer, Classifier(_net()), "fit")
 
 

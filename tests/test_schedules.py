@@ -32,3 +32,15 @@ def test_invalid_types():
         linear(1.5)
     with pytest.raises(ValueError, match="start <= end"):
         logarithmic(2, 1)
+
+
+def test_schedules_survive_pickling():
+    """Process launchers (Lightning's ddp_spawn) pickle quantities with schedules."""
+    import pickle
+
+    for schedule in (linear(3, offset=-1), logarithmic(0, 2, steps=5)):
+        copy = pickle.loads(pickle.dumps(schedule))
+        assert [t for t in range(150) if copy(t)] == [
+            t for t in range(150) if schedule(t)
+        ]
+        assert repr(copy) == repr(schedule) and copy.__doc__ == schedule.__doc__

@@ -66,9 +66,21 @@ those steps. If you override ``backward``, forward the keyword arguments
 (``def backward(self, loss, *args, **kwargs): loss.backward(*args, **kwargs)``);
 an override without ``**kwargs`` gets a warning and HessMaxEV fails on its step.
 
+DDP (``Trainer(strategy="ddp" or "ddp_spawn", devices=N)``): ``on_fit_start`` runs
+after the strategy initialised ``torch.distributed`` and wrapped the model, so the
+cockpit joins the processes (``docs/distributed.md``): every value describes the
+joined batch of all processes, every process holds the same values (the metrics are
+rank 0's), and rank 0 alone streams the log, exports to TensorBoard and warns.
+``HessMaxEV`` is computed before the backward pass (DDP cannot run one with
+``create_graph=True``). With accumulation the tracked micro-batch runs inside DDP's
+``no_sync()``; the cockpit then joins the processes' own gradients itself. With
+``ddp_spawn`` the cockpit lives in the spawned processes (``callback.cockpit`` of
+the launching process stays ``None``): read the log file after ``fit``.
+
 Not supported (the callback says so): manual optimisation (warns, tracks nothing)
-and multi-process strategies such as DDP (error at setup). A checkpoint holds the
-cockpit's state; resuming from it continues the run and appends to the same log.
+and strategies that shard the model, e.g. FSDP or DeepSpeed (error at setup). A
+checkpoint holds the cockpit's state; resuming from it continues the run and appends
+to the same log.
 """
 
 from __future__ import annotations
@@ -80,8 +92,9 @@ from typing import Any, Iterable, Mapping
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from cockpit.cockpit import LOG_KEYS, Cockpit
 from cockpit.integrations._common import (
@@ -150,6 +163,17 @@ def _grad_norms(params: list[Tensor]) -> Tensor | None:
         )
 
 
+def _synchronises(trainer: pl.Trainer) -> bool:
+    """Whether DDP all-reduces the coming backward pass (``False`` in ``no_sync``).
+
+    Lightning runs the micro-batches of an accumulation window before the last
+    inside ``DistributedDataParallel.no_sync()``, which clears the wrapper's
+    ``require_backward_grad_sync`` (checked here, in ``on_before_backward``).
+    """
+    model = getattr(trainer.strategy, "model", None)
+    return bool(getattr(model, "require_backward_grad_sync", True))
+
+
 def _version(grad: Tensor | None) -> int | None:
     return None if grad is None else grad._version
 
@@ -206,6 +230,17 @@ class _Unscale:
                     p.grad.sub_(old).div_(self.k).add_(old)
 
 
+def _strategy_message(strategy, world_size: int) -> str:
+    return (
+        f"CockpitCallback supports single-device training and DDP, got the "
+        f"{type(strategy).__name__} strategy with {world_size} process(es), which "
+        "cockpit cannot follow (it needs every parameter whole on every process, "
+        "each process a shard of the batch). Fix: debug with Trainer(strategy="
+        "'ddp') (or 'ddp_spawn', or devices=1), then train at scale without the "
+        "callback."
+    )
+
+
 class CockpitCallback(Callback):
     """Track cockpit quantities during ``Trainer.fit`` (automatic optimisation).
 
@@ -228,6 +263,9 @@ class CockpitCallback(Callback):
     Attributes:
         cockpit: The :class:`~cockpit.Cockpit` (created at ``on_fit_start``), e.g.
             for ``CockpitPlotter().plot(callback.cockpit)`` or ``get_output()``.
+            Under DDP one per process, each with the same values (the plotter
+            draws on rank 0 only); with ``ddp_spawn`` it lives in the spawned
+            processes.
     """
 
     def __init__(
@@ -259,31 +297,55 @@ class CockpitCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._watch: _GradWatch | None = None
         self._warned: set[tuple[str, str]] = set()
+        self._speaks = True  # rank 0 of a DDP run (the callback's own warnings)
 
     # --- set-up ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str):
-        """Refuse strategies the cockpit cannot follow (several processes)."""
+        """Refuse strategies the cockpit cannot follow (sharded models)."""
         if stage != "fit":
             return
-        if trainer.world_size > 1 or not isinstance(
-            trainer.strategy, SingleDeviceStrategy
-        ):
+        self._speaks = trainer.is_global_zero
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise RuntimeError(_strategy_message(strategy, trainer.world_size))
+
+    @staticmethod
+    def _check_data_parallel(trainer: pl.Trainer) -> None:
+        """Several processes: a DDP-wrapped model and a process group of them all."""
+        if trainer.world_size <= 1:
+            return
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel):
             raise RuntimeError(
-                f"CockpitCallback supports single-device training only, got the "
-                f"{type(trainer.strategy).__name__} strategy with "
-                f"{trainer.world_size} process(es): per-sample statistics of one "
-                "process do not describe the step of a data-parallel run. Fix: "
-                "debug on one device (Trainer(devices=1)), then train at scale "
-                "without the callback."
+                _strategy_message(trainer.strategy, trainer.world_size)
+                + f" (its model is a {type(model).__name__}, not torch's "
+                "DistributedDataParallel)"
+            )
+        dist = torch.distributed
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            raise RuntimeError(
+                f"CockpitCallback in a run of {trainer.world_size} processes found no "
+                "torch.distributed process group of them when it created the "
+                "Cockpit, so each process would describe its own shard only. Fix: "
+                "let the DDP strategy initialise torch.distributed (Trainer("
+                "strategy='ddp', devices=N)) before fit starts."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
-        """Extend the model for BackPACK, create the cockpit, hook the loss."""
+        """Extend the model for BackPACK, create the cockpit, hook the loss.
+
+        Under DDP this runs on every process after the strategy initialised the
+        process group and wrapped the model, so the Cockpit joins the processes
+        (``Cockpit(process_group="auto")``); the leaf modules of the
+        ``LightningModule`` inside the wrapper are extended in place.
+        """
+        self._speaks = trainer.is_global_zero
+        self._check_data_parallel(trainer)  # before anything is created
         self._tracking = self._can_track(trainer, pl_module)
         self._tracked_step = None
         extend_for_backpack(pl_module)
         losses = loss_modules(pl_module)
-        if not losses:
+        if not losses and self._speaks:
             warn(
                 "CockpitCallback found no torch.nn loss module in your "
                 f"{type(pl_module).__name__}; BackPACK needs one and cockpit reads "
@@ -296,21 +358,22 @@ class CockpitCallback(Callback):
             trainable_named_parameters(pl_module),
             quantities=self.quantities,
             logpath=self.logpath or default_logpath(trainer.log_dir),
-        )
+        )  # trainer.log_dir is a collective under DDP: every process asks
         if self._pending_state is not None:
             self.cockpit.load_state_dict(self._pending_state)
             self._pending_state = None
 
     def _can_track(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         if not pl_module.automatic_optimization:
-            warn(
-                "CockpitCallback supports automatic optimisation only and tracks "
-                "nothing in this run (manual optimisation). Fix: use a plain "
-                "training loop with `with cockpit(step, info=...)` around your "
-                "manual_backward, or automatic optimisation."
-            )
+            if self._speaks:
+                warn(
+                    "CockpitCallback supports automatic optimisation only and tracks "
+                    "nothing in this run (manual optimisation). Fix: use a plain "
+                    "training loop with `with cockpit(step, info=...)` around your "
+                    "manual_backward, or automatic optimisation."
+                )
             return False
-        if str(trainer.precision).startswith("16"):
+        if str(trainer.precision).startswith("16") and self._speaks:
             warn(
                 f"CockpitCallback with precision={trainer.precision!r}: the loss is "
                 "scaled before the backward pass, so gradient-based quantities are "
@@ -352,8 +415,11 @@ class CockpitCallback(Callback):
             info["batch_size"] = individual.shape[0]
         else:
             self._require_individual_losses(step, pl_module)
-        create_graph = self.cockpit.create_graph(step)
-        self.cockpit.begin(step, info=info)
+        create_graph = self.cockpit.create_graph(step)  # False under DDP
+        # DDP with accumulation: the window's first micro-batch runs in no_sync(),
+        # .grad stays each process's own; the cockpit then joins them itself
+        no_sync = self.cockpit.data_parallel and not _synchronises(trainer)
+        self.cockpit.begin(step, info=info, no_sync=no_sync)
         self._open_step = step
         if create_graph or k > 1:
             self._patch_backward(trainer, pl_module, create_graph, k)
@@ -428,7 +494,7 @@ class CockpitCallback(Callback):
         for q in quantities:
             recorder.note_missing(step, q.key, reason)
             once = (q.key, cause)
-            if once not in self._warned:
+            if once not in self._warned and self._speaks:
                 self._warned.add(once)
                 warn(
                     f"{q.key} has no value at step {step}: {reason}. (Recorded under "
@@ -450,6 +516,9 @@ class CockpitCallback(Callback):
             for key, name in self.metrics.items()
             if name in found
         }
+        if self.cockpit is not None and self.cockpit.data_parallel:
+            # every process records what the writer (rank 0) records
+            values = trainer.strategy.broadcast(values, src=0)
         if values:
             self._log(self._last_log, values)
 
@@ -468,8 +537,8 @@ class CockpitCallback(Callback):
     def on_train_end(self, trainer, pl_module):
         """Close the log; export it to TensorBoard if the trainer logs there."""
         self._finish()
-        if self.cockpit is None:
-            return
+        if self.cockpit is None or not self.cockpit.is_writer:
+            return  # under DDP only rank 0 writes
         writer = self._tensorboard_writer(trainer)
         if writer is not None:
             from cockpit.integrations.tensorboard import export_tensorboard
@@ -516,7 +585,7 @@ class CockpitCallback(Callback):
             for p in inspect.signature(method).parameters.values()
         )
         if create_graph and not accepts:
-            warn(
+            warn(  # (never under DDP: create_graph is False there)
                 f"{type(pl_module).__name__}.backward takes no keyword arguments, so "
                 "CockpitCallback cannot pass create_graph=True, which HessMaxEV "
                 "needs. Fix: def backward(self, loss, *args, **kwargs): "

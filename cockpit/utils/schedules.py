@@ -13,7 +13,11 @@ Schedule = Callable[[int], bool]
 
 
 class _Schedule:
-    """A named step predicate (picklable, with a readable ``repr``)."""
+    """A named step predicate with a readable ``repr``.
+
+    Picklable when ``predicate`` is (the factories' are module-level classes):
+    Lightning's ``ddp_spawn`` and other process launchers pickle the quantities.
+    """
 
     def __init__(self, predicate: Callable[[int], bool], description: str):
         self._predicate = predicate
@@ -25,6 +29,27 @@ class _Schedule:
 
     def __repr__(self) -> str:
         return f"<schedule: {self._description}>"
+
+
+class _Every:
+    """``step - offset >= 0`` and a multiple of ``interval`` (for :func:`linear`)."""
+
+    def __init__(self, interval: int, offset: int):
+        self.interval, self.offset = interval, offset
+
+    def __call__(self, step: int) -> bool:
+        shifted = step - self.offset
+        return shifted >= 0 and shifted % self.interval == 0
+
+
+class _OneOf:
+    """``step`` is one of the given steps (for :func:`logarithmic`)."""
+
+    def __init__(self, steps: frozenset):
+        self.steps = steps
+
+    def __call__(self, step: int) -> bool:
+        return step in self.steps
 
 
 def _check_int(name: str, value, minimum: int | None = None) -> int:
@@ -60,11 +85,9 @@ def linear(interval: int, offset: int = 0) -> Schedule:
     if offset < 0:
         offset = offset % interval
 
-    def predicate(step: int) -> bool:
-        shifted = step - offset
-        return shifted >= 0 and shifted % interval == 0
-
-    return _Schedule(predicate, f"every {interval} step(s) from step {offset}")
+    return _Schedule(
+        _Every(interval, offset), f"every {interval} step(s) from step {offset}"
+    )
 
 
 def logarithmic(
@@ -102,11 +125,7 @@ def logarithmic(
     if init:
         tracked.add(0)
     tracked = frozenset(tracked)
-
-    def predicate(step: int) -> bool:
-        return step in tracked
-
     return _Schedule(
-        predicate,
+        _OneOf(tracked),
         f"{len(tracked)} log-spaced steps in [{min(tracked)}, {max(tracked)}]",
     )

@@ -158,6 +158,61 @@ def train_on(case: dict[str, Any], batches, **cockpit_kwargs) -> Cockpit:
     return train({**case, "batches": batches}, **cockpit_kwargs)
 
 
+def train_accumulating(
+    case: dict[str, Any], rank: int | None = None, world: int | None = None
+) -> Cockpit:
+    """Two micro-batches per optimizer step: the first tracked, the second not.
+
+    With DDP the tracked micro-batch runs inside ``no_sync()`` (``.grad`` stays
+    each process's own) and the cockpit is told so (``no_sync=True``); the second
+    synchronises the accumulated gradients. One process (``rank=None``) gets the
+    same flag, which it ignores.
+    """
+    import contextlib
+
+    model = make_model(case["model"])
+    network = model
+    if rank is not None:
+        network = torch.nn.parallel.DistributedDataParallel(model)
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    optimizer = make_optimizer(case["optimizer"], model.parameters())
+    cockpit = Cockpit(
+        model.parameters(), quantities=make_quantities(case), diagnose=False
+    )
+    batches = joined_batches(case["model"], case["sizes"])
+    for step in range(len(batches) // 2):
+        optimizer.zero_grad()
+        for micro, (x, y) in enumerate(batches[2 * step : 2 * step + 2]):
+            if rank is not None:
+                counts = shard_counts(x.shape[0], world)
+                start = sum(counts[:rank])
+                x, y = x[start : start + counts[rank]], y[start : start + counts[rank]]
+            tracked = micro == 0
+            quiet = rank is not None and tracked
+            with network.no_sync() if quiet else contextlib.nullcontext():
+                outputs = network(x)
+                loss = loss_fn(outputs, y)
+                if not tracked:
+                    loss.backward()
+                    continue
+                losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+                info = {
+                    "batch_size": x.shape[0],
+                    "individual_losses": losses,
+                    "loss": loss,
+                    "optimizer": optimizer,
+                }
+                with cockpit(step, info=info, no_sync=True):
+                    loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+def ddp_accumulating_history(rank: int, world: int, case: dict[str, Any]):
+    """Worker: :func:`train_accumulating` with DDP; return the history."""
+    return {"history": train_accumulating(case, rank, world).history.to_dict()}
+
+
 # --- processes -----------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -244,7 +299,7 @@ def ddp_history(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- misuse ------------------------------------------------------------------------
-def _one_step(cockpit, network, optimizer, step, x, y):
+def _one_step(cockpit, network, optimizer, step, x, y, no_sync=False):
     optimizer.zero_grad()
     outputs = network(x)
     loss = torch.nn.functional.cross_entropy(outputs, y)
@@ -255,7 +310,7 @@ def _one_step(cockpit, network, optimizer, step, x, y):
         "loss": loss,
         "optimizer": optimizer,
     }
-    with cockpit(step, info=info):
+    with cockpit(step, info=info, no_sync=no_sync):
         loss.backward()
     optimizer.step()
 
@@ -292,7 +347,12 @@ def misuse(rank: int, world: int, how: str, timeout: float = 5.0) -> dict[str, A
             if how == "raise-and-wait":  # alive, but never joins the step
                 time.sleep(timeout + 10)
             return {"raised": f"{type(error).__name__}: {error}"}
-    _one_step(cockpit, network, optimizer, step, x, y)
+    if how == "inside-no-sync":  # DDP's no_sync(), but the cockpit is not told
+        with network.no_sync():
+            _one_step(cockpit, network, optimizer, step, x, y)
+        return {"raised": None}
+    no_sync = how == "no-sync-one-rank" and rank == 1
+    _one_step(cockpit, network, optimizer, step, x, y, no_sync=no_sync)
     return {"raised": None}
 
 
