@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from typing import Any, Iterable, Mapping
 
 import lightning.pytorch as pl
@@ -97,6 +98,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from cockpit.cockpit import LOG_KEYS, Cockpit
+from cockpit.errors import CockpitWarning
 from cockpit.integrations._common import (
     LossCapture,
     default_logpath,
@@ -104,10 +106,10 @@ from cockpit.integrations._common import (
     extend_for_backpack,
     learning_rate,
     loss_modules,
+    replays_update,
     trainable_named_parameters,
     warn,
 )
-from cockpit.needs import Need
 from cockpit.quantities.base import Quantity
 
 __all__ = ["CockpitCallback"]
@@ -142,13 +144,6 @@ def _clipping_reason(changed: int, clip_val) -> str:
         f"optimizer step ({cause}), so the update cockpit replayed is not the step "
         "taken. Fix: Trainer(gradient_clip_val=None) (or leave .grad unchanged) "
         "while debugging with Alpha, or drop Alpha"
-    )
-
-
-def _replays_update(quantity: Quantity) -> bool:
-    """Whether ``quantity`` replays the optimizer's update from ``.grad`` (Alpha)."""
-    return Need.OPTIMIZER_UPDATE in frozenset(quantity.needs) and hasattr(
-        quantity, "discard_start"
     )
 
 
@@ -296,7 +291,6 @@ class CockpitCallback(Callback):
         self._patched = None
         self._pending_state: dict[str, Any] | None = None
         self._watch: _GradWatch | None = None
-        self._warned: set[tuple[str, str]] = set()
         self._speaks = True  # rank 0 of a DDP run (the callback's own warnings)
 
     # --- set-up ----------------------------------------------------------------------
@@ -453,7 +447,7 @@ class CockpitCallback(Callback):
         finally:
             if unscale is not None:
                 unscale.apply()
-        updating = [q for q in self.cockpit.quantities if _replays_update(q)]
+        updating = [q for q in self.cockpit.quantities if replays_update(q)]
         if unscale is not None:  # accumulation: the update is the whole window's
             self._missing(
                 [q for q in updating if q.discard_start(step)],
@@ -487,20 +481,17 @@ class CockpitCallback(Callback):
     def _missing(
         self, quantities: list[Quantity], step: int, reason: str, cause: str
     ) -> None:
-        """Record ``quantities`` as missing at ``step``; warn once per key and cause."""
+        """Record ``quantities`` as missing at ``step`` (:meth:`Cockpit.missing`).
+
+        It warns once per key and cause; on ranks other than the log's writer the
+        warning is left out (every rank records the same).
+        """
         if not quantities:
             return
-        recorder = self.cockpit.recorder
-        for q in quantities:
-            recorder.note_missing(step, q.key, reason)
-            once = (q.key, cause)
-            if once not in self._warned and self._speaks:
-                self._warned.add(once)
-                warn(
-                    f"{q.key} has no value at step {step}: {reason}. (Recorded under "
-                    "'missing'; warned once.)"
-                )
-        recorder.flush()
+        with warnings.catch_warnings():
+            if not self._speaks:
+                warnings.simplefilter("ignore", CockpitWarning)
+            self.cockpit.missing(step, quantities, reason, cause=cause)
 
     def _log(self, where: tuple[int, int, float | None], values: dict) -> None:
         step, epoch, lr = where
