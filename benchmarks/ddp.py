@@ -29,7 +29,9 @@ Each process holds four variants of one step and times them in interleaved round
   silently rank-local and partly wrong, since ``.grad`` is DDP's average).
 
 cockpit's communication cost is ``dp - local`` (reported as a share of ``dp``: the goal
-of issue 12 is at most 10% for economy), and the overheads are ``dp / plain`` and
+of issue 12 is at most 10% for economy, judged on the paired median, since the rounds
+are interleaved pairs and the difference of medians of the MLP's bimodal step times
+moves by several points from run to run), and the overheads are ``dp / plain`` and
 ``local / plain``. Everything being right in a data-parallel run costs cockpit,
 communication and the data-parallel bookkeeping (catching the shard's gradient,
 projecting per-sample gradients onto the joined gradient after the backward pass)
@@ -544,7 +546,14 @@ def combine(per_rank: list[dict]) -> dict:
         "bookkeeping_s": statistics.median(
             lo - u for lo, u in zip(times["local"], times["unaware"], strict=True)
         ),
-        "meets_goal": comm / med["dp"] <= GOAL,
+        # judged on the paired median: the rounds are interleaved pairs, and the
+        # difference of medians of bimodal step times (the MLP's) moves by several
+        # points from run to run (shown beside it)
+        "meets_goal": statistics.median(
+            d - lo for d, lo in zip(times["dp"], times["local"], strict=True)
+        )
+        / med["dp"]
+        <= GOAL,
         "collective_s": collective,
         "bare_collective_s": {
             kind: _timeline([r["bare_collective_s"][kind] for r in per_rank])
@@ -586,10 +595,10 @@ def table(record: dict) -> str:
     cases = record["cases"]
     lines = [
         "| case | plain | DDP's all-reduce | local | dp | dp - local | (paired) "
-        "| in collectives | extra outside | (dp - local) / dp | goal 10% "
-        "| in collectives / dp | dp / plain | local / plain |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
-        "| ---: | ---: | ---: |",
+        "| in collectives | extra outside | (dp - local) / dp | (paired) / dp "
+        "| goal 10% (paired) | in collectives / dp | dp / plain | local / plain |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- | ---: | ---: | ---: |",
     ]
     for name, c in cases.items():
         m, r = c["median_s"], c["ratios"]
@@ -599,7 +608,8 @@ def table(record: dict) -> str:
             f"| {_ms(m['local'])} | {_ms(m['dp'])} | {_ms(c['communication_s'])} "
             f"| {_ms(c['communication_paired_s'])} | {_ms(c['in_collectives_s'])} "
             f"| {_ms(c['extra_outside_collectives_s'])} "
-            f"| {100 * r['communication_share_of_dp']:.1f}% | {verdict} "
+            f"| {100 * r['communication_share_of_dp']:.1f}% "
+            f"| {100 * c['communication_paired_s'] / m['dp']:.1f}% | {verdict} "
             f"| {100 * r['in_collectives_share_of_dp']:.1f}% "
             f"| {r['dp_over_plain']:.2f} | {r['local_over_plain']:.2f} |"
         )
