@@ -17,7 +17,11 @@ classes), ``cockpit.quantities.base.Quantity``, ``cockpit.utils.schedules.linear
 ``__call__(step, info=...)``, ``get_output()``, ``history.memory_bytes()``,
 ``logpath`` and ``close()``. ``benchmarks.long_runs`` also uses
 ``cockpit.history.History``, ``cockpit.log_stream.LogStream`` and
-``cockpit.CockpitPlotter``.
+``cockpit.CockpitPlotter``. ``benchmarks.any_model`` also uses the autograd engine
+(``cockpit.engines.autograd.per_sample_gradients``, with
+``Cockpit.PER_SAMPLE_CHUNK`` and ``Cockpit.PER_SAMPLE_MAX_ELEMENTS``), a cockpit's
+``coverage()`` (``params[i].route.engine``) and the example
+``examples/char_transformer.py`` (which imports cockpit).
 
 ``python -m benchmarks.internals [DISTRIBUTION]`` prints :func:`describe` as JSON
 (``--reference`` asks its interpreter this way which cockpit it imports).
@@ -119,6 +123,45 @@ def per_sample_gradients():
     from cockpit.engines.backpack_rules import PerSampleGradients
 
     return PerSampleGradients()
+
+
+def engine_settings() -> dict[str, int]:
+    """The autograd engine's chunk and group budget, as a cockpit uses them."""
+    from cockpit import Cockpit
+
+    return {
+        "chunk": Cockpit.PER_SAMPLE_CHUNK,
+        "max_elements": Cockpit.PER_SAMPLE_MAX_ELEMENTS,
+    }
+
+
+def engine_per_sample_gradients(losses, params, chunk: int, max_elements: int):
+    """cockpit's autograd engine: ``[d losses[i] / d p for p in params]``, stacked.
+
+    The function a cockpit calls for the parameters it routes to autograd
+    (``cockpit.engines.autograd.per_sample_gradients``), in parameter order.
+    """
+    from cockpit.engines.autograd import per_sample_gradients
+
+    found = dict(per_sample_gradients(losses, params, chunk, max_elements))
+    return [found[i] for i in range(len(params))]
+
+
+def engine_routes(cockpit) -> list[str]:
+    """Per parameter, the engine that computed its per-sample results last step."""
+    return [row.route.engine for row in cockpit.coverage().params]
+
+
+def load_example(name: str):
+    """Import ``examples/<name>.py`` as a module (the folder is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def discover_quantities() -> tuple[list[str], list[str]]:

@@ -53,11 +53,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def tracked_step(cockpit, model, loss_fn, optimizer, batch, step: int) -> None:
+def tracked_step(
+    cockpit, model, loss_fn, optimizer, batch, step: int, individual_losses=None
+) -> None:
     """One training step on an extended model, tracked by ``cockpit``.
 
     Zero grads, forward, the mean loss and the individual losses, backward inside the
     cockpit's context (with ``create_graph`` when a quantity needs it), SGD step.
+    ``individual_losses(outputs, y)`` gives one loss per sample (default: the
+    cross-entropy with ``reduction="none"``).
     """
     import torch
 
@@ -65,11 +69,13 @@ def tracked_step(cockpit, model, loss_fn, optimizer, batch, step: int) -> None:
     optimizer.zero_grad()
     outputs = model(x)
     loss = loss_fn(outputs, y)
+    if individual_losses is None:
+        losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+    else:
+        losses = individual_losses(outputs, y)
     info = {
         "batch_size": x.shape[0],
-        "individual_losses": torch.nn.functional.cross_entropy(
-            outputs, y, reduction="none"
-        ),
+        "individual_losses": losses,
         "loss": loss,
         "optimizer": optimizer,
     }
@@ -239,6 +245,11 @@ def child_main(argv=None) -> None:
     else:
         result = child_memory(args)
     result["threads"] = torch.get_num_threads()
+    emit(result)
+
+
+def emit(result: dict) -> None:
+    """Print a child's result as the one line :func:`spawn` reads back."""
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
 
 
@@ -269,31 +280,45 @@ def run_child(problem: str, spec: str, mode: str, args, interpreter=OURS) -> dic
     ``min_time``, ``clock`` and ``timeout`` (seconds). The result also holds
     ``wall_s``, the seconds the child took.
     """
-    command = [
-        interpreter.python,
-        "-m",
+    return spawn(
         "benchmarks.measure",
-        "--problem",
-        problem,
-        "--spec",
-        spec,
-        "--mode",
-        mode,
-        "--repeats",
-        str(args.repeats),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.memory_steps),
-        "--threads",
-        str(args.threads),
-        "--min-time",
-        str(args.min_time),
-        "--clock",
-        args.clock,
-    ]
+        [
+            "--problem",
+            problem,
+            "--spec",
+            spec,
+            "--mode",
+            mode,
+            "--repeats",
+            str(args.repeats),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.memory_steps),
+            "--threads",
+            str(args.threads),
+            "--min-time",
+            str(args.min_time),
+            "--clock",
+            args.clock,
+        ],
+        args.threads,
+        args.timeout,
+        interpreter,
+    )
+
+
+def spawn(module: str, argv: list[str], threads: int, timeout, interpreter=OURS):
+    """Run ``python -m module *argv`` in a fresh process; its result line as a dict.
+
+    The child runs with :data:`CHILD_ENV` (``threads`` OpenMP/MKL threads) and
+    prints its result as one line starting with :data:`RESULT_PREFIX`. Returns that
+    result with ``wall_s`` (the seconds the child took) added, or
+    ``{"error": ...}`` (the last lines of its output, or the timeout).
+    """
+    command = [interpreter.python, "-m", module, *argv]
     env = dict(os.environ, **CHILD_ENV)
-    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     for name in interpreter.drop_env:
         env.pop(name, None)
     started = time.perf_counter()
@@ -304,10 +329,10 @@ def run_child(problem: str, spec: str, mode: str, args, interpreter=OURS) -> dic
             env=env,
             capture_output=True,
             text=True,
-            timeout=args.timeout,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return {"error": f"timed out after {timeout} s"}
     elapsed = time.perf_counter() - started
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
