@@ -252,3 +252,54 @@ def test_ddp_benchmark_runs_two_processes_and_counts_cockpits_collectives(tmp_pa
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert again.returncode == 0 and again.stdout.strip() == proc.stdout.strip()
+
+
+def test_any_model_benchmark_checks_the_engine_and_records_goals(tmp_path):
+    """benchmarks/any_model.py at tiny settings: the record, the checks, the tables."""
+    raw = tmp_path / "any_model.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "benchmarks.any_model", "--quick",
+            "--configs", "economy,full", "--members", "", "--out", str(raw),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads(raw.read_text())
+    assert {"machine", "settings", "steps", "members", "engine", "memory", "goals"} <= (
+        set(saved)
+    )
+    steps = saved["steps"]
+    assert set(steps) == {"economy", "full", "economy (default kernel)"}
+    for label, result in steps.items():
+        assert result["ratio"] > 0 and len(result["tracked_s"]) >= 2, label
+        # the engine share: the parameters the cockpit routed to autograd, timed
+        assert "autograd" in result["routes"].values(), label
+        assert result["engine_share"]["ratio"] > 0, label
+    assert {"Alpha", "GradNorm", "HessMaxEV"} <= set(steps["full"]["keys"])
+    assert steps["economy (default kernel)"]["plain_math"]["ratio"] > 0
+    engine = saved["engine"]
+    assert engine["agreement"]["checked"] and engine["agreement"]["close"]
+    assert engine["agreement"]["tensors"] == engine["num_tensors"] == 17
+    assert engine["agreement"]["max_abs_diff"] <= engine["agreement"]["atol"]
+    assert engine["default"]["ratio"] > 0 and engine["default"]["fwd_bwd_ratio"] > 0
+    assert set(engine["chunks"]) == {"1"}
+    assert set(saved["memory"]) == {"8", "16"}
+    for row in saved["memory"].values():
+        assert set(row) == {"plain", "economy", "engine", "vmap"}
+        assert all(r["peak_rss_mib"] > 0 for r in row.values())
+    goals = {g["goal"]: g for g in saved["goals"]}
+    assert set(goals) == {
+        "economy <= 4x a plain step",
+        "full <= 25x a plain step",
+        "engine no slower than vmap(grad)",
+    }
+    assert all(isinstance(g["met"], bool) for g in goals.values())
+    chunk = engine["settings"]["chunk"]
+    assert "| economy |" in proc.stdout
+    assert f"| cockpit autograd engine | {chunk} |" in proc.stdout
+    again = subprocess.run(
+        [sys.executable, "-m", "benchmarks.any_model", "--table", str(raw)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout == proc.stdout
