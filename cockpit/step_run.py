@@ -34,7 +34,8 @@ from cockpit.engines.coverage import (
     Status,
     status_for,
 )
-from cockpit.engines.routing import AUTOGRAD, Route, Router
+from cockpit.engines.routing import AUTOCAST, AUTOGRAD, Route, Router
+from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import DenseGradients
 from cockpit.planner import StepPlan
@@ -106,6 +107,25 @@ _CURVATURE_FIX = (
     "build the model from nn.Sequential with layers BackPACK supports, or drop the "
     "quantity"
 )
+_AUTOCAST_CURVATURE_FIX = (
+    "run the forward pass of tracked steps outside torch.autocast, e.g. "
+    "`torch.autocast(device_type, dtype=..., enabled=not "
+    "cockpit.plan(step).active)` (those steps then compute in the parameters' "
+    "dtype), or drop the quantity"
+)
+
+
+def _scaled_backward(scale: float) -> str:
+    return (
+        f"the backward pass differentiated {scale:.6g} times info['loss'] (a "
+        "GradScaler's scaled loss, or a loss divided for gradient accumulation), so "
+        f".grad and the per-sample gradients are {scale:.6g} times the gradients of "
+        "the loss. Fix: on tracked steps call loss.backward() on the unscaled "
+        "mean loss (instead of scaler.scale(loss).backward() and "
+        "scaler.step(optimizer): loss.backward() and optimizer.step(); bfloat16 "
+        "autocast needs no GradScaler), and accumulate micro-batches outside "
+        "tracked steps"
+    )
 
 
 class StepRouting:
@@ -168,7 +188,9 @@ class StepRouting:
                         self.dropped[id(q)] = (
                             q,
                             self.curvature_problem,
-                            _CURVATURE_FIX,
+                            _AUTOCAST_CURVATURE_FIX
+                            if AUTOCAST in problem
+                            else _CURVATURE_FIX,
                         )
 
     def coverage(
@@ -249,6 +271,9 @@ class StepRun:
         self._probes = probes
         self._router = router
         self._skip: set[int] = set()
+        #: Gradients that reached ``info["loss"]`` in the backward pass (1 unless
+        #: the loss was scaled, e.g. by a GradScaler).
+        self._seeds: list[Tensor] = []
         self.diagnostics, self.recorder = diagnostics, recorder
         diagnostics.before(plan, info)
         self.routing = (
@@ -348,6 +373,9 @@ class StepRun:
             self._run_hutchinson(list(self.routing.estimated.values()))
         if self.shared is not None:
             self._prepare_shared()
+        loss = self.info.get("loss") if self.info.has("loss") else None
+        if isinstance(loss, Tensor) and loss.requires_grad and self.plan.active:
+            self._capture_hooks.append(loss.register_hook(self._seed_seen))
         stack = self._stack
         # BackPACK's and PyTorch's per-step hook warnings are noise here (see
         # _ENGINE_MESSAGES); every other warning of the backward pass is left alone
@@ -456,6 +484,31 @@ class StepRun:
                 self._captured[index] = grad.detach().clone()
 
         return catch
+
+    def _seed_seen(self, grad: Tensor) -> None:
+        """Keep the gradient of ``info["loss"]`` (the backward pass's seed)."""
+        self._seeds.append(grad.detach().reshape(-1)[:1].clone())
+
+    def _loss_scale(self) -> float | None:
+        """The factor the backward pass scaled ``info["loss"]`` by (``None``: 1)."""
+        if not self._seeds:
+            return None
+        seeds = torch.cat([s.to(torch.float64) for s in self._seeds])
+        if bool((seeds == 1).all()):
+            return None
+        return float(seeds[seeds != 1][0])
+
+    def _drop_scaled(self, scale: float) -> None:
+        """Leave out the quantities that read gradients of a scaled backward pass."""
+        step = self.plan.global_step
+        reason = _scaled_backward(scale)
+        for q in self.plan.active:
+            if q.needs_at(step) - {Need.PARAMETERS} or q.extensions(step):
+                q.abort_step(step)
+                self._skip.add(id(q))
+                self.diagnostics.missing(
+                    self.recorder, [step], q.key, reason, once=("scaled", q.key)
+                )
 
     def _remove_capture_hooks(self) -> None:
         for handle in self._capture_hooks:
@@ -646,6 +699,9 @@ class StepRun:
         nonfinite = self.diagnostics.nonfinite(self.info)
         if nonfinite:
             self.recorder.record(step, NONFINITE_KEY, nonfinite)
+        scale = self._loss_scale()
+        if scale is not None:
+            self._drop_scaled(scale)
         self.diagnostics.modules(self.plan, self.hook)
         unused = self.diagnostics.unreached(self.plan, self.hook, self.grads_before)
         batch_size = self.hook.batch_size
@@ -655,7 +711,11 @@ class StepRun:
             param = self.params[index]
             fields = engine.savefields(self.plan.requested)
             self.hook.show(param, index, engine.zero_results(param, fields, batch_size))
-        failed = [g for g in self.guards + self.estimate_guards if g.error is not None]
+        failed = [
+            g
+            for g in self.guards + self.estimate_guards
+            if g.error is not None and id(g.quantity) not in self._skip
+        ]
         if failed and not nonfinite:
             raise failed[0].error
         for guard in failed:

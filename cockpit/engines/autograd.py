@@ -22,6 +22,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.precision import compute_dtype, upcast
+
 #: Samples per batched backward pass (the memory of one chunk's backward grows with
 #: it, about ``chunk * N * activations`` numbers in the worst case).
 DEFAULT_CHUNK = 8
@@ -177,7 +179,8 @@ def hutchinson_diagonals(
     )
     pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     used = [p for p, _ in pairs]
-    diagonals = [torch.zeros_like(p) for p in params]
+    # averaged in float32 at least (a half-precision model's products are summed)
+    diagonals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) for p in params]
     traces = [[None] * len(params) for _ in range(probes)]
     position = {id(p): i for i, p in enumerate(params)}
     for k in range(probes):
@@ -198,7 +201,7 @@ def hutchinson_diagonals(
             if hv is None:
                 continue
             i = position[id(param)]
-            estimate = (v * hv).detach()
+            estimate = upcast((v * hv).detach())
             diagonals[i] += estimate
             traces[k][i] = estimate.sum()
     diagonals = [d / probes for d in diagonals]
