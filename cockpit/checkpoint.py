@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from cockpit.errors import CockpitWarning
-from cockpit.step_run import ESTIMATE_SUFFIX
+from cockpit.log_format import ESTIMATE_SUFFIX
 
 #: Version of the dictionary returned by :func:`cockpit_state`. Optional keys added
 #: later (``"estimate_generator"``) leave it unchanged: older readers ignore them and

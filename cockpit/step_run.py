@@ -35,6 +35,7 @@ from cockpit.engines.coverage import (
     status_for,
 )
 from cockpit.engines.routing import AUTOCAST, AUTOGRAD, Route, Router
+from cockpit.log_format import ESTIMATE_SUFFIX
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import DenseGradients
@@ -93,9 +94,6 @@ class _Guarded:
         except Exception as error:  # re-raised after the backward
             self.error = error
 
-
-#: History key suffix of an estimate's description and standard errors.
-ESTIMATE_SUFFIX = "_estimate"
 
 _MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
@@ -569,7 +567,10 @@ class StepRun:
         for id_, traces in self._probe_traces.items():
 
             def errors(total, id_=id_):
-                self.estimates[id_] = autograd_engine.trace_errors(total)
+                self.estimates[id_] = (
+                    autograd_engine.trace_errors(total),
+                    autograd_engine.sum_error(total),
+                )
 
             bucket.sum(traces * shared.weight, errors)
         bucket.reduce()
@@ -648,8 +649,9 @@ class StepRun:
                 for guard in self.estimate_guards:
                     guard.accumulate(step, view)
                 view.release()
+        total = autograd_engine.sum_error(traces)
         for quantity in quantities:
-            self.estimates[id(quantity)] = errors
+            self.estimates[id(quantity)] = (errors, total)
             if self.shared is not None:  # errors of the joined batch's estimate
                 self._probe_traces[id(quantity)] = traces
 
@@ -766,13 +768,15 @@ class StepRun:
                 self.recorder.record(save_step, quantity.key, value)
                 errors = self.estimates.get(id(quantity))
                 if errors is not None:
+                    per_param, total = errors
                     self.recorder.record(
                         save_step,
                         f"{quantity.key}{ESTIMATE_SUFFIX}",
                         {
                             "method": "hutchinson",
                             "probes": self._probes,
-                            "stderr": torch.stack(errors).tolist(),
+                            "stderr": torch.stack(per_param).tolist(),
+                            "stderr_sum": float(total),
                         },
                     )
 

@@ -223,3 +223,23 @@ def trace_errors(traces: Tensor) -> list[Tensor]:
     """Standard errors of the mean trace per parameter, from ``[probes, P]`` traces."""
     probes = traces.shape[0]
     return list(traces.std(dim=0) / probes**0.5)
+
+
+def sum_error(traces: Tensor) -> Tensor:
+    """Standard error of the estimate of the parameters' summed trace.
+
+    All parameters' traces of one probe come from the same vector ``v_k``: the
+    block of parameter ``p`` gets ``v_p^T H_pp v_p + sum_q v_p^T H_pq v_q``, whose
+    cross terms it shares with block ``q``. Their errors are therefore
+    correlated, and the sum's standard error is the spread of the per-probe sums
+    (``std_k sum_p t_kp / sqrt(probes)``), not the root of the summed squares of
+    :func:`trace_errors`.
+
+    Args:
+        traces: ``[probes, P]`` per-probe traces.
+
+    Returns:
+        A scalar tensor.
+    """
+    probes = traces.shape[0]
+    return traces.sum(dim=1).std() / probes**0.5
