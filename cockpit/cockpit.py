@@ -216,9 +216,6 @@ class Cockpit:
             self.params, backpack_engine.rule_problem, backpack_engine.quiet_backward
         )
         self._coverage: Coverage | None = None
-        #: bfloat16/float16 parameters: statistics from per-sample gradients in
-        #: float32 (see cockpit.precision)
-        self._low_precision = is_low_precision(self.params)
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
         self.last_step: int | None = None
@@ -281,7 +278,10 @@ class Cockpit:
     def plan(self, global_step: int) -> StepPlan:
         """Return what the quantities ask of ``global_step`` (once per step)."""
         if self._plan is None or self._plan.global_step != global_step:
-            self._plan = plan_step(self.quantities, global_step, self._low_precision)
+            # bfloat16/float16 parameters (also after model.to(...)): squared norms
+            # from per-sample gradients in float32 (see cockpit.precision)
+            low = is_low_precision(self.params)
+            self._plan = plan_step(self.quantities, global_step, low)
         return self._plan
 
     def coverage(self) -> Coverage:

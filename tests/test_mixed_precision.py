@@ -516,3 +516,14 @@ def test_alpha_replays_the_half_precision_optimizer_step(mode, optimizer):
     for update, old, new in zip(replayed, before, setup.params):
         assert update.dtype == torch.float32
         assert torch.equal(update, new.detach().float() - old.float())
+
+
+def test_plan_follows_the_parameters_dtype():
+    """``model.to(torch.bfloat16)`` after creating the Cockpit: the next step's
+    squared norms come from per-sample gradients too."""
+    model = extend(_mlp())
+    cockpit = Cockpit(model.parameters(), [Q.NormTest(linear(1))])
+    assert [type(e).__name__ for e in cockpit.plan(0).requested] == ["BatchL2Grad"]
+    model.to(torch.bfloat16)
+    names = [type(e).__name__ for e in cockpit.plan(1).requested]
+    assert names == ["PerSampleGradients"]
