@@ -2,18 +2,31 @@
 
 A cockpit's state is every quantity's own state (keyed by quantity key; e.g.
 Distance's start point and the pending starts of two-step quantities such as
-UpdateSize and Alpha), the history so far, the last step seen and the optimizer's
-name. :meth:`Cockpit.state_dict <cockpit.Cockpit.state_dict>` and
+UpdateSize and Alpha), the history so far, the last step seen, the optimizer's
+name and the state of the random source of Hutchinson estimates (so that a resumed
+run draws the probes the uninterrupted run would have drawn).
+:meth:`Cockpit.state_dict <cockpit.Cockpit.state_dict>` and
 :meth:`Cockpit.load_state_dict <cockpit.Cockpit.load_state_dict>` use these
 functions.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
-#: Version of the dictionary returned by :func:`cockpit_state`.
+import torch
+
+from cockpit.errors import CockpitWarning
+from cockpit.log_format import ESTIMATE_SUFFIX
+
+#: Version of the dictionary returned by :func:`cockpit_state`. Optional keys added
+#: later (``"estimate_generator"``) leave it unchanged: older readers ignore them and
+#: this reader fills in their defaults.
 STATE_VERSION = 1
+#: Key of the state of the Hutchinson probes' random source (a ``uint8`` tensor
+#: from ``torch.Generator.get_state()``).
+GENERATOR_KEY = "estimate_generator"
 
 
 def cockpit_state(cockpit) -> dict[str, Any]:
@@ -24,6 +37,7 @@ def cockpit_state(cockpit) -> dict[str, Any]:
         "optimizer_name": cockpit.optimizer_name,
         "quantities": {q.key: q.state_dict() for q in cockpit.quantities},
         "history": cockpit.history.state_dict(),
+        GENERATOR_KEY: cockpit._router.generator.get_state(),
     }
 
 
@@ -33,6 +47,13 @@ def load_cockpit_state(cockpit, state: Mapping[str, Any], strict: bool = True) -
     Create the Cockpit with the same quantities (and ``logpath``, to append to the
     same streamed log). Records that the interrupted run streamed for steps after
     the checkpoint are superseded by those of the resumed run.
+
+    A state without the random source of Hutchinson estimates (saved by an older
+    cockpit) keeps the fresh cockpit's source (seeded with 0): estimates after the
+    checkpoint are as unbiased, but drawn with other probes than the uninterrupted
+    run's. If the saved history holds estimates, a
+    :class:`~cockpit.errors.CockpitWarning` says so (runs without estimates are
+    unaffected and are not warned).
 
     Args:
         cockpit: The cockpit of the resumed run.
@@ -67,9 +88,34 @@ def load_cockpit_state(cockpit, state: Mapping[str, Any], strict: bool = True) -
             "the quantities (and keys) of the saved run, or pass strict=False "
             "to start the missing ones afresh and ignore the unexpected ones."
         )
+    generator = state.get(GENERATOR_KEY)
+    if generator is not None:
+        try:
+            restored = torch.Generator().set_state(generator)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(
+                f"The cockpit state's {GENERATOR_KEY!r} is not a state of "
+                f"torch.Generator ({error}). Fix: pass the dictionary of "
+                "Cockpit.state_dict() unchanged (torch.save/torch.load keep it)."
+            ) from None
     for quantity in cockpit.quantities:
         if quantity.key in saved:
             quantity.load_state_dict(saved[quantity.key])
     cockpit.history.load_state_dict(state.get("history") or {})
     cockpit.last_step = state.get("last_step")
     cockpit.optimizer_name = state.get("optimizer_name", cockpit.optimizer_name)
+    saved_keys = set(cockpit.history.keys)
+    if generator is not None:
+        cockpit._router.generator = restored
+    elif any(  # a state of an older cockpit, of a run with estimates
+        f"{q.key}{ESTIMATE_SUFFIX}" in saved_keys for q in cockpit.quantities
+    ):
+        warnings.warn(
+            "The cockpit state has no random source of the Hutchinson estimates (it "
+            "was saved by an older cockpit), so estimates after step "
+            f"{cockpit.last_step} are drawn with other probes than the uninterrupted "
+            "run's (as unbiased, not identical). Nothing to fix for this run; "
+            "checkpoints of this cockpit save it.",
+            CockpitWarning,
+            stacklevel=3,
+        )

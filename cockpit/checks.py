@@ -26,6 +26,7 @@ from torch.nn import Module
 from cockpit.context import StepInfo, missing_info_message
 from cockpit.engines import backpack as engine
 from cockpit.errors import CockpitWarning
+from cockpit.precision import LOW_PRECISION, compute_dtype
 
 #: Where BackPACK lists the layers each extension supports.
 SUPPORTED_LAYERS_URL = "https://docs.backpack.pt/en/master/supported-layers.html"
@@ -38,6 +39,10 @@ _REDUCTION_SUM = 2
 # per-sample losses (float32 sums of a few thousand terms stay far inside).
 _RTOL = 1e-3
 _ATOL = 1e-7
+# Half-precision losses: the loss and the mean of the per-sample losses are each
+# rounded once to the loss dtype, so they may differ by two units in the last
+# place; the tolerance is that many machine epsilons (bfloat16: 2 * 2**-7).
+_ULPS = 2
 
 
 # --- before the backward pass ---------------------------------------------------------
@@ -124,11 +129,14 @@ class StepHealth:
             ``loss`` and ``individual_losses`` were handed in).
         grads_finite: Whether the norm of all gradients is finite (``None`` if no
             parameter has a gradient).
+        rtol: Relative tolerance of the loss check (wider for half-precision
+            losses, see :data:`_ULPS`).
     """
 
     loss: float | None
     mean_individual: float | None
     grads_finite: bool | None
+    rtol: float = _RTOL
 
     @property
     def nonfinite(self) -> list[str]:
@@ -165,8 +173,13 @@ def step_health(step_info: StepInfo, params: Sequence[Tensor]) -> StepHealth:
         if step_info.has("loss"):
             pieces.append(_scalar(step_info.get("loss")))
         has_both = step_info.has("loss") and step_info.has("individual_losses")
+        rtol = _RTOL
         if has_both:
-            pieces.append(step_info.get("individual_losses").detach().mean())
+            losses = step_info.get("individual_losses").detach()
+            pieces.append(losses.to(compute_dtype(losses.dtype)).mean())
+            for value in (step_info.get("loss"), losses):
+                if isinstance(value, Tensor) and value.dtype in LOW_PRECISION:
+                    rtol = max(rtol, _ULPS * torch.finfo(value.dtype).eps)
         if grads:
             # non-finite iff an entry is NaN or inf, or the norm overflows the dtype
             # (then norm-based quantities are inf too); one fused kernel per device
@@ -180,7 +193,7 @@ def step_health(step_info: StepInfo, params: Sequence[Tensor]) -> StepHealth:
     loss = values.pop(0) if step_info.has("loss") else None
     mean = values.pop(0) if has_both else None
     grads_finite = math.isfinite(values.pop(0)) if grads else None
-    return StepHealth(loss, mean, grads_finite)
+    return StepHealth(loss, mean, grads_finite, rtol if has_both else _RTOL)
 
 
 def reduction_problem(health: StepHealth, batch_size: int) -> str | None:
@@ -202,7 +215,7 @@ def reduction_problem(health: StepHealth, batch_size: int) -> str | None:
         or not (math.isfinite(loss) and math.isfinite(mean))
     ):
         return None
-    if math.isclose(loss, mean, rel_tol=_RTOL, abs_tol=_ATOL):
+    if math.isclose(loss, mean, rel_tol=health.rtol, abs_tol=_ATOL):
         return None
     summed = batch_size * mean
     if (

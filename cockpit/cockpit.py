@@ -31,6 +31,7 @@ from cockpit.history import History, json_path
 from cockpit.log_stream import LogStream
 from cockpit.loop_checks import LoopChecks
 from cockpit.planner import StepPlan, plan_step
+from cockpit.precision import is_low_precision
 from cockpit.quantities.base import Quantity
 from cockpit.recorder import MISSING_KEY, HistoryWriter, Recorder, StreamWriter
 from cockpit.step_run import StepRun, as_info
@@ -277,7 +278,10 @@ class Cockpit:
     def plan(self, global_step: int) -> StepPlan:
         """Return what the quantities ask of ``global_step`` (once per step)."""
         if self._plan is None or self._plan.global_step != global_step:
-            self._plan = plan_step(self.quantities, global_step)
+            # bfloat16/float16 parameters (also after model.to(...)): squared norms
+            # from per-sample gradients in float32 (see cockpit.precision)
+            low = is_low_precision(self.params)
+            self._plan = plan_step(self.quantities, global_step, low)
         return self._plan
 
     def coverage(self) -> Coverage:

@@ -31,6 +31,7 @@ import numpy as np
 from cockpit.errors import unwritable_error
 from cockpit.log_format import (
     COMPACT_MIN_SIZE,
+    ESTIMATE_SUFFIX,
     NotStreamable,
     compact,
     decode,
@@ -83,7 +84,11 @@ def _log_steps(path: str, upto: int | None):
 
 
 def _read_latest(path: str, upto: int | None) -> History:
-    """Read a log, keeping of dict values (histograms) only the latest per key."""
+    """Read a log, keeping of dict values (histograms) only the latest per key.
+
+    Estimates' descriptions (``<key>_estimate``, small) are kept at every step:
+    the dashboard draws their standard errors along the values.
+    """
     values: dict[int, dict[str, Any]] = {}
     latest: dict[str, tuple[int, Any]] = {}
     for step, entries in _log_steps(path, upto):
@@ -96,7 +101,11 @@ def _read_latest(path: str, upto: int | None) -> History:
             continue
         kept = values.setdefault(step, {})
         for key, raw in entries.items():
-            if isinstance(raw, dict) and not is_tagged(raw):
+            if (
+                isinstance(raw, dict)
+                and not is_tagged(raw)
+                and not key.endswith(ESTIMATE_SUFFIX)
+            ):
                 found = latest.get(key)
                 if found is None or found[0] <= step:
                     latest[key] = (step, raw)
@@ -446,9 +455,10 @@ class History:
         """Read a log step by step, keeping of mappings only the latest per key.
 
         What a dashboard draws: every value that is not a mapping (numbers,
-        per-parameter lists), but of mappings (histograms) only the latest one of
-        each key. The file is read one step (standard JSON) or one line (streamed
-        log) at a time, so a log of any length is never held in memory at once.
+        per-parameter lists) and every estimate's description (``<key>_estimate``),
+        but of other mappings (histograms) only the latest one of each key. The
+        file is read one step (standard JSON) or one line (streamed log) at a
+        time, so a log of any length is never held in memory at once.
         Files of an odd shape are read whole, as :meth:`from_json` reads them
         (raising its errors).
 

@@ -18,7 +18,9 @@ protocol) to :class:`~cockpit.param_view.ParamView`; no quantity changes.
 All statistics are in terms of the *unscaled* individual gradients ``g_i``, so that
 ``g = (1/N) sum_i g_i`` is the mini-batch gradient. Implementations compute them from
 the stored ``b_i`` and rescale the (small) result, unless the unscaled tensor was
-materialised already.
+materialised already. Half-precision inputs (bfloat16, float16) are converted to
+float32 when wrapped, so every statistic is computed in float32 at least
+(:mod:`cockpit.precision`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
+
+from cockpit.precision import upcast
 
 
 class IndividualGradients(abc.ABC):
@@ -92,7 +96,7 @@ class DenseGradients(IndividualGradients):
     """
 
     def __init__(self, scaled: Tensor, scale: float | None = None):
-        self._b = scaled
+        self._b = upcast(scaled)
         self._scale = scaled.shape[0] if scale is None else scale
         self._unscaled: Tensor | None = None
 
@@ -132,7 +136,7 @@ class DenseGradients(IndividualGradients):
 
     def project(self, direction: Tensor) -> Tensor:
         """Return ``g_i . direction``."""
-        flat = direction.reshape(-1)
+        flat = direction.reshape(-1).to(self._b.dtype)
         if self._unscaled is not None:
             return self._flat_g() @ flat
         return (self._flat_b() @ flat) * self._scale
@@ -175,14 +179,18 @@ class LinearFactors:
         inputs: The layer input, shape ``[N, *, in]``.
         grad_output: The gradient of the loss with respect to the layer output, shape
             ``[N, *, out]``.
+
+    Half-precision factors are kept in float32 (their products are then exact).
     """
 
     __slots__ = ("inputs", "grad_output")
 
     def __init__(self, inputs: Tensor, grad_output: Tensor):
         n = inputs.shape[0]
-        self.inputs = inputs.detach().reshape(n, -1, inputs.shape[-1])
-        self.grad_output = grad_output.detach().reshape(n, -1, grad_output.shape[-1])
+        self.inputs = upcast(inputs.detach().reshape(n, -1, inputs.shape[-1]))
+        self.grad_output = upcast(
+            grad_output.detach().reshape(n, -1, grad_output.shape[-1])
+        )
 
     @property
     def batch_size(self) -> int:
@@ -269,6 +277,7 @@ class LinearFactors:
         Args:
             direction: A tensor of shape ``[out, in]``.
         """
+        direction = direction.to(self.inputs.dtype)
         mapped = self.inputs @ direction.T  # b_i . D = sum_l delta_il^T D x_il
         return (mapped * self.grad_output).sum(dim=(1, 2))
 

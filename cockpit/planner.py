@@ -49,6 +49,8 @@ class StepPlan:
         consumers: Active quantities that read inside the backward pass.
         requested: Engine extensions the quantities' needs ask for.
         legacy: Extensions 1.0.2-style quantities return from ``extensions()``.
+        low_precision: Some parameters are half precision (see
+            :func:`cockpit.engines.backpack.extensions_for`).
     """
 
     global_step: int
@@ -58,6 +60,7 @@ class StepPlan:
     consumers: tuple[Quantity, ...]
     requested: tuple
     legacy: tuple
+    low_precision: bool = False
 
     @property
     def first(self) -> tuple[Quantity, ...]:
@@ -104,7 +107,8 @@ class StepPlan:
         gone = {id(q) for q in dropped}
         kept = [q for q in self.active if id(q) not in gone]
         return replace(
-            plan_step(kept, self.global_step), create_graph=self.create_graph
+            plan_step(kept, self.global_step, self.low_precision),
+            create_graph=self.create_graph,
         )
 
     def who_needs(self, savefields: Iterable[str]) -> str:
@@ -121,8 +125,13 @@ class StepPlan:
         return ", ".join(names) if names else "your extra extensions"
 
 
-def plan_step(quantities: Iterable[Quantity], global_step: int) -> StepPlan:
-    """Return the plan of ``global_step`` for ``quantities`` (no side effects)."""
+def plan_step(
+    quantities: Iterable[Quantity], global_step: int, low_precision: bool = False
+) -> StepPlan:
+    """Return the plan of ``global_step`` for ``quantities`` (no side effects).
+
+    ``low_precision``: some parameters are bfloat16 or float16.
+    """
     active = tuple(q for q in quantities if q.is_active(global_step))
     needs = frozenset().union(*(q.needs_at(global_step) for q in active))
     legacy = tuple(ext for q in active for ext in q.extensions(global_step))
@@ -132,6 +141,7 @@ def plan_step(quantities: Iterable[Quantity], global_step: int) -> StepPlan:
         needs=needs,
         create_graph=any(q.create_graph(global_step) for q in active),
         consumers=tuple(q for q in active if N.in_backward(q.needs_at(global_step))),
-        requested=tuple(engine.extensions_for(needs)),
+        requested=tuple(engine.extensions_for(needs, low_precision)),
         legacy=legacy,
+        low_precision=low_precision,
     )

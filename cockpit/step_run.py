@@ -34,7 +34,9 @@ from cockpit.engines.coverage import (
     Status,
     status_for,
 )
-from cockpit.engines.routing import AUTOGRAD, Route, Router
+from cockpit.engines.routing import AUTOCAST, AUTOGRAD, Route, Router
+from cockpit.log_format import ESTIMATE_SUFFIX
+from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import DenseGradients
 from cockpit.planner import StepPlan
@@ -93,9 +95,6 @@ class _Guarded:
             self.error = error
 
 
-#: History key suffix of an estimate's description and standard errors.
-ESTIMATE_SUFFIX = "_estimate"
-
 _MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
     "for the parameters BackPACK has no rule for",
@@ -106,6 +105,25 @@ _CURVATURE_FIX = (
     "build the model from nn.Sequential with layers BackPACK supports, or drop the "
     "quantity"
 )
+_AUTOCAST_CURVATURE_FIX = (
+    "run the forward pass of tracked steps outside torch.autocast, e.g. "
+    "`torch.autocast(device_type, dtype=..., enabled=not "
+    "cockpit.plan(step).active)` (those steps then compute in the parameters' "
+    "dtype), or drop the quantity"
+)
+
+
+def _scaled_backward(scale: float) -> str:
+    return (
+        f"the backward pass differentiated {scale:.6g} times info['loss'] (a "
+        "GradScaler's scaled loss, or a loss divided for gradient accumulation), so "
+        f".grad and the per-sample gradients are {scale:.6g} times the gradients of "
+        "the loss. Fix: on tracked steps call loss.backward() on the unscaled "
+        "mean loss (instead of scaler.scale(loss).backward() and "
+        "scaler.step(optimizer): loss.backward() and optimizer.step(); bfloat16 "
+        "autocast needs no GradScaler), and accumulate micro-batches outside "
+        "tracked steps"
+    )
 
 
 class StepRouting:
@@ -168,7 +186,9 @@ class StepRouting:
                         self.dropped[id(q)] = (
                             q,
                             self.curvature_problem,
-                            _CURVATURE_FIX,
+                            _AUTOCAST_CURVATURE_FIX
+                            if AUTOCAST in problem
+                            else _CURVATURE_FIX,
                         )
 
     def coverage(
@@ -249,6 +269,9 @@ class StepRun:
         self._probes = probes
         self._router = router
         self._skip: set[int] = set()
+        #: Gradients that reached ``info["loss"]`` in the backward pass (1 unless
+        #: the loss was scaled, e.g. by a GradScaler).
+        self._seeds: list[Tensor] = []
         self.diagnostics, self.recorder = diagnostics, recorder
         diagnostics.before(plan, info)
         self.routing = (
@@ -348,6 +371,9 @@ class StepRun:
             self._run_hutchinson(list(self.routing.estimated.values()))
         if self.shared is not None:
             self._prepare_shared()
+        loss = self.info.get("loss") if self.info.has("loss") else None
+        if isinstance(loss, Tensor) and loss.requires_grad and self.plan.active:
+            self._capture_hooks.append(loss.register_hook(self._seed_seen))
         stack = self._stack
         # BackPACK's and PyTorch's per-step hook warnings are noise here (see
         # _ENGINE_MESSAGES); every other warning of the backward pass is left alone
@@ -457,6 +483,31 @@ class StepRun:
 
         return catch
 
+    def _seed_seen(self, grad: Tensor) -> None:
+        """Keep the gradient of ``info["loss"]`` (the backward pass's seed)."""
+        self._seeds.append(grad.detach().reshape(-1)[:1].clone())
+
+    def _loss_scale(self) -> float | None:
+        """The factor the backward pass scaled ``info["loss"]`` by (``None``: 1)."""
+        if not self._seeds:
+            return None
+        seeds = torch.cat([s.to(torch.float64) for s in self._seeds])
+        if bool((seeds == 1).all()):
+            return None
+        return float(seeds[seeds != 1][0])
+
+    def _drop_scaled(self, scale: float) -> None:
+        """Leave out the quantities that read gradients of a scaled backward pass."""
+        step = self.plan.global_step
+        reason = _scaled_backward(scale)
+        for q in self.plan.active:
+            if q.needs_at(step) - {Need.PARAMETERS} or q.extensions(step):
+                q.abort_step(step)
+                self._skip.add(id(q))
+                self.diagnostics.missing(
+                    self.recorder, [step], q.key, reason, once=("scaled", q.key)
+                )
+
     def _remove_capture_hooks(self) -> None:
         for handle in self._capture_hooks:
             handle.remove()
@@ -516,7 +567,10 @@ class StepRun:
         for id_, traces in self._probe_traces.items():
 
             def errors(total, id_=id_):
-                self.estimates[id_] = autograd_engine.trace_errors(total)
+                self.estimates[id_] = (
+                    autograd_engine.trace_errors(total),
+                    autograd_engine.sum_error(total),
+                )
 
             bucket.sum(traces * shared.weight, errors)
         bucket.reduce()
@@ -595,8 +649,9 @@ class StepRun:
                 for guard in self.estimate_guards:
                     guard.accumulate(step, view)
                 view.release()
+        total = autograd_engine.sum_error(traces)
         for quantity in quantities:
-            self.estimates[id(quantity)] = errors
+            self.estimates[id(quantity)] = (errors, total)
             if self.shared is not None:  # errors of the joined batch's estimate
                 self._probe_traces[id(quantity)] = traces
 
@@ -646,6 +701,9 @@ class StepRun:
         nonfinite = self.diagnostics.nonfinite(self.info)
         if nonfinite:
             self.recorder.record(step, NONFINITE_KEY, nonfinite)
+        scale = self._loss_scale()
+        if scale is not None:
+            self._drop_scaled(scale)
         self.diagnostics.modules(self.plan, self.hook)
         unused = self.diagnostics.unreached(self.plan, self.hook, self.grads_before)
         batch_size = self.hook.batch_size
@@ -655,7 +713,11 @@ class StepRun:
             param = self.params[index]
             fields = engine.savefields(self.plan.requested)
             self.hook.show(param, index, engine.zero_results(param, fields, batch_size))
-        failed = [g for g in self.guards + self.estimate_guards if g.error is not None]
+        failed = [
+            g
+            for g in self.guards + self.estimate_guards
+            if g.error is not None and id(g.quantity) not in self._skip
+        ]
         if failed and not nonfinite:
             raise failed[0].error
         for guard in failed:
@@ -706,13 +768,15 @@ class StepRun:
                 self.recorder.record(save_step, quantity.key, value)
                 errors = self.estimates.get(id(quantity))
                 if errors is not None:
+                    per_param, total = errors
                     self.recorder.record(
                         save_step,
                         f"{quantity.key}{ESTIMATE_SUFFIX}",
                         {
                             "method": "hutchinson",
                             "probes": self._probes,
-                            "stderr": torch.stack(errors).tolist(),
+                            "stderr": torch.stack(per_param).tolist(),
+                            "stderr_sum": float(total),
                         },
                     )
 

@@ -11,6 +11,7 @@ from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from cockpit.utils.schedules import linear
+from tests.utils.any_model import make_any_problem
 from tests.utils.problems import make_problem
 
 EVERY = linear(1)
@@ -32,12 +33,17 @@ def make_quantities():
 
 
 class Run:
-    """Model, optimizer and cockpit of one process's life."""
+    """Model, optimizer and cockpit of one process's life.
 
-    def __init__(self, spec, logpath, batches):
-        self.problem = make_problem(*spec)
+    ``spec`` is the arguments of :func:`make_problem` or a function making the
+    problem (called with a seed: each life builds its model afresh and gets the
+    weights from the checkpoint).
+    """
+
+    def __init__(self, spec, logpath, batches, quantities=make_quantities, seed=0):
+        self.problem = spec(seed) if callable(spec) else make_problem(*spec)
         self.optimizer = self.problem.optimizer()
-        self.cockpit = Cockpit(self.problem.params, make_quantities(), logpath=logpath)
+        self.cockpit = Cockpit(self.problem.params, quantities(), logpath=logpath)
         self.batches = batches
 
     def steps(self, first, last):
@@ -87,18 +93,20 @@ def assert_close(got, want, where):
         assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12), (where, got, want)
 
 
-def interrupted_and_resumed(tmp_path, spec):
+def interrupted_and_resumed(tmp_path, spec, quantities=make_quantities):
     """Return the outputs and logs of an uninterrupted and a resumed run."""
-    batch_source = make_problem(*spec)
+    batch_source = spec(0) if callable(spec) else make_problem(*spec)
     batches = [batch_source.make_batch(s) for s in range(STEPS + 1)]
 
-    whole = Run(spec, str(tmp_path / "whole"), batches)
+    whole = Run(spec, str(tmp_path / "whole"), batches, quantities)
     whole.steps(0, STEPS)
 
     # the first life: checkpoint after step 4, then steps 5-6 on other data (so its
     # records differ from the resumed run's), then killed while writing a record
     other = [(x + 1.0, y) for x, y in batches]
-    first = Run(spec, str(tmp_path / "resumed"), batches[: CHECKPOINT + 1] + other)
+    first = Run(
+        spec, str(tmp_path / "resumed"), batches[: CHECKPOINT + 1] + other, quantities
+    )
     first.steps(0, CHECKPOINT)
     first.checkpoint(tmp_path / "ckpt.pt")
     first.steps(CHECKPOINT + 1, DIED_AT)
@@ -108,7 +116,7 @@ def interrupted_and_resumed(tmp_path, spec):
         handle.write(b'{"step":7,"values":{"Loss":')
     del first
 
-    second = Run(spec, str(tmp_path / "resumed"), batches)
+    second = Run(spec, str(tmp_path / "resumed"), batches, quantities, seed=1)
     second.restore(tmp_path / "ckpt.pt")
     second.steps(CHECKPOINT + 1, CHECKPOINT + 1)
     # the dead life's later records are superseded as soon as the run resumes
@@ -157,6 +165,70 @@ def test_alpha_resumes_with_stateful_optimizers(tmp_path, optimizer):
         want, got, _, _ = interrupted_and_resumed(tmp_path, ("mlp", "mse", optimizer))
     assert_same_values(want, got, ["Alpha"])
     assert all("Alpha" in want[s] for s in range(STEPS))
+
+
+def estimated_quantities():
+    return [Q.HessTrace(EVERY), Q.Loss(EVERY), Q.GradNorm(linear(2))]
+
+
+ESTIMATED = ("HessTrace", "HessTrace_estimate", "Loss", "GradNorm")
+
+
+def test_resumed_hutchinson_estimates_are_bit_identical(tmp_path):
+    """RMSNorm: BackPACK has no Hessian diagonal, HessTrace is estimated with
+    random probes; the resumed run must draw the uninterrupted run's probes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # estimates: no warning
+        warnings.filterwarnings("ignore", message="Full backward hook")  # PyTorch's
+        want, got, want_log, got_log = interrupted_and_resumed(
+            tmp_path,
+            lambda seed: make_any_problem("rmsnorm-mlp", batch_size=6, seed=seed),
+            estimated_quantities,
+        )
+    for wanted, gotten in ((want, got), (want_log, got_log)):
+        assert sorted(gotten) == sorted(wanted)
+        for step in wanted:
+            for key in ESTIMATED:
+                assert (key in wanted[step]) == (key in gotten[step]), (step, key)
+            # bit-identical values and standard errors, not merely close
+            assert gotten[step]["HessTrace"] == wanted[step]["HessTrace"], step
+            assert (
+                gotten[step]["HessTrace_estimate"]
+                == (wanted[step]["HessTrace_estimate"])
+            ), step
+    assert all("HessTrace_estimate" in want[s] for s in range(STEPS + 1))
+    # a probe sequence restarted at the checkpoint would differ: the test can fail
+    assert want[CHECKPOINT + 1]["HessTrace"] != want[0]["HessTrace"]
+
+
+def test_state_without_estimate_generator_keeps_default_and_warns(tmp_path):
+    """A state of an older cockpit (no generator state) still loads: the fresh
+    cockpit's seeded source stays, and a warning says that the estimates after
+    the checkpoint differ from an uninterrupted run's, only if there were any."""
+    problem = make_any_problem("rmsnorm-mlp", batch_size=6)
+    batches = [problem.make_batch(s) for s in range(2)]
+    life = Run(lambda seed: problem, None, batches, estimated_quantities)
+    life.steps(0, 1)
+    state = life.cockpit.state_dict()
+    assert state["estimate_generator"].dtype == torch.uint8
+    old = {k: v for k, v in state.items() if k != "estimate_generator"}
+    fresh = Cockpit(problem.params, estimated_quantities())
+    default = fresh._router.generator.get_state()
+    with pytest.warns(CockpitWarning, match=r"no random source.*after step 1"):
+        fresh.load_state_dict(old)
+    assert torch.equal(fresh._router.generator.get_state(), default)
+    fresh.load_state_dict(state)  # the saved source replaces the default
+    assert torch.equal(
+        fresh._router.generator.get_state(), life.cockpit._router.generator.get_state()
+    )
+    exact = Cockpit(problem.params, [Q.Loss(EVERY)])  # no estimates: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)
+        exact.load_state_dict({"quantities": {"Loss": {}}, "history": {}})
+    with pytest.raises(ValueError, match=r"estimate_generator.*Fix: pass the dict"):
+        exact.load_state_dict(
+            dict(state, quantities={"Loss": {}}, estimate_generator=torch.zeros(3))
+        )
 
 
 def test_state_dict_mismatch_and_bad_input_are_explained(tmp_path):

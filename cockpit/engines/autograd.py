@@ -22,6 +22,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.precision import compute_dtype, upcast
+
 #: Samples per batched backward pass (the memory of one chunk's backward grows with
 #: it, about ``chunk * N * activations`` numbers in the worst case).
 DEFAULT_CHUNK = 8
@@ -180,7 +182,8 @@ def hutchinson_diagonals(
     )
     pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     used = [p for p, _ in pairs]
-    diagonals = [torch.zeros_like(p) for p in params]
+    # averaged in float32 at least (a half-precision model's products are summed)
+    diagonals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) for p in params]
     traces = [[None] * len(params) for _ in range(probes)]
     position = {id(p): i for i, p in enumerate(params)}
     for k in range(probes):
@@ -201,7 +204,7 @@ def hutchinson_diagonals(
             if hv is None:
                 continue
             i = position[id(param)]
-            estimate = (v * hv).detach()
+            estimate = upcast((v * hv).detach())
             diagonals[i] += estimate
             traces[k][i] = estimate.sum()
     diagonals = [d / probes for d in diagonals]
@@ -223,3 +226,23 @@ def trace_errors(traces: Tensor) -> list[Tensor]:
     """Standard errors of the mean trace per parameter, from ``[probes, P]`` traces."""
     probes = traces.shape[0]
     return list(traces.std(dim=0) / probes**0.5)
+
+
+def sum_error(traces: Tensor) -> Tensor:
+    """Standard error of the estimate of the parameters' summed trace.
+
+    All parameters' traces of one probe come from the same vector ``v_k``: the
+    block of parameter ``p`` gets ``v_p^T H_pp v_p + sum_q v_p^T H_pq v_q``, whose
+    cross terms it shares with block ``q``. Their errors are therefore
+    correlated, and the sum's standard error is the spread of the per-probe sums
+    (``std_k sum_p t_kp / sqrt(probes)``), not the root of the summed squares of
+    :func:`trace_errors`.
+
+    Args:
+        traces: ``[probes, P]`` per-probe traces.
+
+    Returns:
+        A scalar tensor.
+    """
+    probes = traces.shape[0]
+    return traces.sum(dim=1).std() / probes**0.5

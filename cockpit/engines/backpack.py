@@ -45,6 +45,7 @@ from cockpit.per_sample import (
     FactoredLinearGradients,
     LinearFactors,
 )
+from cockpit.precision import compute_dtype, upcast
 
 #: BackPACK's savefield for per-sample gradients (``BatchGrad``).
 GRAD_BATCH = "grad_batch"
@@ -138,7 +139,9 @@ def check_backpack_api() -> list[str]:
 
 
 # --- extensions -----------------------------------------------------------------------
-def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
+def extensions_for(
+    needs: Iterable[Need], low_precision: bool = False
+) -> list[BackpropExtension]:
     """Return the cheapest BackPACK extensions that serve all ``needs`` at once.
 
     Per-sample gradients (cockpit's :class:`PerSampleGradients`) serve every
@@ -149,13 +152,21 @@ def extensions_for(needs: Iterable[Need]) -> list[BackpropExtension]:
 
     Args:
         needs: The union of the needs of all quantities due at a step.
+        low_precision: Some parameters are bfloat16 or float16. BackPACK would
+            round ``BatchL2Grad``'s and ``SumGradSquared``'s sums to that dtype
+            (relative error ``2**-9`` in bfloat16, which the differences of
+            NormTest and its kin turn into garbage), so per-sample gradients
+            serve them: cockpit reduces those in float32.
 
     Returns:
         Extension instances, without duplicates; empty if nothing is needed.
     """
     needs = set(needs)
     extensions: list[BackpropExtension] = []
-    if needs & {Need.INDIVIDUAL_GRADIENTS, Need.GRAM}:
+    per_sample = {Need.INDIVIDUAL_GRADIENTS, Need.GRAM}
+    if low_precision:
+        per_sample |= {Need.BATCH_L2, Need.SUM_GRAD_SQUARED}
+    if needs & per_sample:
         extensions.append(PerSampleGradients())
     else:
         if Need.BATCH_L2 in needs:
@@ -378,7 +389,10 @@ def disabled() -> contextlib.AbstractContextManager:
 
 
 def param_results(param: Tensor) -> ParamResults:
-    """Wrap what BackPACK wrote onto ``param`` for the quantities to read."""
+    """Wrap what BackPACK wrote onto ``param`` for the quantities to read.
+
+    Half-precision results are converted to float32 (:mod:`cockpit.precision`).
+    """
     individual = None
     batch_l2 = None
     grad_batch = getattr(param, GRAD_BATCH, None)
@@ -386,18 +400,18 @@ def param_results(param: Tensor) -> ParamResults:
         individual = FactoredLinearGradients(grad_batch)
     elif grad_batch is not None:
         individual = DenseGradients(grad_batch)
-    scaled_l2 = getattr(param, BATCH_L2, None)
+    scaled_l2 = upcast(getattr(param, BATCH_L2, None))
     if scaled_l2 is not None:
         batch_l2 = scaled_l2 * scaled_l2.shape[0] ** 2
     curvatures = {
-        name: getattr(param, name)
+        name: upcast(getattr(param, name))
         for name in CURVATURE_SAVEFIELDS
         if hasattr(param, name)
     }
     return ParamResults(
         individual=individual,
         batch_l2=batch_l2,
-        scaled_sum_grad_squared=getattr(param, SUM_GRAD_SQUARED, None),
+        scaled_sum_grad_squared=upcast(getattr(param, SUM_GRAD_SQUARED, None)),
         curvatures=curvatures,
     )
 
@@ -410,15 +424,20 @@ def zero_results(
     Per-sample results need ``batch_size``; without it they are left out.
     """
     fields = set(fields)
+    dtype = compute_dtype(param.dtype)
     individual = batch_l2 = second_moment = None
     if GRAD_BATCH in fields and batch_size is not None:
-        individual = DenseGradients(param.new_zeros((batch_size, *param.shape)))
+        individual = DenseGradients(
+            param.new_zeros((batch_size, *param.shape), dtype=dtype)
+        )
     if BATCH_L2 in fields and batch_size is not None:
-        batch_l2 = param.new_zeros((batch_size,))
+        batch_l2 = param.new_zeros((batch_size,), dtype=dtype)
     if SUM_GRAD_SQUARED in fields:
-        second_moment = torch.zeros_like(param)
+        second_moment = torch.zeros_like(param, dtype=dtype)
     curvatures = {
-        name: torch.zeros_like(param) for name in CURVATURE_SAVEFIELDS if name in fields
+        name: torch.zeros_like(param, dtype=dtype)
+        for name in CURVATURE_SAVEFIELDS
+        if name in fields
     }
     return ParamResults(individual, batch_l2, second_moment, curvatures)
 

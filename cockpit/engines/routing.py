@@ -12,11 +12,13 @@ autograd engine (:mod:`cockpit.engines.autograd`). A parameter goes to BackPACK 
 3. the autograd graph of the per-sample losses uses the parameter once (a second
    use, as with weight tying, a shared layer or ``x @ layer.weight`` in forward
    code, is invisible to the module's rule),
-4. the module ran in this step's forward pass and the first axis of its output is
-   the sample axis: the gradient of sample ``a``'s loss reaches only slice ``a`` of
-   it (checked for the first and the last sample with two backward passes, the
-   first time a module is seen with given shapes; while a BatchNorm layer is in
-   train mode, where samples mix anyway, only the sizes are compared with ``N``).
+4. the module ran in this step's forward pass in its parameters' dtype (not under
+   ``torch.autocast``, which gives a float32 layer bfloat16 inputs or outputs; the
+   rules need one dtype) and the first axis of its output is the sample axis: the
+   gradient of sample ``a``'s loss reaches only slice ``a`` of it (checked for the
+   first and the last sample with two backward passes, the first time a module is
+   seen with given shapes; while a BatchNorm layer is in train mode, where samples
+   mix anyway, only the sizes are compared with ``N``).
 
 Everything else (LayerNorm, RMSNorm, GroupNorm, MultiheadAttention, GRU, raw
 ``nn.Parameter`` s used in forward code, custom modules, ...) goes to autograd, with
@@ -41,6 +43,9 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 from torch.nn import Module, Sequential
+
+#: Start of the reason of a parameter whose module ran under ``torch.autocast``.
+AUTOCAST = "ran under torch.autocast"
 
 #: Engine names as shown in the coverage report.
 BACKPACK = "backpack"
@@ -270,7 +275,7 @@ class Router:
                 f"{describe(module)} did not run in this forward pass (its parameters "
                 "are used by other code)"
             )
-        return None
+        return _dtype_problem(module)
 
     @staticmethod
     def _shape_problem(module: Module, n: int) -> str | None:
@@ -386,6 +391,29 @@ class Router:
                 return chain
             chain.append(parents[0])
             seen.add(id(parents[0]))
+
+
+def _dtype_problem(module: Module) -> str | None:
+    """Why BackPACK's rules cannot take ``module``'s mixed dtypes (autocast)."""
+    own = {p.dtype for p in module.parameters(recurse=False)}
+    seen = {}
+    for what in ("input0", "output"):
+        tensor = getattr(module, what, None)
+        if isinstance(tensor, Tensor) and tensor.is_floating_point():
+            seen[what] = tensor.dtype
+    if not own or all(dtype in own for dtype in seen.values()):
+        return None
+    name = {"input0": "input", "output": "output"}
+    found = ", ".join(f"{name[w]} {_dtype_name(d)}" for w, d in seen.items())
+    params = "/".join(sorted(_dtype_name(d) for d in own))
+    return (
+        f"{AUTOCAST} ({found}, parameters {params}): BackPACK's rules need one "
+        "dtype; autograd differentiates the autocast graph"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _has(chain: list[Module], module: Module) -> bool:

@@ -8,6 +8,12 @@ two-step quantity such as ``Alpha`` fills in one step late), so keeping a live
 dashboard up to date costs time proportional to the new data. Gauges draw at most
 :data:`MAX_POINTS` points per series (:func:`extremes_index` keeps each stretch's
 extremes), so drawing does not grow with the run either.
+
+Estimated values (a step with ``<key>_estimate``, see
+:data:`cockpit.log_format.ESTIMATE_SUFFIX`) carry their standard error along: a
+series holds, next to each value, the standard error of the reduced value (NaN
+where it is exact; :func:`estimate_error`), which :meth:`Series.view_errors` thins
+with the values.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import find_log
+from cockpit.log_format import ESTIMATE_SUFFIX, find_log
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
 #: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
@@ -91,18 +97,54 @@ REDUCERS: dict[str, Callable[[Any], float]] = {
 }
 
 
+def estimate_error(estimate: Any, reduce: str) -> tuple[float, bool]:
+    """The standard error of a reduced estimated value, from its description.
+
+    Args:
+        estimate: The step's ``<key>_estimate`` entry (``None`` where the value is
+            exact).
+        reduce: How the value is reduced (see :data:`REDUCERS`).
+
+    Returns:
+        The standard error (NaN if the value is exact, or its reduction has none:
+        ``"norm"``), and whether it is only an upper bound. For ``"sum"`` it is
+        the entry's ``"stderr_sum"``; a log written before that existed gives the
+        sum of the per-parameter errors instead, an upper bound (the standard
+        deviation of a sum is at most the sum of the standard deviations, however
+        the parameters' errors are correlated). For ``"scalar"``, the error of a
+        single value.
+    """
+    if not isinstance(estimate, Mapping):
+        return math.nan, False
+    if reduce == "sum":
+        total = estimate.get("stderr_sum")
+        if total is not None:
+            return _to_float(total), False
+        flat = _flat(estimate.get("stderr"))
+        if flat is None or flat.size == 0:
+            return math.nan, False
+        return float(np.sum(flat)), flat.size > 1
+    if reduce == "scalar":
+        return _scalar(estimate.get("stderr")), False
+    return math.nan, False
+
+
 class Series:
     """One quantity as growing arrays of steps, values and their moving average.
 
     Non-finite values are kept in :attr:`values` (so steps line up) but skipped by
-    the moving average and by :meth:`view`.
+    the moving average and by :meth:`view`. :attr:`errors` holds the standard
+    error of each estimated value (NaN for exact ones).
     """
 
     def __init__(self) -> None:
         self._steps = np.empty(64, dtype=np.int64)
         self._values = np.empty(64, dtype=np.float64)
         self._ema = np.empty(64, dtype=np.float64)
+        self._errors = np.empty(64, dtype=np.float64)
         self._n = 0
+        #: Whether some error is only an upper bound (see :func:`estimate_error`).
+        self.error_bound = False
 
     def __len__(self) -> int:
         return self._n
@@ -122,15 +164,20 @@ class Series:
         """Exponential moving average of the finite values so far (a view)."""
         return self._ema[: self._n]
 
+    @property
+    def errors(self) -> np.ndarray:
+        """Standard error of each value: NaN where it is exact (a view)."""
+        return self._errors[: self._n]
+
     def truncate(self, first_step: int) -> None:
         """Forget all entries at ``first_step`` and later."""
         self._n = int(np.searchsorted(self.steps, first_step, side="left"))
 
-    def append(self, step: int, value: float) -> None:
-        """Add a value at a step later than all stored ones."""
+    def append(self, step: int, value: float, error: float = math.nan) -> None:
+        """Add a value (and its standard error, if estimated) at a later step."""
         if self._n == len(self._steps):
             size = 2 * len(self._steps)
-            for name in ("_steps", "_values", "_ema"):
+            for name in ("_steps", "_values", "_ema", "_errors"):
                 old = getattr(self, name)
                 new = np.empty(size, dtype=old.dtype)
                 new[: self._n] = old[: self._n]
@@ -145,6 +192,7 @@ class Series:
         self._steps[self._n] = step
         self._values[self._n] = value
         self._ema[self._n] = ema
+        self._errors[self._n] = error
         self._n += 1
 
     def view(
@@ -163,13 +211,25 @@ class Series:
         Returns:
             Three arrays of equal length.
         """
+        return self.view_errors(upto, max_points)[:3]
+
+    def view_errors(
+        self, upto: int | None = None, max_points: int | None = MAX_POINTS
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Like :meth:`view`, plus the standard errors of the values drawn.
+
+        Returns:
+            ``(steps, values, ema, errors)`` of equal length; ``errors[i]``
+            belongs to ``values[i]`` (NaN where it is exact).
+        """
         n = self._n if upto is None else int(np.searchsorted(self.steps, upto, "right"))
         index = extremes_index(self._values[:n], max_points)
         steps = self._steps[:n][index]
         values = self._values[:n][index]
         ema = self._ema[:n][index]
+        errors = self._errors[:n][index]
         keep = np.isfinite(values)
-        return steps[keep], values[keep], ema[keep]
+        return steps[keep], values[keep], ema[keep], errors[keep]
 
 
 def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
@@ -265,7 +325,8 @@ class DashboardData:
             self.entries_read += len(entries)
             for (key, reduce), series in self._series.items():
                 if key in entries:
-                    series.append(step, REDUCERS[reduce](entries[key]))
+                    estimate = entries.get(key + ESTIMATE_SUFFIX)
+                    _append(series, step, entries[key], estimate, reduce)
             for key, value in entries.items():
                 if isinstance(value, Mapping):
                     self._latest[key] = (step, value)
@@ -286,10 +347,16 @@ class DashboardData:
             )
         if (key, reduce) not in self._series:
             series = Series()
-            reducer = REDUCERS[reduce]
             steps, values = self.history.stored_series(key, last=self._resume)
+            estimates = dict(
+                zip(
+                    *self.history.stored_series(
+                        key + ESTIMATE_SUFFIX, last=self._resume
+                    )
+                )
+            )
             for step, value in zip(steps, values):
-                series.append(step, reducer(value))
+                _append(series, step, value, estimates.get(step), reduce)
             self._series[(key, reduce)] = series
         return self._series[(key, reduce)]
 
@@ -328,14 +395,24 @@ class DashboardData:
         return self._resume
 
 
+def _append(series: Series, step: int, value: Any, estimate: Any, reduce: str):
+    """Append a reduced value and, if it was estimated, its standard error."""
+    error = math.nan
+    if estimate is not None:
+        error, bound = estimate_error(estimate, reduce)
+        series.error_bound |= bound
+    series.append(step, REDUCERS[reduce](value), error)
+
+
 def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
     """Read a log file for drawing, step by step, keeping only what gauges draw.
 
-    Every number a series gauge draws is kept (per step: floats and per-parameter
-    lists), but of values that are mappings (histograms) only the latest one per
-    key (:meth:`~cockpit.history.History.from_json_latest`): a 20,000-step log of
-    the ``full`` configuration needs tens of MB, not GB, and is never held in
-    memory at once. Gauges that draw earlier histograms
+    Every number a series gauge draws is kept (per step: floats, per-parameter
+    lists and estimates' standard errors), but of values that are mappings
+    (histograms) only the latest one per key
+    (:meth:`~cockpit.history.History.from_json_latest`): a 20,000-step log of the
+    ``full`` configuration needs tens of MB, not GB, and is never held in memory
+    at once. Gauges that draw earlier histograms
     (``draw(upto=...)`` with an earlier step, a timelapse) need the whole run:
     read it with :func:`as_data` instead.
 

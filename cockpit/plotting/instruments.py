@@ -24,6 +24,10 @@ upto, <keys>, <options>) -> Axes``:
 
 A gauge without data keeps its title and says what to track instead of disappearing
 (its ``Axes`` gets the gid :data:`NO_DATA_GID`, one with data :data:`GAUGE_GID`).
+A series gauge whose values were estimated (``HessTrace`` by Hutchinson's method
+where BackPACK has no exact curvature) says ``(estimated)`` in its title and legend
+and draws a band of :data:`ESTIMATE_SPAN` standard errors around them (gid
+:data:`ESTIMATE_BAND_GID`); runs without estimates look as before.
 Gauges never touch global matplotlib state; wrap calls in
 :func:`~cockpit.plotting.style.dashboard_style` for the dashboard's look.
 """
@@ -65,6 +69,13 @@ NO_DATA_GID = "cockpit-no-data"
 
 #: ``Axes.get_gid()`` of a gauge that drew data.
 GAUGE_GID = "cockpit-gauge"
+
+#: ``get_gid()`` of the band around estimated values.
+ESTIMATE_BAND_GID = "cockpit-estimate-band"
+
+#: The band around estimated values spans this many standard errors either side
+#: (about a 95 % interval for the mean of 16 probes).
+ESTIMATE_SPAN = 2
 
 #: History key of the words saying what was not finite at a step (``["loss",
 #: "gradients"]``), as the cockpit records it (``cockpit.checks.NONFINITE_KEY``,
@@ -283,12 +294,33 @@ def _mark_nonfinite(ax: Axes, data: DashboardData, options) -> list:
 # --- one routine per kind of gauge -------------------------------------------------
 # Each takes (ax, data, gauge, keys, options) and returns whether it drew anything;
 # ``options`` holds the gauge's options plus ``upto`` and ``show_log_iter``.
+def _estimate_band(ax: Axes, view: tuple, color: str | None, bound: bool) -> None:
+    """Shade ``value ± ESTIMATE_SPAN * stderr`` where the values were estimated."""
+    steps, values, _, errors = view
+    span = ESTIMATE_SPAN * errors
+    band = ax.fill_between(steps, values - span, values + span,
+                           color=color or COLORS["blue"], alpha=0.2, lw=0,
+                           zorder=1.5)  # fmt: skip
+    band.set_gid(ESTIMATE_BAND_GID)
+    band.set_label(
+        f"±{ESTIMATE_SPAN} SE of the estimate" + (" (upper bound)" if bound else "")
+    )
+
+
 def _draw_series(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
-    """Series vs iteration, left axis and optionally a twin right axis."""
+    """Series vs iteration, left axis and optionally a twin right axis.
+
+    Estimated values get a band of their standard errors, ``(estimated)`` in
+    their label, and ``options["estimated"]`` is set (the title says so).
+    """
     recorded = [(line, data.series(keys[line.role], line.reduce))
                 for line in gauge.lines]  # fmt: skip
     recorded = [(line, series) for line, series in recorded if len(series)]
-    views = [(line, series.view(options["upto"])) for line, series in recorded]
+    full = {
+        line.role: (series.view_errors(options["upto"]), series.error_bound)
+        for line, series in recorded
+    }
+    views = [(line, full[line.role][0][:3]) for line, _ in recorded]
     views = [(line, view) for line, view in views if len(view[0])]
     if not views:
         return bool(recorded) and _only_nonfinite(ax, data, options)
@@ -304,12 +336,18 @@ def _draw_series(ax, data: DashboardData, gauge: Gauge, keys, options) -> bool:
             continue
         target = top = _twinx(ax) if twin else ax
         for line, view in side:
+            with_errors, bound = full[line.role]
+            estimated = bool(np.isfinite(with_errors[3]).any())
+            label = f"{line.label} (estimated)" if estimated else line.label
             if line.steps:
                 last = format_number(view[1][-1])
                 target.plot(view[0], view[1], color=line.color, drawstyle="steps-post",
-                            label=f"{line.label}, last {last}")  # fmt: skip
+                            label=f"{label}, last {last}")  # fmt: skip
             else:
-                _scatter_with_ema(target, view, line.label, line.color, line.ema_color)
+                _scatter_with_ema(target, view, label, line.color, line.ema_color)
+            if estimated:
+                _estimate_band(target, with_errors, line.color, bound)
+                options["estimated"] = True
         _value_axis(target, np.concatenate([v[1] for _, v in side]), side[0][0].log)
         target.set_ylabel(ylabel, **({"color": side[0][0].color} if has_twin else {}))
         handles += target.get_legend_handles_labels()[0]
@@ -980,7 +1018,10 @@ _GAUGE_LIST = (
             "the largest Hessian eigenvalue vs iteration (log scale when positive "
             "over more than two decades)."),
     _series("trace", "Trace", "HessTrace", "trace",
-            "trace of the (diagonal) curvature, summed over parameters.", "sum"),
+            "trace of the (diagonal) curvature, summed over parameters. Values "
+            "estimated by Hutchinson's method (models BackPACK has no exact "
+            "curvature for) are marked \"(estimated)\" and drawn with a band of ±2 "
+            "standard errors of their sum.", "sum"),
     Gauge(
         "tic", "TIC", "series",
         "Takeuchi information criterion estimates vs iteration.",
@@ -1096,6 +1137,8 @@ def draw_gauge(
         no_data(ax, title, hint)
         ax.set_gid(NO_DATA_GID)
         return ax
+    if options.get("estimated"):
+        title += " (estimated)"
     if gauge.caption:
         _caption(ax, title, gauge.caption)
     else:

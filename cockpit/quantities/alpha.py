@@ -12,6 +12,7 @@ from torch import Tensor
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.precision import compute_dtype
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import TrackContext, TwoStepQuantity
 from cockpit.quantities.optim import (
@@ -58,7 +59,7 @@ class _StartEntry:
 
 def _per_sample_dots(view: ParamView, vector: Tensor) -> Tensor:
     """Return ``g_i,p . vector`` for every sample, shape ``[N]`` (no autograd graph)."""
-    vector = vector.to(device=view.param.device, dtype=view.param.dtype)
+    vector = vector.to(device=view.param.device, dtype=compute_dtype(vector.dtype))
     return view.project(vector).detach()
 
 
@@ -177,7 +178,9 @@ class Alpha(TwoStepQuantity):
             grad = param.grad.detach() if param.grad is not None else param * 0
 
             def project(vector, individual=individual, index=index, param=param):
-                vector = vector.to(device=param.device, dtype=param.dtype)
+                vector = vector.to(
+                    device=param.device, dtype=compute_dtype(vector.dtype)
+                )
                 return ctx.comm.projection(index, individual, vector)
 
             entry = self._start_entry(param, grad.detach(), project)

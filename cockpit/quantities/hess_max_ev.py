@@ -26,6 +26,7 @@ from torch import Tensor
 
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
+from cockpit.precision import compute_dtype
 from cockpit.quantities.base import NothingToShare, SingleStepQuantity, TrackContext
 
 HVP = Callable[[Tensor], Tensor]
@@ -345,10 +346,14 @@ def _graph_gradients(
 
 
 def _common_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """The parameters' promoted dtype, float32 at least.
+
+    Lanczos vectors in bfloat16 would lose their orthogonality after a few products.
+    """
     dtype = params[0].dtype
     for p in params[1:]:
         dtype = torch.promote_types(dtype, p.dtype)
-    return dtype
+    return compute_dtype(dtype)
 
 
 def _make_hvp(

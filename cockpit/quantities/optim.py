@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.precision import compute_dtype
+
 # Group settings of plain SGD and their neutral values.
 _PLAIN_SGD_SETTINGS = (
     ("momentum", 0),
@@ -135,7 +137,9 @@ def replay_update(optimizer, param: Tensor, grad: Tensor) -> Tensor:
         return torch.zeros_like(param)
     settings = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
     shadow = param.detach().clone().requires_grad_(True)
-    shadow.grad = grad.detach().clone()
+    # the optimizer sees .grad in the parameter's dtype (a half-precision model's
+    # gradient statistics arrive in float32)
+    shadow.grad = grad.detach().to(dtype=param.dtype, copy=True)
     try:
         twin = type(optimizer)([dict(settings, params=[shadow])])
         state = optimizer.state.get(param)
@@ -148,4 +152,5 @@ def replay_update(optimizer, param: Tensor, grad: Tensor) -> Tensor:
             f"{type(optimizer).__name__}.step() could not be replayed for a single "
             f"parameter ({type(error).__name__}: {error})"
         ) from error
-    return shadow.detach() - param.detach()
+    dtype = compute_dtype(param.dtype)  # the difference of two bfloat16 is float32
+    return shadow.detach().to(dtype) - param.detach().to(dtype)

@@ -7,17 +7,29 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.precision import compute_dtype, upcast
+
 
 def gradients(params: Sequence[Tensor]) -> list[Tensor]:
-    """Return each parameter's ``.grad`` (a zero tensor where it is ``None``)."""
+    """Return each parameter's ``.grad`` (a zero tensor where it is ``None``).
+
+    Half-precision gradients are returned in float32 (statistics of them are sums).
+    """
     return [
-        p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in params
+        upcast(p.grad.detach())
+        if p.grad is not None
+        else torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+        for p in params
     ]
 
 
 def snapshot(params: Sequence[Tensor]) -> list[Tensor]:
-    """Return detached copies of the parameter values."""
-    return [p.detach().clone() for p in params]
+    """Return detached copies of the parameter values (half precision: float32).
+
+    Differences to later values (``p - p0``) are then formed in float32, where
+    the difference of two bfloat16 numbers is exact.
+    """
+    return [p.detach().to(compute_dtype(p.dtype), copy=True) for p in params]
 
 
 def norms(tensors: Sequence[Tensor]) -> list[float]:
