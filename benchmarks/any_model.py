@@ -12,16 +12,16 @@ seconds each)::
 The model is the character-level transformer of ``examples/char_transformer.py``
 (imported from there: width 32, two heads, one pre-LayerNorm block with
 ``nn.MultiheadAttention``, an embedding tied to the output layer, a learned positional
-parameter, residuals; 16,696 parameters in 17 tensors with the 88 characters of
-Python 3.11's ``textwrap`` source) on windows of 32 characters of that source,
-``--batch`` 32 windows a step (four fixed batches, cycled), float32, ``--threads`` 1
-torch thread. Every figure comes from a fresh child process (``python -m
-benchmarks.any_model --child ...``, started by :func:`benchmarks.measure.spawn` with
-``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776``: freed memory is never
-handed back, so the peak RSS is the peak heap). Times are wall-clock medians of interleaved pairs
+parameter, residuals; 16,696 parameters in 17 tensors with the 88 characters of Python
+3.11's ``textwrap`` source) on windows of 32 characters of that source, ``--batch`` 32
+windows a step (four fixed batches, cycled), float32, ``--threads`` 1 torch thread.
+Every figure comes from a fresh child process (``python -m benchmarks.any_model --child
+...``, started by :func:`benchmarks.measure.spawn` with ``MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=1099511627776``: freed memory is never handed back, so the peak
+RSS is the peak heap). Times are wall-clock medians of interleaved pairs
 (:func:`benchmarks.measure.interleaved`: at least ``--repeats`` timed pairs after
-``--warmup`` untimed ones, more until they took ``--min-time`` seconds; the order
-within a pair alternates).
+``--warmup`` untimed ones, more until they took ``--min-time`` seconds; the order within
+a pair alternates).
 
 Forward context: every step below (plain and tracked, engine and ``vmap``) runs
 inside ``sdpa_kernel(SDPBackend.MATH)``, as in the example: ``full``'s ``HessMaxEV``
