@@ -385,13 +385,12 @@ class StepComm:
         *,
         n_local: int | None = None,
         header: PendingGather | None = None,
-        plan: int | None = None,
     ):
         self.communicator = communicator
         self.global_step = global_step
         if counts is None and header is None:
             raise ValueError("StepComm needs the counts or a header in flight.")
-        self._header, self._plan = header, plan
+        self._header = header
         self._error: DistributedError | None = None
         self._counts: list[int] | None = None
         if counts is not None:
@@ -441,7 +440,7 @@ class StepComm:
             rows = self._header.wait()
             self._header = None
             try:
-                self._set_counts(_check_header(rows, self.global_step, self._plan))
+                self._set_counts(_check_header(rows, self.global_step))
             except DistributedError as error:
                 self._error = error
                 raise
@@ -521,13 +520,10 @@ def start_header(
     it, or at the first read of the counts) waits for it and checks it, before any
     other collective of cockpit's in the step.
     """
-    plan = _digest(plan_text)
     header = communicator.start_gather_ints(
-        [global_step, n_local, plan], HEADER, global_step
+        [global_step, n_local, _digest(plan_text)], HEADER, global_step
     )
-    return StepComm(
-        communicator, global_step, n_local=n_local, header=header, plan=plan
-    )
+    return StepComm(communicator, global_step, n_local=n_local, header=header)
 
 
 def exchange_header(
@@ -542,7 +538,7 @@ def exchange_header(
     return start_header(communicator, global_step, n_local, plan_text).settle()
 
 
-def _check_header(rows: list[list[int]], global_step: int, plan) -> list[int]:
+def _check_header(rows: list[list[int]], global_step: int) -> list[int]:
     """The counts of a gathered header; raise if the processes disagree."""
     steps = [row[0] for row in rows]
     if len(set(steps)) > 1:

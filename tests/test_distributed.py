@@ -234,7 +234,7 @@ def test_header_settles_once_when_first_needed_and_keeps_its_error():
     from cockpit.distributed import DistributedError, StepComm
 
     header = _Gathering([[7, 3, 11], [7, 5, 11]])
-    step = StepComm(_Rank(), 7, n_local=5, header=header, plan=11)
+    step = StepComm(_Rank(), 7, n_local=5, header=header)
     assert step.n_local == 5 and not step.settled and header.waits == 0
     assert not step.known_even()  # not arrived yet: never waits
     assert header.waits == 0
@@ -243,7 +243,7 @@ def test_header_settles_once_when_first_needed_and_keeps_its_error():
     assert header.waits == 1 and step.settle() is step and header.waits == 1
 
     even = _Gathering([[7, 4, 11], [7, 4, 11]])
-    step = StepComm(_Rank(), 7, n_local=4, header=even, plan=11)
+    step = StepComm(_Rank(), 7, n_local=4, header=even)
     even.is_ready = True
     assert step.known_even() and step.n_global == 8
 
@@ -253,7 +253,7 @@ def test_header_settles_once_when_first_needed_and_keeps_its_error():
         ([[7, 0, 11], [7, 4, 11]], "empty shard"),
     ):
         bad = _Gathering(rows)
-        step = StepComm(_Rank(), 7, n_local=4, header=bad, plan=11)
+        step = StepComm(_Rank(), 7, n_local=4, header=bad)
         bad.is_ready = True
         assert not step.known_even()  # a bad header is left for settle() to raise
         for _ in range(2):  # the same error again, without a second wait
