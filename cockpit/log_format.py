@@ -70,7 +70,8 @@ SPARSE_MAX_DENSITY = 1.0 / 3.0
 #: ``"stderr"`` (the standard error of each per-parameter value) and
 #: ``"stderr_sum"`` (the standard error of their sum; the parameters' estimates
 #: share the probes, so their errors are correlated and the sum's error is not the
-#: root of their summed squares). Logs written before ``"stderr_sum"`` existed
+#: root of their summed squares; for a single value, e.g. TICTrace, both are its
+#: standard error). Logs written before ``"stderr_sum"`` existed
 #: lack it. Readers that keep only the latest mapping per key (histograms) keep
 #: every step's estimate.
 ESTIMATE_SUFFIX = "_estimate"

@@ -74,6 +74,19 @@ class ParamView:
         return self._results.individual
 
     @property
+    def has_second_moment(self) -> bool:
+        """Whether :meth:`scaled_sum_grad_squared` has a result to read."""
+        results = self._results
+        return (
+            results.individual is not None
+            or results.scaled_sum_grad_squared is not None
+        )
+
+    def has_curvature(self, kind: str) -> bool:
+        """Whether the curvature diagonal ``kind`` was computed for this parameter."""
+        return kind in self._results.curvatures
+
+    @property
     def has_individual_gradients(self) -> bool:
         """Whether per-sample gradients are available for this parameter."""
         return self._results.individual is not None

@@ -182,14 +182,18 @@ class StepRouting:
                         continue
                     if self.losses is not None and wanted <= q_estimable(q):
                         self.estimated[id(q)] = q
-                    else:
-                        self.dropped[id(q)] = (
-                            q,
-                            self.curvature_problem,
-                            _AUTOCAST_CURVATURE_FIX
-                            if AUTOCAST in problem
-                            else _CURVATURE_FIX,
-                        )
+                        continue
+                    reason = self.curvature_problem
+                    fix = (
+                        _AUTOCAST_CURVATURE_FIX
+                        if AUTOCAST in problem
+                        else _CURVATURE_FIX
+                    )
+                    why_not = getattr(q, "not_estimable", None)
+                    if why_not is not None and Need.DIAG_H in wanted:
+                        reason = f"{reason}; {why_not[0]}"
+                        fix = f"{fix}, {why_not[1]}"
+                    self.dropped[id(q)] = (q, reason, fix)
 
     def coverage(
         self,
@@ -339,11 +343,14 @@ class StepRun:
         if routing.dropped:
             plan = plan.without(entry[0] for entry in routing.dropped.values())
         if routing.estimated:  # BackPACK computes no curvature; they read estimates
-            plan = replace(
+            plan = replace(  # (and per-sample results, e.g. TICTrace, from the engines)
                 plan,
                 requested=tuple(engine.first_order(plan.requested)),
                 consumers=tuple(
-                    q for q in plan.consumers if id(q) not in routing.estimated
+                    q
+                    for q in plan.consumers
+                    if id(q) not in routing.estimated
+                    or q.needs_at(step) & PER_SAMPLE_NEEDS
                 ),
             )
         if not any(q.needs_at(step) & PER_SAMPLE_NEEDS for q in plan.consumers):
@@ -571,6 +578,9 @@ class StepRun:
                     autograd_engine.trace_errors(total),
                     autograd_engine.sum_error(total),
                 )
+                quantity = self.routing.estimated[id_]
+                if hasattr(quantity, "probe_traces"):
+                    quantity.probe_traces(total)
 
             bucket.sum(traces * shared.weight, errors)
         bucket.reduce()
@@ -652,6 +662,8 @@ class StepRun:
         total = autograd_engine.sum_error(traces)
         for quantity in quantities:
             self.estimates[id(quantity)] = (errors, total)
+            if hasattr(quantity, "probe_traces"):  # errors of its own (TICTrace)
+                quantity.probe_traces(traces)
             if self.shared is not None:  # errors of the joined batch's estimate
                 self._probe_traces[id(quantity)] = traces
 
@@ -767,6 +779,8 @@ class StepRun:
             elif value is not None:
                 self.recorder.record(save_step, quantity.key, value)
                 errors = self.estimates.get(id(quantity))
+                if errors is not None and hasattr(quantity, "estimate_error"):
+                    errors = quantity.estimate_error(save_step)  # propagated
                 if errors is not None:
                     per_param, total = errors
                     self.recorder.record(
@@ -775,7 +789,7 @@ class StepRun:
                         {
                             "method": "hutchinson",
                             "probes": self._probes,
-                            "stderr": torch.stack(per_param).tolist(),
+                            "stderr": [float(e) for e in per_param],
                             "stderr_sum": float(total),
                         },
                     )

@@ -17,11 +17,19 @@ The second moment comes from BackPACK's ``SumGradSquared`` (no per-sample gradie
 materialised) unless another quantity needs ``BatchGrad`` anyway; the curvature
 diagonal is requested as a need, so it is computed once per step for every quantity
 that reads it (e.g. one ``DiagHessian`` run feeds HessTrace, TICDiag and TICTrace).
+
+Where BackPACK has no exact curvature for the model (residuals, attention, raw
+parameters, tied weights), ``TICTrace`` with the Hessian (``curvature="diag_h"``) is
+estimated: the second moments stay exact (per-sample gradients of either engine),
+the trace ``T`` is Hutchinson's estimate from the probes the step draws anyway (the
+same ones as HessTrace's), and the standard error is propagated by the delta method
+(:func:`tic_trace_estimate`). ``TICDiag`` is not estimated (see its docstring).
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -142,7 +150,25 @@ class TICDiag(_TIC):
 
     Raises:
         ValueError: For an unknown ``curvature`` or a negative ``epsilon``.
+
+    Where BackPACK has no exact curvature diagonal for the model, TICDiag has no
+    value (recorded missing): it divides elementwise by ``h_d``, and a Hutchinson
+    estimate of a single diagonal entry is off by the off-diagonal mass of its row,
+    typically larger than ``h_d`` itself and of either sign, so ``M_d / h_d`` would
+    be dominated by entries estimated near zero, biased and without a usable error.
+    :class:`TICTrace` divides by the trace, which the probes estimate well, and is
+    estimated there.
     """
+
+    #: Why no estimate serves where BackPACK computes no diagonal (the reason
+    #: recorded with the missing value, and what to use instead).
+    not_estimable = (
+        "TICDiag divides elementwise by the curvature diagonal, and the Hutchinson "
+        "estimate of a single diagonal entry is off by its row's off-diagonal mass "
+        "(usually more than the entry, of either sign), so no honest estimate exists",
+        "or track TICTrace, which is estimated on such models (Hessian trace by "
+        "Hutchinson, with its standard error)",
+    )
 
     def _reduce(self, scaled, diag):
         denominator = diag + self.epsilon
@@ -168,6 +194,13 @@ class TICTrace(_TIC):
     Sums run over all coordinates of all parameters; ``M_d`` and ``h_d`` as in
     :class:`TICDiag`.
 
+    Where BackPACK has no exact curvature for the model, ``curvature="diag_h"`` is
+    estimated: ``sum_d M_d`` stays exact, ``T = sum_d h_d`` is the Hutchinson
+    estimate of the probes the step draws (shared with HessTrace), and
+    ``<key>_estimate`` holds the standard error (delta method,
+    :func:`tic_trace_estimate`). A step whose estimated ``T + epsilon`` is not
+    clearly positive (below ``MIN_RELATIVE`` standard errors) is recorded missing.
+
     Args:
         track_schedule: When to track.
         verbose: Extra diagnostics.
@@ -181,16 +214,147 @@ class TICTrace(_TIC):
 
     elementwise = False
 
-    def _reduce(self, scaled, diag):
+    @dataclass
+    class Accumulator:
+        """Per-parameter sums, the batch size seen and an estimate's probe traces.
+
+        ``parts[index]`` is ``[sum_d s_d * n**2, sum_d h_d * n]`` (``n`` this
+        process's samples in a data-parallel run, else 1), filled from one or two
+        views: an estimated step shows the curvature and the second moments apart.
+        """
+
+        parts: dict[int, list] = field(default_factory=dict)
+        seen_batch_size: int | None = None
+        probe_traces: torch.Tensor | None = None
+
+    def __init__(
+        self,
+        track_schedule: Callable[[int], bool],
+        verbose: bool = False,
+        curvature: str = "diag_h",
+        epsilon: float = 1e-7,
+        key: str | None = None,
+    ):
+        super().__init__(track_schedule, verbose, curvature, epsilon, key)
+        #: The Hessian trace is estimable (Hutchinson); GGN traces are not (the
+        #: probes multiply by the Hessian).
+        self.estimable = (
+            frozenset({Need.DIAG_H}) if curvature == "diag_h" else frozenset()
+        )
+        self._errors: dict[int, float] = {}
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Sum this parameter's second moment and curvature (each where shown)."""
+        n = self.shared.n_local if self.shared is not None else 1
+        entry = self.acc.parts.setdefault(view.index, [None, None])
+        with torch.no_grad():
+            if view.has_second_moment:
+                entry[0] = view.scaled_sum_grad_squared().detach().sum() * n**2
+            if view.has_curvature(self.curvature):
+                entry[1] = view.curvature(self.curvature).detach().sum() * n
+        if view.has_individual_gradients:
+            self.acc.seen_batch_size = view.batch_size
+
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """Sum ``sum_i g_i^2`` and ``n_r h_r`` over processes."""
+        acc, n = self.acc, ctx.comm.n_global
+        for index, entry in list(acc.parts.items()):
+            bucket.sum(
+                self._pair(entry),
+                lambda v, i=index: acc.parts.__setitem__(i, [v[0] / n**2, v[1] / n]),
+            )
+        acc.seen_batch_size = n if acc.seen_batch_size is not None else None
+
+    @staticmethod
+    def _pair(entry) -> torch.Tensor:
+        """``[moment, trace]`` of one parameter (a part not shown counts 0)."""
+        known = next(t for t in entry if t is not None)
+        return torch.stack([known.new_zeros(()) if t is None else t for t in entry])
+
+    def probe_traces(self, traces: torch.Tensor) -> None:
+        """Take the per-probe traces ``[probes, P]`` of this step's estimate."""
+        self.acc.probe_traces = traces.detach().to("cpu", torch.float64)
+
+    def estimate_error(self, global_step: int) -> tuple[list[float], float] | None:
+        """The standard error of an estimated value (``None``: exact)."""
+        error = self._errors.pop(global_step, None)
+        return None if error is None else ([error], error)
+
+    def _reduce(self, scaled, diag):  # pragma: no cover - accumulate is overridden
         return torch.stack([scaled.sum(), diag.sum()])
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
         n = self._batch_size(ctx)
-        moment, trace = self._parts(ctx).sum(0)
+        moment, trace = self._parts(ctx).sum(0).tolist()
+        traces = self.acc.probe_traces
+        if traces is not None:
+            value, error, trace_error = tic_trace_estimate(
+                n * moment, trace, traces, self.epsilon
+            )
+            if value is None:
+                return Missing(
+                    f"the Hutchinson estimate of the Hessian trace plus epsilon is "
+                    f"{trace + self.epsilon:.3g} with standard error "
+                    f"{trace_error:.3g}, not clearly positive (TICTrace is estimated "
+                    f"only where it exceeds {MIN_RELATIVE:g} standard errors). Fix: "
+                    "more probes (Cockpit.HUTCHINSON_PROBES, default 16; the error "
+                    "shrinks as 1/sqrt(probes)), or an exact curvature on a model "
+                    "BackPACK covers (nn.Sequential)"
+                )
+            self._errors[global_step] = error
+            return value
         if not trace + self.epsilon > 0:
             return Missing(
                 f"the trace of the curvature ({self.curvature}) plus epsilon is "
-                f"{float(trace + self.epsilon):.3g} <= 0, where TICTrace is undefined. "
+                f"{trace + self.epsilon:.3g} <= 0, where TICTrace is undefined. "
                 "Fix: use curvature='diag_ggn_exact' (never negative)"
             )
         return float(n * moment / (trace + self.epsilon))
+
+    def abort_step(self, global_step: int) -> None:
+        """Forget the step (and its standard error)."""
+        self._errors.pop(global_step, None)
+        super().abort_step(global_step)
+
+    def _parts(self, ctx: TrackContext) -> torch.Tensor:
+        return torch.stack(
+            [self._pair(self.acc.parts[i]) for i in range(len(ctx.params))]
+        )
+
+
+#: An estimated trace ``T + epsilon`` must exceed this many standard errors for
+#: TICTrace to be estimated: then the standard error of ``1 / T`` is at most a third
+#: of its value, its bias (about ``r**2`` relative, ``r`` the relative error of
+#: ``T``) at most a third of one standard error, and the first-order (delta method)
+#: error is a fair description of the spread.
+MIN_RELATIVE = 3.0
+
+
+def tic_trace_estimate(
+    moment: float, trace: float, traces: torch.Tensor, epsilon: float
+) -> tuple[float | None, float, float]:
+    """TICTrace from an exact second moment and an estimated trace, with its error.
+
+    ``TICTrace = A / (T + epsilon)`` with ``A = sum_d M_d`` exact and ``T`` the mean
+    of the ``K`` per-probe traces ``t_k = sum_p t_kp`` (all parameters share the
+    probes, so the sum's error is the spread of the per-probe sums,
+    :func:`cockpit.engines.autograd.sum_error`). The delta method gives
+    ``SE = A * SE(T) / (T + epsilon)**2``: ``1/x`` linearised at the estimate, fair
+    while ``SE(T)`` is small against ``T + epsilon`` (see :data:`MIN_RELATIVE`).
+
+    Args:
+        moment: ``A = sum_d M_d`` (exact).
+        trace: The estimated trace ``T`` (the mean of the per-probe sums).
+        traces: ``[K, P]`` per-probe, per-parameter traces.
+        epsilon: The damping.
+
+    Returns:
+        ``(value, stderr, stderr_of_trace)``; ``value`` is ``None`` where
+        ``T + epsilon <= MIN_RELATIVE * SE(T)`` (not clearly positive).
+    """
+    probes = traces.shape[0]
+    trace_error = float(traces.sum(dim=1).std() / probes**0.5)
+    denominator = trace + epsilon
+    if not denominator > MIN_RELATIVE * trace_error:
+        return None, math.nan, trace_error
+    return moment / denominator, moment * trace_error / denominator**2, trace_error

@@ -103,8 +103,8 @@ def make_quantities(case: dict[str, Any]):
         ]
     if case["optimizer"] == "sgd":
         chosen += [quantities.CABS(every), quantities.EarlyStopping(every)]
-    if label == "economy" and case.get("curvature"):
-        chosen += [quantities.HessTrace(every)]
+    if label == "economy" and case.get("curvature"):  # both from the same probes
+        chosen += [quantities.HessTrace(every), quantities.TICTrace(every)]
     return chosen
 
 
