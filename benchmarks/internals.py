@@ -135,15 +135,38 @@ def engine_settings() -> dict[str, int]:
     }
 
 
-def engine_per_sample_gradients(losses, params, chunk: int, max_elements: int):
-    """cockpit's autograd engine: ``[d losses[i] / d p for p in params]``, stacked.
+def make_replayer(params):
+    """cockpit's replay engine watching the modules of ``params`` (as a cockpit)."""
+    from cockpit.engines.backpack import quiet_backward, rule_problem
+    from cockpit.engines.replay import Replayer
+    from cockpit.engines.routing import Router
 
-    The function a cockpit calls for the parameters it routes to autograd
-    (``cockpit.engines.autograd.per_sample_gradients``), in parameter order.
+    replayer = Replayer(Router(params, rule_problem, quiet_backward).chain)
+    replayer.watch_chains(params)
+    return replayer
+
+
+def engine_per_sample_gradients(
+    losses, params, chunk: int, max_elements: int, replayer=None
+):
+    """cockpit's engines: ``[d losses[i] / d p for p in params]``, stacked.
+
+    What a cockpit does for the parameters it routes to autograd: the replay engine
+    (``cockpit.engines.replay``, if ``replayer`` is given and watched the forward
+    pass) where a watched module covers a parameter, then one batched backward pass
+    per sample (``cockpit.engines.autograd.per_sample_gradients``) for the rest, in
+    parameter order.
     """
     from cockpit.engines.autograd import per_sample_gradients
 
-    found = dict(per_sample_gradients(losses, params, chunk, max_elements))
+    found = {}
+    if replayer is not None:
+        found.update(replayer.per_sample_gradients(losses, params, max_elements))
+        replayer.forget()
+    rest = [i for i in range(len(params)) if i not in found]
+    wanted = [params[i] for i in rest]
+    for position, grads in per_sample_gradients(losses, wanted, chunk, max_elements):
+        found[rest[position]] = grads
     return [found[i] for i in range(len(params))]
 
 

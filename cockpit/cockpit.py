@@ -25,6 +25,7 @@ from cockpit.checks import NONFINITE_KEY, Diagnostics
 from cockpit.engines import autograd as autograd_engine
 from cockpit.engines import backpack as backpack_engine
 from cockpit.engines.coverage import Coverage, static_coverage
+from cockpit.engines.replay import Replayer
 from cockpit.engines.routing import Router
 from cockpit.errors import CockpitWarning
 from cockpit.history import History, json_path
@@ -215,6 +216,12 @@ class Cockpit:
         self._router = Router(
             self.params, backpack_engine.rule_problem, backpack_engine.quiet_backward
         )
+        #: Per-sample gradients of layers without a BackPACK rule, by re-running
+        #: the module that uses them (the autograd engine where that cannot work).
+        self._replayer = Replayer(self._router.chain)
+        self._replayer.watch_chains(
+            self._router.replay_candidates(backpack_engine.reference_first_order())
+        )
         self._coverage: Coverage | None = None
         self._plan: StepPlan | None = None
         self._open: tuple[StepRun, contextlib.AbstractContextManager] | None = None
@@ -399,25 +406,33 @@ class Cockpit:
                 probes=self.HUTCHINSON_PROBES,
                 communicator=self._communicator,
                 no_sync=no_sync,
+                replayer=self._replayer,
             )
         except BaseException:  # e.g. a missing info key: nothing of the step stays
             self.recorder.discard()
+            self._replayer.forget()
             raise
-        if run.coverage is not None:
-            if self._coverage is None:
-                _LOG.info(run.coverage.summary())
-                self._coverage = run.coverage
-            else:
-                self._coverage = self._coverage.merged(run.coverage)
         try:
             run.open()
         except BaseException as error:  # nothing half-open stays behind
             self._plan = None
+            self._replayer.forget()
+            self._merge_coverage(run)
             clearer = run.fail(error)
             if clearer is not None:
                 raise clearer from error
             raise
+        self._merge_coverage(run)  # after open: it says how autograd ran
         self._open = run
+
+    def _merge_coverage(self, run: StepRun) -> None:
+        if run.coverage is None:
+            return
+        if self._coverage is None:
+            _LOG.info(run.coverage.summary())
+            self._coverage = run.coverage
+        else:
+            self._coverage = self._coverage.merged(run.coverage)
 
     def end(self, error: BaseException | None = None) -> None:
         """Close the step opened by :meth:`begin`: check it, track, record.
@@ -437,12 +452,15 @@ class Cockpit:
                 "cockpit.begin(step, info=...) before the backward pass."
             )
         self._plan = None  # quantities' state changes when they are tracked
-        if error is not None:
-            clearer = run.fail(error)
-            if clearer is not None:
-                raise clearer from error
-            return
-        run.close()
+        try:
+            if error is not None:
+                clearer = run.fail(error)
+                if clearer is not None:
+                    raise clearer from error
+                return
+            run.close()
+        finally:
+            self._replayer.forget()  # the step's recorded module calls
         self.last_step = run.plan.global_step
         self._loop.after(run.plan, run.info)
 
@@ -651,6 +669,7 @@ class Cockpit:
         """Close the streamed log and other subscribers (all is on disk already)."""
         self._loop.close()
         self.recorder.close()
+        self._replayer.close()
 
     # --- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -11,7 +11,6 @@ learning rate of every parameter group on tracked steps.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
@@ -202,11 +201,9 @@ class LoopChecks:
             return plan
         for q, reason in reasons.items():
             self._missing(q, step, reason)
-        return dataclasses.replace(
-            plan,
-            active=tuple(q for q in plan.active if q not in reasons),
-            consumers=tuple(q for q in plan.consumers if q not in reasons),
-        )
+        # re-planned without them: their extensions must not run either (a layer
+        # routed to the autograd engine has no BackPACK rule to run)
+        return plan.without(reasons)
 
     def after(self, plan: StepPlan, step_info) -> None:
         """Watch ``.grad`` until ``optimizer.step()`` if a quantity replays it."""

@@ -34,7 +34,15 @@ from cockpit.engines.coverage import (
     Status,
     status_for,
 )
-from cockpit.engines.routing import AUTOCAST, AUTOGRAD, Route, Router
+from cockpit.engines.replay import Replayer
+from cockpit.engines.routing import (
+    AUTOCAST,
+    AUTOGRAD,
+    PER_SAMPLE_BACKWARD,
+    REPLAY,
+    Route,
+    Router,
+)
 from cockpit.log_format import ESTIMATE_SUFFIX
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
@@ -255,8 +263,11 @@ class StepRun:
         probes: int = autograd_engine.DEFAULT_PROBES,
         communicator: distributed.Communicator | None = None,
         no_sync: bool = False,
+        replayer: Replayer | None = None,
     ):
         self.plan, self.info, self.params = plan, info, params
+        #: The replay engine (per-sample gradients from watched modules), if any.
+        self._replayer = replayer
         #: cockpit's collectives in a data-parallel run (``None``: one process).
         self.communicator = communicator
         #: The backward pass runs inside DDP's ``no_sync()``: ``.grad`` is this
@@ -617,17 +628,36 @@ class StepRun:
             )
 
     def _run_autograd(self, indices: list[int], losses: Tensor) -> None:
+        """Per-sample gradients of ``indices``: replayed modules, then autograd."""
         params = [self.params[i] for i in indices]
+        methods: dict[int, str] = {}
         with engine.quiet_backward():
+            if self._replayer is not None:
+                self._replayer.watch_chains(params)  # from the next step on if new
+                replayed = self._replayer.per_sample_gradients(
+                    losses, params, self._max_elements
+                )
+                for position, grads in replayed:
+                    who = self._replayer.module_of.get(position, "a module")
+                    methods[indices[position]] = f"{REPLAY} {who}"
+                    self._show_individual(indices[position], params[position], grads)
+            rest = [k for k in range(len(params)) if indices[k] not in methods]
+            for k in rest:
+                methods[indices[k]] = PER_SAMPLE_BACKWARD
+            if self.coverage is not None:
+                self.coverage = self.coverage.with_methods(methods)
             results = autograd_engine.per_sample_gradients(
-                losses, params, self._chunk, self._max_elements
+                losses, [params[k] for k in rest], self._chunk, self._max_elements
             )
             for position, grads in results:
-                index = indices[position]
-                self.hook.visited.add(index)
-                individual = DenseGradients(grads, scale=1)
-                with torch.no_grad():
-                    self.hook.show(params[position], index, ParamResults(individual))
+                k = rest[position]
+                self._show_individual(indices[k], params[k], grads)
+
+    def _show_individual(self, index: int, param: Tensor, grads: Tensor) -> None:
+        self.hook.visited.add(index)
+        individual = DenseGradients(grads, scale=1)
+        with torch.no_grad():
+            self.hook.show(param, index, ParamResults(individual))
 
     def _run_hutchinson(self, quantities: list[Quantity]) -> None:
         """Show Hutchinson estimates of the Hessian diagonal to ``quantities``."""

@@ -293,11 +293,18 @@ def test_any_model_benchmark_checks_the_engine_and_records_goals(tmp_path):
         "economy <= 4x a plain step",
         "full <= 25x a plain step",
         "engine no slower than vmap(grad)",
+        "engine beyond the training step's forward pass no slower than vmap(grad)",
     }
     assert all(isinstance(g["met"], bool) for g in goals.values())
+    # the fallback alone and the training step's forward were timed too
+    assert engine["backward"]["ratio"] > 0 and engine["forward"]["ratio"] > 0
     chunk = engine["settings"]["chunk"]
     assert "| economy |" in proc.stdout
-    assert f"| cockpit autograd engine | {chunk} |" in proc.stdout
+    assert "| cockpit's engines as a cockpit runs them" in proc.stdout
+    assert f"| fallback alone: one batched backward pass per sample | {chunk} |" in (
+        proc.stdout
+    )
+    assert "beyond the training step's forward pass" in proc.stdout
     again = subprocess.run(
         [sys.executable, "-m", "benchmarks.any_model", "--table", str(raw)],
         cwd=REPO, capture_output=True, text=True, timeout=60,

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from cockpit.engines.routing import PER_SAMPLE_BACKWARD
 from tests.utils import ddp
 
 pytestmark = pytest.mark.skipif(
@@ -70,7 +71,9 @@ CASES = [
     ("cnn", "adam", 2, "full"),
     ("mlp", "adam", 3, "full"),
     ("cnn", "sgd", 3, "full"),
-    ("gru", "sgd", 3, "economy"),  # the autograd engine and a Hutchinson HessTrace
+    # the autograd engine (a replayed gate, a GRU by backward passes per sample)
+    # and a Hutchinson HessTrace
+    ("gru", "sgd", 3, "economy"),
 ]
 
 
@@ -108,6 +111,9 @@ def test_every_value_equals_one_process_on_the_joined_batch(
     for result in results:
         assert "error" not in result, result.get("traceback", result["error"])
         assert result["data_parallel"]
+        if model == "gru":  # both ways of the autograd engine ran
+            assert "replay of _Gate" in result["methods"]
+            assert PER_SAMPLE_BACKWARD in result["methods"]
         problems: list[str] = []
         _compare(want, result["history"], f"rank {result['rank']}", problems)
         assert not problems, "\n".join(problems[:20])

@@ -8,7 +8,7 @@ turns anything but "exact" into a :class:`CoverageError`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from cockpit.engines.routing import AUTOGRAD, BACKPACK, UNUSED, Route
@@ -98,6 +98,16 @@ class Coverage:
         ]
         return Coverage(newer.step, rows)
 
+    def with_methods(self, methods: Mapping[int, str]) -> Coverage:
+        """Return the report with the autograd engine's method of some parameters."""
+        rows = [
+            replace(row, route=replace(row.route, method=methods[row.index]))
+            if row.index in methods
+            else row
+            for row in self.params
+        ]
+        return Coverage(self.step, rows)
+
     def problems(self) -> list[str]:
         """Everything not exact: ``"<quantity> for <parameter>: <status>"``."""
         found = []
@@ -134,7 +144,8 @@ class Coverage:
         lines = [self.summary()]
         for row in self.params:
             why = f" ({row.route.reason})" if row.route.reason else ""
-            lines.append(f"  {row.label}: {row.route.engine}{why}")
+            how = f", {row.route.method}" if row.route.method else ""
+            lines.append(f"  {row.label}: {row.route.engine}{how}{why}")
             for key, status in row.quantities.items():
                 lines.append(f"    {key}: {status}")
         return "\n".join(lines)

@@ -62,11 +62,21 @@ class Route:
             per-sample losses do not depend on it: exact zeros).
         reason: Why (empty for BackPACK).
         module: A description of the owning module (class and attribute).
+        method: How the autograd engine got them at the step: a replay of one
+            module sample by sample (:data:`REPLAY` and the module's class) or
+            :data:`PER_SAMPLE_BACKWARD` (empty before the step ran).
     """
 
     engine: str
     reason: str = ""
     module: str = ""
+    method: str = ""
+
+
+#: Method of a parameter replayed within a module (``"replay of <class>"``).
+REPLAY = "replay of"
+#: Method of a parameter differentiated through the whole graph, sample by sample.
+PER_SAMPLE_BACKWARD = "one batched backward pass per sample"
 
 
 @dataclass
@@ -380,6 +390,25 @@ class Router:
         chains = [self._ancestors(m) for m in modules]
         common = [m for m in chains[0] if all(_has(chain, m) for chain in chains[1:])]
         return common[0] if common else None
+
+    def chain(self, param: Tensor) -> list[Module]:
+        """``param``'s (first) owner and the modules containing it, innermost first."""
+        owners = self.modules.owners.get(id(param), [])
+        return self._ancestors(owners[0][0]) if owners else []
+
+    def replay_candidates(self, extensions: Sequence) -> list[Tensor]:
+        """Parameters whose owner has no rule in ``extensions`` (per-sample ones).
+
+        Their owners and containers are worth watching from the start (see
+        :mod:`cockpit.engines.replay`); parameters that routing sends to autograd
+        for other reasons (a second use, a sequence-first layout, ...) are added
+        when they are seen.
+        """
+        return [
+            p
+            for i, p in enumerate(self.params)
+            if self.static_route(i, extensions).engine == AUTOGRAD
+        ]
 
     def _ancestors(self, module: Module) -> list[Module]:
         chain = [module]

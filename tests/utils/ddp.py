@@ -26,16 +26,32 @@ from cockpit.utils.schedules import linear
 DTYPE = torch.float64
 
 
+class _Gate(torch.nn.Module):
+    """``x * sigmoid(x @ w)`` with a raw parameter (no BackPACK rule)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width, width) / width)
+
+    def forward(self, x):
+        return x * torch.sigmoid(x @ self.w)
+
+
 class _GatedGRU(torch.nn.Module):
-    """A GRU classifier: no BackPACK rule (the autograd engine computes it)."""
+    """A GRU classifier with a gate: no BackPACK rules for either.
+
+    The autograd engine computes both: the gate by a replay of the gate alone, the
+    GRU (which ``vmap`` cannot batch) by one batched backward pass per sample.
+    """
 
     def __init__(self):
         super().__init__()
         self.gru = torch.nn.GRU(3, 4, batch_first=True)
+        self.gate = _Gate(4)
         self.head = torch.nn.Linear(4, 3)
 
     def forward(self, x):
-        return self.head(self.gru(x)[0][:, -1])
+        return self.head(self.gate(self.gru(x)[0][:, -1]))
 
 
 def make_model(kind: str) -> torch.nn.Module:
@@ -295,6 +311,7 @@ def ddp_history(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {
         "history": cockpit.history.to_dict(),
         "data_parallel": cockpit.data_parallel,
+        "methods": [row.route.method for row in cockpit.coverage().params],
     }
 
 

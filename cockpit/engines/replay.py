@@ -1,0 +1,711 @@
+"""The replay engine: per-sample gradients by re-running one module, sample by sample.
+
+The autograd engine (:mod:`cockpit.engines.autograd`) differentiates every
+per-sample loss through the whole batch's graph: one backward pass of the batch per
+sample. Most parameters BackPACK has no rule for (attention, recurrent layers,
+positional parameters, tied embeddings, custom layers) are used inside the
+``forward`` of one module, though, and the gradient of sample ``i``'s loss with
+respect to that module's output is slice ``i`` of one ordinary backward pass of
+``sum_i l_i`` (samples do not mix). The per-sample gradients then follow from the
+module alone:
+
+``g_i = J_theta(module(x_i))^T (d l_i / d module(x_i))``,
+
+a vector-Jacobian product of the module on sample ``i``'s inputs, which
+``torch.func`` batches over the samples (``vmap`` of ``vjp`` of ``functional_call``;
+each sample runs as a batch of one, so layers that insist on a batch axis work). The
+cost is one backward pass of the batch plus about one forward and backward pass of
+the module on the batch: for a whole model about what ``vmap(grad(...))`` costs,
+instead of ``N`` backward passes.
+
+Watched modules record their last call (inputs, output) in forward hooks. At a
+tracked step, each parameter goes to the smallest watched module (its owner, or a
+module containing it) whose last call contains *every* use of the parameter in the
+graph of the per-sample losses (so weight tying and shared layers are summed over
+their uses) and reads no tensor of the graph other than its inputs. The sample axis
+of each output comes from two backward passes (the gradient of the first and the
+last sample's loss must stay in their own slice: no mixing), that of each input from
+its sizes, and a layout is accepted only if re-running the module sample by sample
+reproduces the recorded outputs, which is checked again at every step. Whatever
+fails a check (dropout or other random operations, BatchNorm in train mode, inputs
+changed in place afterwards, operators ``vmap`` cannot batch, ...) is left to the
+autograd engine, which is exact for any graph; nothing here guesses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, vjp, vmap
+from torch.nn import Module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from cockpit.engines.autograd import (
+    _VMAP_FALLBACK_WARNING,
+    parameter_groups,
+    sample_losses,
+)
+
+_LOG = logging.getLogger(__name__)
+
+#: Hook dictionaries of a module that a replay must not trigger (BackPACK stores a
+#: layer's input and output in a forward hook; the watch hooks themselves).
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+#: Layouts tried for a module whose inputs' sample axes are ambiguous.
+MAX_LAYOUTS = 16
+#: Wrappers whose ``forward`` does more than their module's (collectives, buffers).
+_WRAPPERS = (
+    torch.nn.parallel.DistributedDataParallel,
+    torch.nn.DataParallel,
+)
+# a leaf whose products show how many autograd nodes exist (sequence numbers)
+_CLOCK = torch.zeros((), requires_grad=True)
+
+
+def _now() -> int:
+    """The sequence number the next autograd node of this thread gets (about)."""
+    with torch.enable_grad():
+        return (_CLOCK * 1).grad_fn._sequence_nr()
+
+
+def _in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) is running."""
+    try:
+        return torch._C._functorch.maybe_current_level() is not None
+    except AttributeError:  # pragma: no cover - builds without functorch
+        return False
+
+
+def _autocast_on() -> bool:
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return True
+        except (RuntimeError, TypeError):  # a device type this build lacks
+            continue
+    return False
+
+
+@dataclass
+class Call:
+    """The last call of a watched module: what it got and what it returned.
+
+    Attributes:
+        leaves: The flattened ``(args, kwargs)``.
+        spec: Their tree structure.
+        outputs: The flattened output.
+        versions: ``_version`` of every tensor among inputs and outputs when the
+            call returned (a later in-place change makes the call unusable).
+        start: Sequence number of the first autograd node the call could create.
+        autocast: Whether it ran under ``torch.autocast``.
+    """
+
+    leaves: list
+    spec: Any
+    outputs: list
+    versions: list[int]
+    start: int
+    autocast: bool
+
+    def tensors(self) -> list[Tensor]:
+        """Input and output tensors, in the order of :attr:`versions`."""
+        return [t for t in (*self.leaves, *self.outputs) if isinstance(t, Tensor)]
+
+    def unchanged(self) -> bool:
+        """Whether no input or output was changed in place since the call."""
+        return all(
+            t._version == v for t, v in zip(self.tensors(), self.versions, strict=True)
+        )
+
+
+class CallRecorder:
+    """Forward hooks that keep the last call of each watched module.
+
+    A call made without gradients (evaluation) is not kept; :meth:`clear` drops the
+    references (the cockpit does so when a step closes, so nothing is held between
+    steps beyond what BackPACK's own hooks hold).
+    """
+
+    def __init__(self):
+        self.calls: dict[int, Call] = {}
+        self._handles: dict[int, list] = {}
+        self._starts: dict[int, tuple[int, bool]] = {}
+
+    def watch(self, modules: Sequence[Module]) -> None:
+        """Keep the calls of ``modules`` from now on (watching twice is harmless)."""
+        for module in modules:
+            key = id(module)
+            if key in self._handles:
+                continue
+            self._handles[key] = [
+                module.register_forward_pre_hook(self._pre(key)),
+                module.register_forward_hook(self._post(key), with_kwargs=True),
+            ]
+
+    def watches(self, module: Module) -> bool:
+        """Whether ``module`` is watched."""
+        return id(module) in self._handles
+
+    def _pre(self, key: int) -> Callable:
+        return _Hook(self, key, before=True)
+
+    def _post(self, key: int) -> Callable:
+        return _Hook(self, key, before=False)
+
+    def started(self, key: int) -> None:
+        """A watched module's forward begins (called by its pre-hook)."""
+        if torch.is_grad_enabled() and not _in_transform():
+            self._starts[key] = (_now(), _autocast_on())
+
+    def returned(self, key: int, args, kwargs, output) -> None:
+        """A watched module's forward returned (called by its hook)."""
+        start = self._starts.pop(key, None)
+        if start is None:
+            return
+        leaves, spec = tree_flatten((args, kwargs))
+        outputs, _ = tree_flatten(output)
+        tensors = [t for t in (*leaves, *outputs) if isinstance(t, Tensor)]
+        self.calls[key] = Call(
+            leaves, spec, outputs, [t._version for t in tensors], start[0], start[1]
+        )
+
+    def clear(self) -> None:
+        """Forget the recorded calls."""
+        self.calls.clear()
+        self._starts.clear()
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+        self.clear()
+
+
+class _Hook:
+    """A watch hook; pickled models (``torch.save(model)``) get an inert copy."""
+
+    def __init__(self, recorder: CallRecorder, key: int, before: bool):
+        self.recorder, self.key, self.before = recorder, key, before
+
+    def __call__(self, module, args, *rest):
+        if self.before:
+            self.recorder.started(self.key)
+        else:
+            self.recorder.returned(self.key, args, *rest)
+
+    def __reduce__(self):
+        return (_no_hook, ())
+
+
+def _inert(*args, **kwargs):
+    """What a pickled watch hook becomes: nothing."""
+    return None
+
+
+def _no_hook():
+    return _inert
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a module's call splits into samples.
+
+    Attributes:
+        selected: Positions of the outputs the per-sample losses depend on.
+        out_axes: Their sample axes.
+        in_axes: The sample axis of every input leaf (``None``: shared by all
+            samples, or not a tensor).
+    """
+
+    selected: tuple[int, ...]
+    out_axes: tuple[int, ...]
+    in_axes: tuple[int | None, ...]
+
+
+@dataclass
+class _Scope:
+    """What one call covers in this step's graph."""
+
+    call: Call
+    uses: Counter = field(default_factory=Counter)
+    reads_outside: bool = False
+
+
+def _hooks_off(module: Module):
+    """Swap out every hook of ``module`` and its submodules; return the restorer."""
+    saved = []
+    for sub in module.modules():
+        state = {}
+        for name in _HOOK_DICTS:
+            hooks = sub.__dict__.get(name)
+            if hooks:
+                state[name] = hooks
+                sub.__dict__[name] = type(hooks)()
+        if state:
+            saved.append((sub, state))
+
+    def restore():
+        for sub, state in saved:
+            for name, hooks in state.items():
+                sub.__dict__[name] = hooks
+
+    return restore
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Allowed relative difference between a replayed and the recorded output."""
+    return math.sqrt(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+
+
+class Replayer:
+    """Per-sample gradients of parameters used inside watched modules.
+
+    Args:
+        chain: ``param -> [owner, its parent, ..., the root]`` (empty: no owner).
+    """
+
+    def __init__(self, chain: Callable[[Tensor], list[Module]]):
+        self.recorder = CallRecorder()
+        self._chain = chain
+        #: (module, shapes, modes) -> its layout, or ``None`` where it cannot replay.
+        self._layouts: dict[tuple, Layout | None] = {}
+        #: Why the last step left parameters to the autograd engine (for debugging).
+        self.notes: dict[str, str] = {}
+        #: Parameters replayed at the last step, by module class name.
+        self.last: dict[str, int] = {}
+        #: Position (in the last call's ``params``) -> class of the module replayed.
+        self.module_of: dict[int, str] = {}
+
+    def watch_chains(self, params: Sequence[Tensor]) -> None:
+        """Watch the modules that could replay ``params`` (owners and containers)."""
+        for param in params:
+            self.recorder.watch([m for m in self._chain(param) if not _wrapper(m)])
+
+    def forget(self) -> None:
+        """Drop the recorded calls (at the end of each step)."""
+        self.recorder.clear()
+
+    def close(self) -> None:
+        """Remove every hook."""
+        self.recorder.close()
+
+    # --- per step --------------------------------------------------------------------
+    def per_sample_gradients(
+        self,
+        individual_losses: Tensor,
+        params: Sequence[Tensor],
+        max_elements: int,
+    ) -> Iterator[tuple[int, Tensor]]:
+        """Per-sample gradients of the ``params`` that a watched module covers.
+
+        Parameters it does not yield (no watched module covers them, or a replay
+        failed its check) are the autograd engine's.
+
+        Args:
+            individual_losses: The per-sample losses with their graph (kept).
+            params: The parameters (positions refer to this list).
+            max_elements: Per-sample numbers held at once (parameters beyond it
+                are replayed in further groups).
+
+        Yields:
+            ``(position, g)`` with ``g[i] = d l_i / d params[position]``, no graph.
+        """
+        self.notes, self.last, self.module_of = {}, {}, {}
+        losses = sample_losses(individual_losses)
+        n = losses.shape[0] if losses.dim() == 1 else 0
+        if n < 2 or losses.grad_fn is None or not self.recorder.calls:
+            return
+        plan = self._plan(losses, params)
+        yield from self._run(losses, params, plan, n, max_elements)
+
+    def _plan(self, losses: Tensor, params: Sequence[Tensor]) -> dict:
+        """Choose a module for each parameter: ``id(module) -> (module, positions)``."""
+        from cockpit.engines.routing import graph_uses
+
+        nodes, uses = graph_uses([losses.grad_fn])
+        scopes: dict[int, _Scope | None] = {}
+        chosen: dict[int, tuple[Module, list[int]]] = {}
+        for position, param in enumerate(params):
+            module = self._container(param, uses[id(param)], nodes, scopes)
+            if module is not None:
+                chosen.setdefault(id(module), (module, []))[1].append(position)
+        # one replay of a containing module serves its submodules' parameters too
+        # (deepest first, so that chains of containers end in the outermost), once
+        # that module has replayed a call of these shapes
+        for key in sorted(chosen, key=lambda k: -len(self._above(chosen[k][0]))):
+            module, members = chosen[key]
+            for outer in self._above(module):
+                if id(outer) not in chosen or not chosen[id(outer)][1]:
+                    continue
+                scope = scopes.get(id(outer))
+                if scope is None or not self._works(outer, scope.call):
+                    continue  # only into a module known to replay
+                if all(
+                    scope.uses[id(params[p])] == uses[id(params[p])] for p in members
+                ):
+                    chosen[id(outer)][1].extend(members)
+                    members.clear()
+                    break
+        return {k: v for k, v in chosen.items() if v[1]}
+
+    def _above(self, module: Module) -> list[Module]:
+        """The modules containing ``module`` (parent first), from the module map."""
+        for param in module.parameters():
+            chain = self._chain(param)
+            for i, m in enumerate(chain):
+                if m is module:
+                    return chain[i + 1 :]
+        return []
+
+    def _container(self, param, total, nodes, scopes) -> Module | None:
+        """The smallest watched module whose last call holds every use of ``param``."""
+        if total == 0:
+            return None
+        for module in self._chain(param):
+            if _wrapper(module):
+                return None
+            key = id(module)
+            if key not in scopes:
+                scopes[key] = self._scope(module, nodes)
+            scope = scopes[key]
+            if scope is None or scope.uses[id(param)] == 0:
+                continue
+            if scope.reads_outside:
+                return None  # the parameter's uses sit in a call that cannot replay
+            if self._failed(module, scope.call):
+                continue  # a larger module may still replay
+            if scope.uses[id(param)] == total and _name_in(module, param) is not None:
+                return module
+        return None
+
+    def _works(self, module: Module, call: Call) -> bool:
+        """Whether ``module`` is known to replay calls like ``call``."""
+        return self._layouts.get(self._key(module, call)) is not None
+
+    def _failed(self, module: Module, call: Call) -> bool:
+        """Whether ``module`` is known not to replay calls like ``call``."""
+        key = self._key(module, call)
+        return key in self._layouts and self._layouts[key] is None
+
+    def _scope(self, module: Module, nodes) -> _Scope | None:
+        call = self.recorder.calls.get(id(module))
+        if call is None or call.autocast or not call.unchanged():
+            return None
+        roots = [
+            t.grad_fn
+            for t in call.outputs
+            if isinstance(t, Tensor) and t.grad_fn is not None and t.grad_fn in nodes
+        ]
+        if not roots:
+            return None
+        inputs = {
+            t.grad_fn
+            for t in call.leaves
+            if isinstance(t, Tensor) and t.grad_fn is not None
+        }
+        scope = _Scope(call)
+        seen: set = set()
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if node in seen or node in inputs:
+                continue
+            seen.add(node)
+            if node._sequence_nr() < call.start:
+                scope.reads_outside = True  # a graph tensor that is not an input
+                continue
+            for child, _ in node.next_functions:
+                if child is None:
+                    continue
+                variable = getattr(child, "variable", None)
+                if variable is not None:
+                    scope.uses[id(variable)] += 1
+                else:
+                    stack.append(child)
+        return scope
+
+    def _run(self, losses, params, plan, n, budget) -> Iterator[tuple[int, Tensor]]:
+        calls = self.recorder.calls
+        layouts = {}
+        for key, (module, _) in plan.items():
+            layouts[key] = self._layout(module, calls[key], losses, n)
+        targets = [
+            calls[key].outputs[j]
+            for key, layout in layouts.items()
+            if layout is not None
+            for j in layout.selected
+        ]
+        cotangents = (
+            torch.autograd.grad(losses.sum(), targets, retain_graph=True)
+            if targets
+            else ()
+        )
+        offset = 0
+        for key, (module, members) in plan.items():
+            layout = layouts[key]
+            if layout is None:
+                continue
+            count = len(layout.selected)
+            cots = cotangents[offset : offset + count]
+            offset += count
+            members = list(members)
+            groups = parameter_groups([params[p] for p in members], n, budget)
+            for group in groups:
+                wanted = [members[i] for i in group]
+                try:
+                    grads = self._replay(
+                        module, calls[key], layout, [params[p] for p in wanted], cots
+                    )
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+                    self._refuse(module, calls[key], f"replay failed: {e}")
+                    grads = None
+                if grads is None:
+                    continue
+                name = type(module).__name__
+                self.last[name] = self.last.get(name, 0) + len(wanted)
+                self.module_of.update(dict.fromkeys(wanted, name))
+                yield from zip(wanted, grads, strict=True)
+                del grads
+
+    def _key(self, module: Module, call: Call) -> tuple:
+        shapes = tuple(
+            (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+            for t in (*call.leaves, *call.outputs)
+        )
+        modes = tuple(m.training for m in module.modules())
+        return (id(module), shapes, modes)
+
+    def _refuse(self, module: Module, call: Call, why: str) -> None:
+        self._layouts[self._key(module, call)] = None
+        self.notes[type(module).__name__] = why
+        _LOG.debug("replay of %s refused: %s", type(module).__name__, why)
+
+    def _layout(self, module, call, losses, n) -> Layout | None:
+        key = self._key(module, call)
+        if key in self._layouts:
+            return self._layouts[key]
+        layout = None
+        try:
+            layout = self._find_layout(module, call, losses, n)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
+            self.notes[type(module).__name__] = f"no layout: {error}"
+        if layout is None:
+            self.notes.setdefault(type(module).__name__, "no sample axis reproduces")
+        self._layouts[key] = layout
+        return layout
+
+    def _find_layout(self, module, call, losses, n) -> Layout | None:
+        selected = [
+            j
+            for j, t in enumerate(call.outputs)
+            if isinstance(t, Tensor) and t.grad_fn is not None
+        ]
+        probed = [call.outputs[j] for j in selected] + [
+            t for t in call.leaves if isinstance(t, Tensor) and t.grad_fn is not None
+        ]
+        grads = [
+            torch.autograd.grad(losses[a], probed, retain_graph=True, allow_unused=True)
+            for a in (0, n - 1)
+        ]
+        axes = {}
+        for k, tensor in enumerate(probed):
+            axes[id(tensor)] = _sample_axes(tensor, [g[k] for g in grads], (0, n - 1))
+        out_options, keep = [], []
+        for j in selected:
+            options = axes[id(call.outputs[j])]
+            if options is None:  # the losses do not depend on it
+                continue
+            if not options:
+                return None  # samples mix downstream of this output
+            out_options.append(options)
+            keep.append(j)
+        if not keep:
+            return None
+        preferred = {a for options in out_options for a in options[:1]}
+        in_options = []
+        for leaf in call.leaves:
+            if not isinstance(leaf, Tensor):
+                in_options.append([None])
+                continue
+            probe = axes.get(id(leaf))
+            if probe:
+                in_options.append(probe)
+                continue
+            if probe == []:
+                return None  # this input mixes samples
+            sized = [d for d in range(leaf.dim()) if leaf.shape[d] == n]
+            sized.sort(key=lambda d: d not in preferred)
+            in_options.append([*sized, None])
+        for choice in itertools.islice(
+            itertools.product(
+                itertools.product(*out_options), itertools.product(*in_options)
+            ),
+            MAX_LAYOUTS,
+        ):
+            layout = Layout(tuple(keep), tuple(choice[0]), tuple(choice[1]))
+            if all(a is None for a in layout.in_axes):
+                continue
+            if self._reproduces(module, call, layout):
+                return layout
+        return None
+
+    def _reproduces(self, module, call, layout) -> bool:
+        """Whether running ``module`` sample by sample gives the recorded outputs."""
+        batched = _batched_inputs(call, layout)
+        restore = _hooks_off(module)
+        try:
+            with torch.no_grad():
+                values = _vmap(
+                    lambda xs: _forward(module, call, layout, xs, None),
+                    (tuple(a for a in layout.in_axes if a is not None),),
+                )(batched)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
+            _LOG.debug("layout %s of %s: %s", layout, type(module).__name__, error)
+            return False
+        finally:
+            restore()
+        return _same(values, call, layout)
+
+    def _replay(self, module, call, layout, wanted, cotangents) -> list[Tensor] | None:
+        names = [_name_in(module, p) for p in wanted]
+        primals = {name: p.detach() for name, p in zip(names, wanted, strict=True)}
+        batched = _batched_inputs(call, layout)
+
+        def one(xs, cots):
+            def f(params):
+                return _forward(module, call, layout, xs, params)
+
+            values, pull = vjp(f, primals)
+            return pull(tuple(cots))[0], values
+
+        restore = _hooks_off(module)
+        try:
+            with torch.no_grad():
+                in_axes = tuple(a for a in layout.in_axes if a is not None)
+                grads, values = _vmap(one, (in_axes, layout.out_axes))(
+                    batched, tuple(cotangents)
+                )
+        finally:
+            restore()
+        if not _same(values, call, layout):
+            self._refuse(module, call, "the replayed outputs differ from the recorded")
+            return None
+        return [grads[name] for name in names]
+
+
+def _wrapper(module: Module) -> bool:
+    return isinstance(module, _WRAPPERS)
+
+
+def _name_in(module: Module, param: Tensor) -> str | None:
+    for name, candidate in module.named_parameters():
+        if candidate is param:
+            return name
+    return None
+
+
+def _sample_axes(tensor: Tensor, grads, samples) -> list[int] | None:
+    """Axes of ``tensor`` along which each sample's gradient stays in its slice.
+
+    Returns:
+        ``None`` if neither sample's loss depends on the tensor, else the axes of
+        size ``N`` that keep both gradients in their sample's slice (empty: the
+        samples mix).
+    """
+    if all(g is None for g in grads):
+        return None
+    n = samples[-1] + 1
+    axes = []
+    informative = False
+    for d in range(tensor.dim()):
+        if tensor.shape[d] != n:
+            continue
+        ok = True
+        for a, grad in zip(samples, grads, strict=True):
+            if grad is None:
+                continue
+            total = int(grad.count_nonzero())
+            informative = informative or total > 0
+            if int(grad.select(d, a).count_nonzero()) != total:
+                ok = False
+                break
+        if ok:
+            axes.append(d)
+    if not informative:
+        return None
+    return axes
+
+
+def _batched_inputs(call: Call, layout: Layout) -> tuple[Tensor, ...]:
+    # copies: a module that changes its input in place must not touch the user's
+    return tuple(
+        leaf.detach().clone()
+        for leaf, axis in zip(call.leaves, layout.in_axes, strict=True)
+        if axis is not None
+    )
+
+
+def _vmap(function, in_dims):
+    """``vmap`` with random operations refused and its loop fallback kept quiet."""
+    mapped = vmap(function, in_dims=in_dims, randomness="error")
+
+    def run(*args):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_VMAP_FALLBACK_WARNING)
+            return mapped(*args)
+
+    return run
+
+
+def _forward(module, call, layout, xs, params):
+    """The module on one sample (a batch of one), its selected outputs squeezed."""
+    leaves, it = [], iter(xs)
+    for leaf, axis in zip(call.leaves, layout.in_axes, strict=True):
+        if axis is not None:
+            leaves.append(next(it).unsqueeze(axis))
+        elif isinstance(leaf, Tensor):
+            leaves.append(leaf.detach())
+        else:
+            leaves.append(leaf)
+    args, kwargs = tree_unflatten(leaves, call.spec)
+    if params is None:
+        output = module(*args, **kwargs)
+    else:
+        output = functional_call(module, params, tuple(args), kwargs)
+    flat, _ = tree_flatten(output)
+    return tuple(
+        flat[j].squeeze(axis)
+        for j, axis in zip(layout.selected, layout.out_axes, strict=True)
+    )
+
+
+def _same(values, call: Call, layout: Layout) -> bool:
+    for value, j, axis in zip(values, layout.selected, layout.out_axes, strict=True):
+        recorded = call.outputs[j].detach().movedim(axis, 0)
+        if value.shape != recorded.shape or value.dtype != recorded.dtype:
+            return False
+        scale = float(recorded.abs().max()) if recorded.numel() else 0.0
+        if not math.isfinite(scale):
+            return False
+        difference = float((value - recorded).abs().max()) if value.numel() else 0.0
+        if difference > _tolerance(recorded.dtype) * max(1.0, scale):
+            return False
+    return True

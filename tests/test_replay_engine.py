@@ -1,0 +1,330 @@
+"""The replay engine: per-sample gradients by re-running one module per sample.
+
+Every value is compared with the definition, ``d l_i / d theta`` by plain autograd on
+the full batch's graph, one sample at a time (float64), and every case says which
+parameters must be replayed and which must be left to the autograd engine (random
+operations, samples that mix, inputs changed in place, a module reading a tensor of
+the graph that is not its input, operators ``vmap`` cannot batch).
+"""
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+
+from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.engines.backpack import quiet_backward, rule_problem
+from cockpit.engines.replay import Replayer
+from cockpit.engines.routing import PER_SAMPLE_BACKWARD, REPLAY, Router
+from cockpit.utils.schedules import linear
+from tests.utils.any_model import ARCHITECTURES, make_any_problem
+
+DTYPE = torch.float64
+N = 5
+
+
+class Gate(torch.nn.Module):
+    """A custom layer with a raw parameter (no BackPACK rule)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width, width) / width)
+
+    def forward(self, x):
+        return x * torch.sigmoid(x @ self.w)
+
+
+class SeqFirstAttention(torch.nn.Module):
+    """Sequence-first attention with a causal mask whose length equals the batch."""
+
+    def __init__(self, vocab=6, width=4, length=N, classes=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.attention = torch.nn.MultiheadAttention(width, 2)
+        self.register_buffer(
+            "mask", torch.triu(torch.full((length, length), float("-inf")), 1)
+        )
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, tokens):  # tokens [N, T]; attention sees [T, N, width]
+        h = self.embed(tokens).transpose(0, 1)
+        h = h + self.attention(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        return self.head(h.mean(0))
+
+
+class SharedGate(torch.nn.Module):
+    """One gate applied twice: its parameter's uses span two calls."""
+
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.gate = Gate(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.gate(self.gate(self.inp(x))))
+
+
+class DropoutGate(torch.nn.Module):
+    """A gate followed by dropout inside one custom module (random: no replay)."""
+
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.w = torch.nn.Parameter(torch.randn(width, width) / width)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.drop(h * torch.sigmoid(h @ self.w)))
+
+
+class ReadsContext(torch.nn.Module):
+    """A layer that reads a graph tensor set on it instead of taking an input."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width) / width)
+        self.context = None
+
+    def forward(self, x):
+        return x * torch.tanh(self.context * self.w)
+
+
+class OutsideRead(torch.nn.Module):
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.layer = ReadsContext(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        self.layer.context = 2 * h
+        return self.head(self.layer(h))
+
+
+class Shift(torch.nn.Module):
+    """``x + b`` (its backward keeps no input, so the input may change later)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.b = torch.nn.Parameter(0.1 * torch.randn(width))
+
+    def forward(self, x):
+        return x + self.b
+
+
+class InPlaceAfter(torch.nn.Module):
+    """The shift's input is changed in place after the shift ran."""
+
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.shift = Shift(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        s = torch.tanh(self.shift(h))
+        h.mul_(2)  # the shift's recorded input is no longer what it saw
+        return self.head(s + h)
+
+
+class BatchNormBeforeGate(torch.nn.Module):
+    """BatchNorm in train mode mixes the samples: nothing can be replayed."""
+
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.gate = Gate(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.gate(self.bn(self.inp(x))))
+
+
+def features(gen, n):
+    return torch.randn(n, 3, generator=gen, dtype=DTYPE)
+
+
+def tokens(gen, n):
+    return torch.randint(0, 6, (n, N), generator=gen)
+
+
+def transformer_tokens(gen, n):
+    return torch.randint(0, 7, (n, 5), generator=gen)
+
+
+GRU = ["gru.weight_ih_l0", "gru.weight_hh_l0", "gru.bias_ih_l0", "gru.bias_hh_l0"]
+LINEARS = ["inp.weight", "inp.bias", "head.weight", "head.bias"]
+
+#: name -> (model, inputs, parameters that must be replayed ("all": every one),
+#: those that must be left to the autograd engine, {parameter: replaying module})
+CASES = {
+    "transformer": (ARCHITECTURES["transformer"][0], transformer_tokens, "all", [], {}),
+    "seq-first-attention-T=N": (SeqFirstAttention, tokens, "all", [], {}),
+    "tied-custom": (
+        ARCHITECTURES["tied-custom"][0],
+        tokens,
+        "all",
+        [],
+        {"embed.weight": "TiedCustom"},  # tied: its uses span the whole model
+    ),
+    "shared-gate": (SharedGate, features, "all", [], {"gate.w": "SharedGate"}),
+    "dropout": (DropoutGate, features, LINEARS, ["w"], {}),
+    "outside-read": (OutsideRead, features, LINEARS, ["layer.w"], {}),
+    # the shift's input and inp's output changed in place: the whole model replays
+    "in-place-after": (
+        InPlaceAfter,
+        features,
+        "all",
+        [],
+        {"shift.b": "InPlaceAfter", "inp.weight": "InPlaceAfter"},
+    ),
+    # samples mix in BatchNorm: only what comes after it replays
+    "batchnorm-train": (
+        BatchNormBeforeGate,
+        features,
+        ["gate.w", "head.weight", "head.bias"],
+        ["inp.weight", "inp.bias", "bn.weight", "bn.bias"],
+        {},
+    ),
+    # vmap has no batching rule for aten::gru
+    "gru": (ARCHITECTURES["gru"][0], ARCHITECTURES["gru"][1], ["head.weight"], GRU, {}),
+}
+SEED = 3
+
+
+def reference(model, x, y):
+    """``d l_i / d theta`` from the batch's graph, sample by sample (definition)."""
+    params = list(model.parameters())
+    torch.manual_seed(SEED)  # the dropout mask of the replayed steps
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    return [
+        torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
+        for i in range(losses.shape[0])
+    ]
+
+
+def replay(model, x, y, steps=2):
+    """``steps`` forward passes watched by a :class:`Replayer`; the last's results.
+
+    Returns:
+        ``position -> [N, *shape]`` and ``position -> class of the replayed module``.
+    """
+    params = list(model.parameters())
+    replayer = Replayer(Router(params, rule_problem, quiet_backward).chain)
+    replayer.watch_chains(params)
+    for _ in range(steps):
+        torch.manual_seed(SEED)
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        with quiet_backward():
+            found = dict(replayer.per_sample_gradients(losses, params, 1 << 26))
+        who = dict(replayer.module_of)
+        replayer.forget()
+    replayer.close()
+    return found, who
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replayed_gradients_are_the_per_sample_gradients(case):
+    factory, make_input, replayed, left, modules = CASES[case]
+    torch.manual_seed(0)
+    model = factory().to(DTYPE)
+    gen = torch.Generator().manual_seed(1)
+    x, y = make_input(gen, N), torch.randint(0, 3, (N,), generator=gen)
+    names = [n for n, _ in model.named_parameters()]
+    found, who = replay(model, x, y)
+    expected = reference(model, x, y)
+    got = {names[i] for i in found}
+    assert got == set(names) if replayed == "all" else set(replayed) <= got
+    assert not got & set(left), f"replayed what it must not: {got & set(left)}"
+    for name, module in modules.items():
+        assert who[names.index(name)] == module
+    for i, grads in found.items():
+        want = torch.stack(
+            [
+                torch.zeros_like(model.get_parameter(names[i]))
+                if row[i] is None
+                else row[i]
+                for row in expected
+            ]
+        )
+        torch.testing.assert_close(grads, want, rtol=1e-10, atol=1e-12)
+
+
+def test_replay_leaves_no_hook_state_behind():
+    factory, make_input, *_ = CASES["transformer"]
+    torch.manual_seed(0)
+    model = extend(factory().to(DTYPE))
+    gen = torch.Generator().manual_seed(1)
+    x, y = make_input(gen, N), torch.randint(0, 3, (N,), generator=gen)
+    before = {
+        id(m): (len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()
+    }
+    cockpit = Cockpit(model.parameters(), quantities=[Q.Variance(linear(1))])
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    for step in range(2):
+        model.zero_grad()
+        out = model(x)
+        stored = {id(m): m.output for m in model.modules() if hasattr(m, "output")}
+        loss = loss_fn(out, y)
+        losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+        with cockpit(step, info={"batch_size": N, "individual_losses": losses}):
+            # BackPACK's stored outputs are the forward pass's, not the replay's
+            for m in model.modules():
+                if id(m) in stored:
+                    assert m.output is stored[id(m)]
+            loss.backward()
+        assert not cockpit._replayer.recorder.calls  # nothing held between steps
+    methods = {row.route.method for row in cockpit.coverage().params}
+    assert f"{REPLAY} TransformerBlock" in methods
+    cockpit.close()
+    after = {
+        id(m): (len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()
+    }
+    assert after == before
+    assert "replay of TransformerBlock" in str(cockpit.coverage())
+
+
+def test_a_watched_model_still_pickles():
+    torch.manual_seed(0)
+    model = ARCHITECTURES["tied-custom"][0]().to(DTYPE)
+    Cockpit(model.parameters(), quantities=[Q.Variance(linear(1))])
+    copy = pickle.loads(pickle.dumps(model))  # e.g. torch.save(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copy(torch.randint(0, 6, (2, 3)))  # its hooks do nothing
+
+
+def test_coverage_names_the_method_of_each_autograd_parameter():
+    problem = make_any_problem("lstm-seq-first-t3")
+    model = problem.model
+    cockpit = Cockpit(model.named_parameters(), quantities=[Q.Variance(linear(1))])
+    optimizer = problem.make_optimizer(model.parameters())
+    for step in range(2):
+        x, y = problem.make_batch(step)
+        optimizer.zero_grad()
+        out = model(x)
+        loss = problem.loss_fn(out, y)
+        losses = problem.individual_loss_fn(out, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(
+                step, info={"batch_size": len(y), "individual_losses": losses}
+            ):
+                loss.backward()
+        optimizer.step()
+    rows = {row.label: row.route for row in cockpit.coverage().params}
+    lstm = [r for label, r in rows.items() if "lstm" in label]
+    per_step = [r for label, r in rows.items() if "per_step" in label]
+    # vmap cannot batch aten::lstm: the LSTM stays with the backward per sample;
+    # the Linear on the sequence-first output is watched from the second step on
+    assert lstm and all(r.method == PER_SAMPLE_BACKWARD for r in lstm)
+    assert per_step and all(r.method == f"{REPLAY} Linear" for r in per_step)
