@@ -68,6 +68,24 @@ def test_gradient_accumulation_makes_grad_readers_missing():
     assert "accumulation" in out[1]["missing"]["GradNorm"]
 
 
+def test_a_quantity_left_out_takes_its_extensions_along():
+    """Variance alone on a sequence-first LSTM (routed to autograd) under accumulation:
+    BackPACK's BatchL2Grad must not run for the quantity left out (its LSTM rule
+    fails on that layout)."""
+    from tests.utils.any_model import make_any_problem
+
+    problem = make_any_problem("lstm-seq-first-t3")
+    opt = problem.make_optimizer(problem.model.parameters())
+    cockpit = Cockpit(problem.params, [Q.Variance(EVERY), Q.Loss(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CockpitWarning)
+        _step(cockpit, problem, opt, 0)
+        _step(cockpit, problem, opt, 1, zero=False)  # .grad keeps step 0's
+    out = cockpit.history.to_dict()
+    assert "Variance" in out[0] and "Loss" in out[1]
+    assert "accumulation" in out[1]["missing"]["Variance"]
+
+
 def test_zero_tensors_in_grad_are_not_accumulation():
     problem = make_problem("mlp", "ce", "sgd")
     opt = problem.optimizer()
