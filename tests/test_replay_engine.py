@@ -328,3 +328,64 @@ def test_coverage_names_the_method_of_each_autograd_parameter():
     # the Linear on the sequence-first output is watched from the second step on
     assert lstm and all(r.method == PER_SAMPLE_BACKWARD for r in lstm)
     assert per_step and all(r.method == f"{REPLAY} Linear" for r in per_step)
+
+
+class Remembers(torch.nn.Module):
+    """Keeps its last attention-like weights on ``self`` (as code that plots does)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width, width) / width)
+        self.last = None
+
+    def forward(self, x):
+        self.last = torch.softmax(x @ self.w, dim=-1)
+        return x * self.last
+
+
+class StatefulModel(torch.nn.Module):
+    """BatchNorm in train mode inside the module that holds a raw scale."""
+
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(1, affine=False)
+        self.conv = torch.nn.Conv2d(1, width, 3)
+        self.scale = torch.nn.Parameter(torch.ones(width))
+        self.remember = Remembers(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.conv(self.bn(x)).mean(dim=(2, 3)) * self.scale
+        return self.head(self.remember(h))
+
+
+def test_a_replay_leaves_no_trace_on_the_model():
+    """Buffers (BatchNorm's statistics and counter) and attributes a forward sets on
+    ``self`` are the training's own after tracked steps, not the replay's."""
+    torch.manual_seed(0)
+    model = extend(StatefulModel().to(DTYPE))
+    twin = StatefulModel().to(DTYPE)
+    twin.load_state_dict(model.state_dict())
+    cockpit = Cockpit(model.parameters(), quantities=[Q.Variance(linear(1))])
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(N, 1, 5, 5, generator=gen, dtype=DTYPE)
+        y = torch.randint(0, 3, (N,), generator=gen)
+        model.zero_grad()
+        out = model(x)
+        kept = model.remember.last
+        losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(step, info={"batch_size": N, "individual_losses": losses}):
+                loss_fn(out, y).backward()
+        assert model.remember.last is kept  # not a tensor of the replay
+        twin(x)
+        for name, buffer in twin.named_buffers():
+            torch.testing.assert_close(model.get_buffer(name), buffer, rtol=0, atol=0)
+    methods = {row.route.module: row.route.method for row in cockpit.coverage().params}
+    # the remembering layer is replayed alone (after the BatchNorm, samples do not
+    # mix); the module holding the BatchNorm changes buffers and is refused
+    assert methods["Remembers.w"] == f"{REPLAY} Remembers"
+    assert methods["StatefulModel.scale"] == PER_SAMPLE_BACKWARD

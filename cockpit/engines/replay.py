@@ -199,6 +199,10 @@ class CallRecorder:
         self.clear()
 
 
+class _Refused(Exception):
+    """A module that must not be replayed (the message says why)."""
+
+
 class _Hook:
     """A watch hook; pickled models (``torch.save(model)``) get an inert copy."""
 
@@ -249,25 +253,59 @@ class _Scope:
     reads_outside: bool = False
 
 
-def _hooks_off(module: Module):
-    """Swap out every hook of ``module`` and its submodules; return the restorer."""
-    saved = []
-    for sub in module.modules():
-        state = {}
-        for name in _HOOK_DICTS:
-            hooks = sub.__dict__.get(name)
-            if hooks:
-                state[name] = hooks
-                sub.__dict__[name] = type(hooks)()
-        if state:
-            saved.append((sub, state))
+class _Isolated:
+    """A module and its submodules, with no hooks and no lasting side effects.
 
-    def restore():
-        for sub, state in saved:
-            for name, hooks in state.items():
-                sub.__dict__[name] = hooks
+    Inside, every hook is swapped out (BackPACK stores each layer's input and output
+    in a forward hook; the watch hooks would record the replay). On leaving, each
+    submodule's attributes are put back as they were (a ``forward`` that stores a
+    tensor on ``self``, e.g. attention weights for plotting, must not keep the
+    replay's), and :attr:`changed_buffers` names the buffers whose values changed
+    (BatchNorm's counters in train mode); with ``restore_buffers`` they get their
+    values back.
+    """
 
-    return restore
+    def __init__(self, module: Module, restore_buffers: bool = False):
+        self.module = module
+        self.restore_buffers = restore_buffers
+        self.changed_buffers: list[str] = []
+
+    def __enter__(self):
+        self._saved = [(sub, dict(sub.__dict__)) for sub in self.module.modules()]
+        self._buffers = [
+            (name, buffer, buffer._version)
+            for name, buffer in self.module.named_buffers()
+        ]
+        self._copies = (
+            [b.detach().clone() for _, b, _ in self._buffers]
+            if self.restore_buffers
+            else []
+        )
+        for sub, _ in self._saved:
+            for name in _HOOK_DICTS:
+                hooks = sub.__dict__.get(name)
+                if hooks:
+                    sub.__dict__[name] = type(hooks)()
+        return self
+
+    def __exit__(self, *exc):
+        for sub, saved in self._saved:
+            current = sub.__dict__
+            for key in [k for k in current if k not in saved]:
+                del current[key]
+            for key, value in saved.items():
+                if current.get(key, _ABSENT) is not value:
+                    current[key] = value
+        for k, (name, buffer, version) in enumerate(self._buffers):
+            if buffer._version != version:
+                self.changed_buffers.append(name)
+                if self._copies:
+                    with torch.no_grad():
+                        buffer.copy_(self._copies[k])
+        return False
+
+
+_ABSENT = object()
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -505,6 +543,8 @@ class Replayer:
         layout = None
         try:
             layout = self._find_layout(module, call, losses, n)
+        except _Refused as refused:
+            self.notes[type(module).__name__] = str(refused)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
             self.notes[type(module).__name__] = f"no layout: {error}"
         if layout is None:
@@ -568,11 +608,15 @@ class Replayer:
         return None
 
     def _reproduces(self, module, call, layout) -> bool:
-        """Whether running ``module`` sample by sample gives the recorded outputs."""
+        """Whether running ``module`` sample by sample gives the recorded outputs.
+
+        A module whose forward changes its buffers (BatchNorm in train mode counts
+        its batches) gets them back and is refused: a replay must leave no trace.
+        """
         batched = _batched_inputs(call, layout)
-        restore = _hooks_off(module)
+        isolated = _Isolated(module, restore_buffers=True)
         try:
-            with torch.no_grad():
+            with isolated, torch.no_grad():
                 values = _vmap(
                     lambda xs: _forward(module, call, layout, xs, None),
                     (tuple(a for a in layout.in_axes if a is not None),),
@@ -580,8 +624,10 @@ class Replayer:
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
             _LOG.debug("layout %s of %s: %s", layout, type(module).__name__, error)
             return False
-        finally:
-            restore()
+        if isolated.changed_buffers:
+            raise _Refused(
+                f"its forward changes buffers {isolated.changed_buffers[:3]}"
+            )
         return _same(values, call, layout)
 
     def _replay(self, module, call, layout, wanted, cotangents) -> list[Tensor] | None:
@@ -596,15 +642,15 @@ class Replayer:
             values, pull = vjp(f, primals)
             return pull(tuple(cots))[0], values
 
-        restore = _hooks_off(module)
-        try:
-            with torch.no_grad():
-                in_axes = tuple(a for a in layout.in_axes if a is not None)
-                grads, values = _vmap(one, (in_axes, layout.out_axes))(
-                    batched, tuple(cotangents)
-                )
-        finally:
-            restore()
+        isolated = _Isolated(module)
+        with isolated, torch.no_grad():
+            in_axes = tuple(a for a in layout.in_axes if a is not None)
+            grads, values = _vmap(one, (in_axes, layout.out_axes))(
+                batched, tuple(cotangents)
+            )
+        if isolated.changed_buffers:  # not when its layout was found: refuse
+            self._refuse(module, call, "its forward changed buffers")
+            return None
         if not _same(values, call, layout):
             self._refuse(module, call, "the replayed outputs differ from the recorded")
             return None
