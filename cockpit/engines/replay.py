@@ -331,6 +331,9 @@ class Replayer:
         self.last: dict[str, int] = {}
         #: Position (in the last call's ``params``) -> class of the module replayed.
         self.module_of: dict[int, str] = {}
+        self._names: dict[int, dict[int, str]] = {}  # module -> param -> name
+        self._outer: dict[int, list[Module]] = {}  # module -> its containers
+        self._keys: dict[int, tuple] = {}  # this step's layout keys
 
     def watch_chains(self, params: Sequence[Tensor]) -> None:
         """Watch the modules that could replay ``params`` (owners and containers)."""
@@ -366,7 +369,7 @@ class Replayer:
         Yields:
             ``(position, g)`` with ``g[i] = d l_i / d params[position]``, no graph.
         """
-        self.notes, self.last, self.module_of = {}, {}, {}
+        self.notes, self.last, self.module_of, self._keys = {}, {}, {}, {}
         losses = sample_losses(individual_losses)
         n = losses.shape[0] if losses.dim() == 1 else 0
         if n < 2 or losses.grad_fn is None or not self.recorder.calls:
@@ -406,12 +409,25 @@ class Replayer:
 
     def _above(self, module: Module) -> list[Module]:
         """The modules containing ``module`` (parent first), from the module map."""
-        for param in module.parameters():
-            chain = self._chain(param)
-            for i, m in enumerate(chain):
-                if m is module:
-                    return chain[i + 1 :]
-        return []
+        if id(module) not in self._outer:
+            self._outer[id(module)] = []
+            for param in module.parameters():
+                chain = self._chain(param)
+                found = [i for i, m in enumerate(chain) if m is module]
+                if found:
+                    self._outer[id(module)] = chain[found[0] + 1 :]
+                    break
+        return self._outer[id(module)]
+
+    def _name(self, module: Module, param: Tensor) -> str | None:
+        """``param``'s name in ``module`` (for ``functional_call``), if it has one."""
+        names = self._names.get(id(module))
+        name = names.get(id(param)) if names is not None else None
+        if name is None or module.get_parameter(name) is not param:
+            names = {id(p): n for n, p in module.named_parameters()}
+            self._names[id(module)] = names
+            name = names.get(id(param))
+        return name
 
     def _container(self, param, total, nodes, scopes) -> Module | None:
         """The smallest watched module whose last call holds every use of ``param``."""
@@ -430,7 +446,7 @@ class Replayer:
                 return None  # the parameter's uses sit in a call that cannot replay
             if self._failed(module, scope.call):
                 continue  # a larger module may still replay
-            if scope.uses[id(param)] == total and _name_in(module, param) is not None:
+            if scope.uses[id(param)] == total and self._name(module, param) is not None:
                 return module
         return None
 
@@ -524,6 +540,15 @@ class Replayer:
                 del grads
 
     def _key(self, module: Module, call: Call) -> tuple:
+        """Module, shapes and train/eval modes: what a layout is remembered by."""
+        cached = self._keys.get(id(module))
+        if cached is not None and cached[0] is call:
+            return cached[1]
+        key = self._make_key(module, call)
+        self._keys[id(module)] = (call, key)
+        return key
+
+    def _make_key(self, module: Module, call: Call) -> tuple:
         shapes = tuple(
             (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
             for t in (*call.leaves, *call.outputs)
@@ -631,7 +656,7 @@ class Replayer:
         return _same(values, call, layout)
 
     def _replay(self, module, call, layout, wanted, cotangents) -> list[Tensor] | None:
-        names = [_name_in(module, p) for p in wanted]
+        names = [self._name(module, p) for p in wanted]
         primals = {name: p.detach() for name, p in zip(names, wanted, strict=True)}
         batched = _batched_inputs(call, layout)
 
@@ -659,13 +684,6 @@ class Replayer:
 
 def _wrapper(module: Module) -> bool:
     return isinstance(module, _WRAPPERS)
-
-
-def _name_in(module: Module, param: Tensor) -> str | None:
-    for name, candidate in module.named_parameters():
-        if candidate is param:
-            return name
-    return None
 
 
 def _sample_axes(tensor: Tensor, grads, samples) -> list[int] | None:
