@@ -335,7 +335,14 @@ def _one_step(cockpit, network, optimizer, step, x, y, no_sync=False):
 def misuse(rank: int, world: int, how: str, timeout: float = 5.0) -> dict[str, Any]:
     """Worker: a run where the processes disagree; what each process raised."""
     model = make_model("mlp")
-    wrap = how != "no-ddp"
+    if how == "shapes" and rank == 1:  # a wider hidden layer (DDP would refuse it)
+        torch.manual_seed(0)
+        model = extend(
+            torch.nn.Sequential(
+                torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+            ).to(DTYPE)
+        )
+    wrap = how not in ("no-ddp", "shapes")
     network = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     every = linear(1)
@@ -371,6 +378,73 @@ def misuse(rank: int, world: int, how: str, timeout: float = 5.0) -> dict[str, A
     no_sync = how == "no-sync-one-rank" and rank == 1
     _one_step(cockpit, network, optimizer, step, x, y, no_sync=no_sync)
     return {"raised": None}
+
+
+def collectives_per_step(rank: int, world: int) -> dict[str, Any]:
+    """Worker: how many ``torch.distributed`` collectives each step made.
+
+    Quantities of one step each (two-step ones such as Alpha also work at the step
+    after), tracked at even steps; DDP's own all-reduce runs inside its C++ reducer
+    and is not counted, so the counts are cockpit's.
+    """
+    import torch.distributed as dist
+
+    counts: list[int] = []
+    names = [
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "broadcast",
+        "reduce_scatter",
+        "barrier",
+    ]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[-1] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    model = make_model("mlp")
+    network = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(
+        model.parameters(),
+        quantities=[
+            quantities.GradNorm(linear(2)),
+            quantities.NormTest(linear(2)),
+            quantities.GradHist1d(linear(2)),
+        ],
+        diagnose=False,
+        timeout=30,
+    )
+    batches = joined_batches("mlp", [8] * 5)
+    try:
+        for name in names:
+            setattr(dist, name, counting(name))
+        for step, (x, y) in enumerate(batches):
+            x, y = x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]
+            optimizer.zero_grad()
+            outputs = network(x)
+            loss = torch.nn.functional.cross_entropy(outputs, y)
+            losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+            info = {
+                "batch_size": 4,
+                "individual_losses": losses,
+                "loss": loss,
+                "optimizer": optimizer,
+            }
+            counts.append(0)
+            with cockpit(step, info=info):
+                loss.backward()
+            optimizer.step()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"counts": counts, "tracked": sorted(cockpit.history.to_dict())}
 
 
 def local_and_logged(rank: int, world: int, logdir: str) -> dict[str, Any]:
