@@ -68,6 +68,22 @@ class SharedGate(torch.nn.Module):
         return self.head(self.gate(self.gate(self.inp(x))))
 
 
+class CheckpointedGate(torch.nn.Module):
+    """The gate runs under activation checkpointing (recomputed in backward passes)."""
+
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.gate = Gate(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.gate, torch.tanh(self.inp(x)), use_reentrant=False)
+        return self.head(h)
+
+
 class DropoutGate(torch.nn.Module):
     """A gate followed by dropout inside one custom module (random: no replay)."""
 
@@ -177,6 +193,8 @@ CASES = {
         {"embed.weight": "TiedCustom"},  # tied: its uses span the whole model
     ),
     "shared-gate": (SharedGate, features, "all", [], {"gate.w": "SharedGate"}),
+    # activation checkpointing around the gate
+    "checkpointed": (CheckpointedGate, features, "all", [], {"gate.w": "Gate"}),
     "dropout": (DropoutGate, features, LINEARS, ["w"], {}),
     "outside-read": (OutsideRead, features, LINEARS, ["layer.w"], {}),
     # the shift's input and inp's output changed in place: the whole model replays

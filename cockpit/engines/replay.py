@@ -146,6 +146,10 @@ class CallRecorder:
         self.calls: dict[int, Call] = {}
         self._handles: dict[int, list] = {}
         self._starts: dict[int, tuple[int, bool]] = {}
+        #: While set, calls are not recorded: a forward that code run inside the
+        #: replayer's own backward passes (a hand-written recomputation in a custom
+        #: autograd function) must not replace the step's call.
+        self.paused = False
 
     def watch(self, modules: Sequence[Module]) -> None:
         """Keep the calls of ``modules`` from now on (watching twice is harmless)."""
@@ -170,7 +174,7 @@ class CallRecorder:
 
     def started(self, key: int) -> None:
         """A watched module's forward begins (called by its pre-hook)."""
-        if torch.is_grad_enabled() and not _in_transform():
+        if torch.is_grad_enabled() and not self.paused and not _in_transform():
             self._starts[key] = (_now(), _autocast_on())
 
     def returned(self, key: int, args, kwargs, output) -> None:
@@ -374,8 +378,12 @@ class Replayer:
         n = losses.shape[0] if losses.dim() == 1 else 0
         if n < 2 or losses.grad_fn is None or not self.recorder.calls:
             return
-        plan = self._plan(losses, params)
-        yield from self._run(losses, params, plan, n, max_elements)
+        self.recorder.paused = True
+        try:
+            plan = self._plan(losses, params)
+            yield from self._run(losses, params, plan, n, max_elements)
+        finally:
+            self.recorder.paused = False
 
     def _plan(self, losses: Tensor, params: Sequence[Tensor]) -> dict:
         """Choose a module for each parameter: ``id(module) -> (module, positions)``."""
