@@ -407,3 +407,60 @@ def test_a_replay_leaves_no_trace_on_the_model():
     # mix); the module holding the BatchNorm changes buffers and is refused
     assert methods["Remembers.w"] == f"{REPLAY} Remembers"
     assert methods["StatefulModel.scale"] == PER_SAMPLE_BACKWARD
+
+
+class Split(torch.nn.Module):
+    """Two outputs from raw parameters: ``(x * a, x * b)``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(width))
+        self.b = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.a, x * self.b
+
+
+class Branches(torch.nn.Module):
+    def __init__(self, width=4, classes=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, width)
+        self.split = Split(width)
+        self.head = torch.nn.Linear(width, classes)
+        self.both = True
+
+    def forward(self, x):
+        first, second = self.split(torch.tanh(self.inp(x)))
+        return self.head(first + second if self.both else first)
+
+
+def test_an_output_the_losses_stop_using_gets_zero_gradients():
+    """A layout found while both outputs mattered is reused when one no longer
+    does (same shapes): that output's gradient is zero, not an error."""
+    torch.manual_seed(0)
+    model = Branches().to(DTYPE)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    replayer = Replayer(Router(params, rule_problem, quiet_backward).chain)
+    replayer.watch_chains(params)
+    gen = torch.Generator().manual_seed(1)
+    x, y = features(gen, N), torch.randint(0, 3, (N,), generator=gen)
+    for both in (True, False):
+        model.both = both
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        found = dict(replayer.per_sample_gradients(losses, params, 1 << 26))
+        who = dict(replayer.module_of)
+        replayer.forget()
+        expected = reference(model, x, y)
+        assert who[names.index("split.a")] == "Split"
+        for i, grads in found.items():
+            want = torch.stack(
+                [
+                    torch.zeros_like(params[i]) if row[i] is None else row[i]
+                    for row in expected
+                ]
+            )
+            torch.testing.assert_close(grads, want, rtol=1e-10, atol=1e-12)
+    # at the second step split.b is unused (the router gives it zeros); split.a
+    # was replayed with the first step's layout, the second output's gradient zero
+    assert names.index("split.a") in found and names.index("split.b") not in found

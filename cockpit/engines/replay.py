@@ -515,11 +515,22 @@ class Replayer:
             if layout is not None
             for j in layout.selected
         ]
-        cotangents = (
-            torch.autograd.grad(losses.sum(), targets, retain_graph=True)
-            if targets
-            else ()
-        )
+        try:  # each sample's gradient with respect to the modules' outputs
+            found = (
+                torch.autograd.grad(
+                    losses.sum(), targets, retain_graph=True, allow_unused=True
+                )
+                if targets
+                else ()
+            )
+        except RuntimeError as error:  # left to the autograd engine
+            self.notes["outputs"] = f"no output gradients: {error}"
+            return
+        # an output the losses do not use at this step gets zeros
+        cotangents = [
+            torch.zeros_like(t) if g is None else g
+            for t, g in zip(targets, found, strict=True)
+        ]
         offset = 0
         for key, (module, members) in plan.items():
             layout = layouts[key]
