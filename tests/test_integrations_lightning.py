@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
@@ -539,7 +540,7 @@ def test_ddp_strategies_are_accepted(tmp_path):
         callback.setup(trainer, Classifier(_net()), "fit")
 
 
-def test_the_lightning_example_runs(tmp_path):
+def test_the_lightning_example_runs(tmp_path, capsys):
     pytest.importorskip("sklearn")
     from tests.test_examples import assert_png, load_example
 
@@ -555,6 +556,15 @@ def test_the_lightning_example_runs(tmp_path):
     valid_loss, valid_accuracy = history[3]["valid_loss"], history[3]["valid_accuracy"]
     assert math.isfinite(valid_loss) and valid_loss > 0  # a cross-entropy
     assert 0.0 <= valid_accuracy <= 1.0
+    # `cockpit report` reads the log the callback streamed
+    from cockpit.cli import main
+
+    capsys.readouterr()  # what the example printed
+    assert main(["report", paths["log"]]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["report", paths["log"], "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # one JSON object, nothing else
+    assert isinstance(report, dict) and isinstance(report["findings"], list)
 
 
 def test_the_lightning_example_runs_with_accumulation(tmp_path):
