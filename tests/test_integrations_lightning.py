@@ -48,8 +48,9 @@ def _optimizer(params):
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-class Classifier(pl.LightningModule):
-    """A LightningModule written without cockpit in mind."""
+class ClassifierSteps:
+    """A LightningModule written without cockpit in mind, less its base class (so
+    tests/test_integrations_pytorch_lightning.py puts pytorch_lightning's under it)."""
 
     def __init__(self, net):
         super().__init__()
@@ -74,7 +75,13 @@ class Classifier(pl.LightningModule):
         }
 
 
-def _trainer(tmp_path, callback, **kwargs):
+class Classifier(ClassifierSteps, pl.LightningModule):
+    """The module most tests train."""
+
+
+def _trainer(tmp_path, callback, package=pl, **kwargs):
+    """A quiet CPU trainer of ``package`` (``lightning.pytorch`` or
+    ``pytorch_lightning``) with ``callback``."""
     settings = dict(
         accelerator="cpu",
         devices=1,
@@ -87,7 +94,7 @@ def _trainer(tmp_path, callback, **kwargs):
         limit_val_batches=1,
     )
     settings.update(kwargs)
-    return pl.Trainer(callbacks=[callback], **settings)
+    return package.Trainer(callbacks=[callback], **settings)
 
 
 def _plain_loop(net, quantities, epochs: int = 2, validate: bool = True) -> Cockpit:
@@ -149,10 +156,13 @@ def _assert_close(got, want, where: str):
         assert got == want, where
 
 
-def test_fit_logs_what_the_plain_loop_logs(tmp_path):
-    callback = CockpitCallback(quantities=configuration("full"))
-    trainer = _trainer(tmp_path, callback)
-    trainer.fit(Classifier(_net()), _loader(), _loader())
+def check_fit_logs_what_the_plain_loop_logs(
+    tmp_path, callback_class=CockpitCallback, module=Classifier, package=pl
+):
+    """Two epochs with validation, configuration "full", against the plain loop."""
+    callback = callback_class(quantities=configuration("full"))
+    trainer = _trainer(tmp_path, callback, package=package)
+    trainer.fit(module(_net()), _loader(), _loader())
     assert callback.cockpit.logpath == str(tmp_path / "cockpit.jsonl")
     logged = History.from_json(callback.cockpit.logpath)
     expected = _plain_loop(_net(), configuration("full")).history
@@ -164,6 +174,10 @@ def test_fit_logs_what_the_plain_loop_logs(tmp_path):
     steps, values = logged.series("valid_loss")
     validated = [s for s, v in zip(steps, values) if v is not None]
     assert validated == [BATCHES - 1, 2 * BATCHES - 1]
+
+
+def test_fit_logs_what_the_plain_loop_logs(tmp_path):
+    check_fit_logs_what_the_plain_loop_logs(tmp_path)
 
 
 def test_resume_from_a_checkpoint_continues_the_log(tmp_path):

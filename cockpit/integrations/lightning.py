@@ -81,19 +81,27 @@ Not supported (the callback says so): manual optimisation (warns, tracks nothing
 and strategies that shard the model, e.g. FSDP or DeepSpeed (error at setup). A
 checkpoint holds the cockpit's state; resuming from it continues the run and appends
 to the same log.
+
+The standalone ``pytorch_lightning`` package (``import pytorch_lightning as pl``)
+has classes of its own, and its ``Trainer`` runs only its own callbacks: use
+``from cockpit.integrations.pytorch_lightning import CockpitCallback`` there, the
+same callback built on ``pytorch_lightning.Callback``. Both are made by
+:func:`callback_class` from one implementation; this module imports
+``lightning`` only when ``CockpitCallback`` is first used, so either package alone
+suffices. Given to the other package's ``Trainer``, the callback fails at setup
+with a ``TypeError`` naming the right import.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
-from typing import Any, Iterable, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -112,7 +120,20 @@ from cockpit.integrations._common import (
 )
 from cockpit.quantities.base import Quantity
 
-__all__ = ["CockpitCallback"]
+if TYPE_CHECKING:  # lightning is imported when CockpitCallback is first used
+    import lightning.pytorch as pl
+
+__all__ = ["CockpitCallback", "callback_class"]
+
+#: ``callback_class(lightning.pytorch, __name__)``, made on first use
+#: (:func:`__getattr__`), so that importing this module needs no ``lightning``.
+CockpitCallback: type
+
+#: The module of cockpit's callback for each Lightning package.
+CALLBACK_MODULES = {
+    "lightning.pytorch": "cockpit.integrations.lightning",
+    "pytorch_lightning": "cockpit.integrations.pytorch_lightning",
+}
 
 #: Keys of :meth:`cockpit.Cockpit.log` that ``metrics=`` can fill, in its order
 #: (all but ``epoch_count`` and ``learning_rate``, which the callback fills).
@@ -236,7 +257,16 @@ def _strategy_message(strategy, world_size: int) -> str:
     )
 
 
-class CockpitCallback(Callback):
+def _package_of(trainer) -> str | None:
+    """The Lightning package (a key of ``CALLBACK_MODULES``) of ``trainer``'s class."""
+    for cls in type(trainer).__mro__:
+        for package in CALLBACK_MODULES:
+            if cls.__module__ == package or cls.__module__.startswith(package + "."):
+                return package
+    return None
+
+
+class _CockpitCallback:
     """Track cockpit quantities during ``Trainer.fit`` (automatic optimisation).
 
     Args:
@@ -262,6 +292,10 @@ class CockpitCallback(Callback):
             draws on rank 0 only); with ``ddp_spawn`` it lives in the spawned
             processes.
     """
+
+    #: The Lightning package (``lightning.pytorch`` or ``pytorch_lightning``) whose
+    #: ``Callback`` the class subclasses; set by :func:`callback_class`.
+    _package: ModuleType
 
     def __init__(
         self,
@@ -295,13 +329,35 @@ class CockpitCallback(Callback):
 
     # --- set-up ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str):
-        """Refuse strategies the cockpit cannot follow (sharded models)."""
+        """Refuse the other Lightning package's trainer and sharded models."""
+        self._check_package(trainer)
         if stage != "fit":
             return
         self._speaks = trainer.is_global_zero
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        strategies = self._package.strategies
+        if not isinstance(
+            strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)
+        ):
             raise RuntimeError(_strategy_message(strategy, trainer.world_size))
+
+    def _check_package(self, trainer) -> None:
+        """Fail on the other Lightning package's trainer, naming the right import.
+
+        A ``lightning.pytorch`` callback in a ``pytorch_lightning`` trainer (or the
+        other way round) would fail obscurely later (its strategy classes differ).
+        """
+        mine, theirs = self._package.__name__, _package_of(trainer)
+        if theirs is None or theirs == mine:
+            return
+        raise TypeError(
+            f"{type(self).__module__}.CockpitCallback is a {mine} callback, but this "
+            f"Trainer is {theirs}'s ({type(trainer).__module__}."
+            f"{type(trainer).__qualname__}); lightning.pytorch and the standalone "
+            "pytorch_lightning are separate packages with separate classes, and "
+            "neither's Trainer can run the other's callbacks. Fix: from "
+            f"{CALLBACK_MODULES[theirs]} import CockpitCallback."
+        )
 
     @staticmethod
     def _check_data_parallel(trainer: pl.Trainer) -> None:
@@ -546,10 +602,8 @@ class CockpitCallback(Callback):
     def _tensorboard_writer(self, trainer):
         if self.tensorboard is False:
             return None
-        from lightning.pytorch.loggers import TensorBoardLogger
-
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, self._package.loggers.TensorBoardLogger):
                 return logger.experiment
         if self.tensorboard:
             warn(
@@ -571,7 +625,7 @@ class CockpitCallback(Callback):
         the new gradients by ``k``, before anything else sees them.
         """
         method = type(pl_module).backward
-        accepts = method is pl.LightningModule.backward or any(
+        accepts = method is self._package.LightningModule.backward or any(
             p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "create_graph"
             for p in inspect.signature(method).parameters.values()
         )
@@ -617,3 +671,51 @@ class CockpitCallback(Callback):
             self._pending_state = state_dict["cockpit"]
         else:
             self.cockpit.load_state_dict(state_dict["cockpit"])
+
+
+@functools.cache
+def callback_class(package: ModuleType, module: str) -> type:
+    """``CockpitCallback`` for one Lightning package: its ``Callback``, cockpit's body.
+
+    Args:
+        package: ``lightning.pytorch`` or ``pytorch_lightning`` (the module); its
+            ``Callback``, ``Trainer``, ``LightningModule``, strategies and loggers
+            are the ones the callback subclasses and checks.
+        module: The module the class is found in (for pickling, e.g. ``ddp_spawn``).
+
+    The class is named ``CockpitCallback`` (also its checkpoint ``state_key``), one
+    class per package (cached).
+    """
+    return type(
+        "CockpitCallback",
+        (_CockpitCallback, package.Callback),
+        {
+            "__module__": module,
+            "__doc__": _CockpitCallback.__doc__,
+            "_package": package,
+        },
+    )
+
+
+def __getattr__(name: str):
+    """``CockpitCallback``, for ``lightning.pytorch``, made on first use.
+
+    So :mod:`cockpit.integrations.pytorch_lightning` imports this module without
+    importing ``lightning`` (which need not be installed).
+    """
+    if name != "CockpitCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import lightning.pytorch as package
+    except ModuleNotFoundError as error:
+        if error.name not in ("lightning", "lightning.pytorch"):
+            raise
+        raise ModuleNotFoundError(
+            f"{__name__}.CockpitCallback needs the lightning package: pip install "
+            '"cockpit-debugger[lightning]". With the standalone pytorch_lightning '
+            "package: from cockpit.integrations.pytorch_lightning import "
+            "CockpitCallback.",
+            name=error.name,
+        ) from error
+    cls = globals()["CockpitCallback"] = callback_class(package, __name__)
+    return cls
