@@ -170,6 +170,20 @@ def engine_per_sample_gradients(
     return [found[i] for i in range(len(params))]
 
 
+def hutchinson_estimate(losses, params, probes: int, generator):
+    """cockpit's Hutchinson estimate: ``(diagonals, [probes, P] traces, SE of sum)``.
+
+    ``cockpit.engines.autograd.hutchinson_diagonals`` with its per-probe traces, and
+    the standard error of the summed trace (``sum_error``), as HessTrace reads them.
+    """
+    from cockpit.engines.autograd import hutchinson_diagonals, sum_error
+
+    diagonals, _, table = hutchinson_diagonals(
+        losses, params, probes, generator, return_traces=True
+    )
+    return diagonals, table, sum_error(table)
+
+
 def engine_routes(cockpit) -> list[str]:
     """Per parameter, the engine that computed its per-sample results last step."""
     return [row.route.engine for row in cockpit.coverage().params]
