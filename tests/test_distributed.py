@@ -120,7 +120,7 @@ def test_every_value_equals_one_process_on_the_joined_batch(
         assert "error" not in result, result.get("traceback", result["error"])
         assert result["data_parallel"]
         if model == "gru":  # both ways of the autograd engine ran
-            assert "replay of _Gate" in result["methods"]
+            assert "replay of Gate" in result["methods"]
             assert PER_SAMPLE_BACKWARD in result["methods"]
         problems: list[str] = []
         _compare(want, result["history"], f"rank {result['rank']}", problems)

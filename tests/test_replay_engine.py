@@ -20,21 +20,10 @@ from cockpit.engines.backpack import quiet_backward, rule_problem
 from cockpit.engines.replay import Replayer
 from cockpit.engines.routing import PER_SAMPLE_BACKWARD, REPLAY, Router
 from cockpit.utils.schedules import linear
-from tests.utils.any_model import ARCHITECTURES, make_any_problem
+from tests.utils.any_model import ARCHITECTURES, Gate, make_any_problem
 
 DTYPE = torch.float64
 N = 5
-
-
-class Gate(torch.nn.Module):
-    """A custom layer with a raw parameter (no BackPACK rule)."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(width, width) / width)
-
-    def forward(self, x):
-        return x * torch.sigmoid(x @ self.w)
 
 
 class SeqFirstAttention(torch.nn.Module):

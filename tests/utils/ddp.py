@@ -22,19 +22,9 @@ from cockpit import Cockpit, quantities
 from cockpit.quantities.bin_adaptation import GradAbsMax
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
+from tests.utils.any_model import Gate
 
 DTYPE = torch.float64
-
-
-class _Gate(torch.nn.Module):
-    """``x * sigmoid(x @ w)`` with a raw parameter (no BackPACK rule)."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(width, width) / width)
-
-    def forward(self, x):
-        return x * torch.sigmoid(x @ self.w)
 
 
 class _GatedGRU(torch.nn.Module):
@@ -47,7 +37,7 @@ class _GatedGRU(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.gru = torch.nn.GRU(3, 4, batch_first=True)
-        self.gate = _Gate(4)
+        self.gate = Gate(4)
         self.head = torch.nn.Linear(4, 3)
 
     def forward(self, x):
