@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -216,28 +217,60 @@ def measure(name, repeats, baseline=None):
     return values, plain, medians
 
 
-def hvp_counts(name, steps):
+def hvp_counts(name, steps, lr=0.01, momentum=0.0, seed=0, warm_vectors=(3, 1)):
     """Hessian-vector products per tracked step of HessMaxEV over a short SGD run.
 
-    Every step tracked (warm start from the previous step), lr 0.01, the problem's
-    cycled random batches. Returns the products and the values per step.
+    Every step tracked, the problem's cycled random batches. One HessMaxEV per entry
+    of ``warm_vectors`` (how many of the previous step's Ritz vectors its warm start
+    is built from) and a cold, tight reference solve (Lanczos from two random starts
+    to rtol 1e-5, the larger magnitude kept) run in the same cockpit on the same
+    graph, so they see identical Hessians.
+
+    Returns:
+        ``{label: {"products": [...], "values": [...], "errors": [...]}}`` with the
+        relative error of each value against the reference, and ``"reference"``.
     """
-    bench = make(name, need_plain=False)
-    quantity = Q.HessMaxEV(lambda step: True)
+    bench = make(name, seed=seed, need_plain=False)
+    solvers = {}
+    for k in warm_vectors:
+        quantity = Q.HessMaxEV(lambda step: True, key=f"warm start from {k}")
+        quantity.WARM_START_VECTORS = k
+        solvers[f"warm start from {k}"] = quantity
+    references = [
+        Q.HessMaxEV(
+            lambda step: True,
+            rtol=1e-5,
+            atol=0.0,
+            max_iter=150,
+            warm_start=False,
+            seed=1000 + i,
+            key=f"reference {i}",
+        )
+        for i in range(2)
+    ]
     params = list(bench.extended.parameters())
-    cockpit = Cockpit(params, [quantity])
-    optimizer = torch.optim.SGD(params, lr=0.01)
-    spent, values = [], []
+    cockpit = Cockpit(params, [*solvers.values(), *references])
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum)
+    out = {label: {"products": [], "values": [], "errors": []} for label in solvers}
+    out["reference"] = []
     for step in range(steps):
         x, y = bench.batch(step)
         optimizer.zero_grad()
         loss = bench.loss_fn(bench.extended(x), y)
-        with cockpit(step, info={"loss": loss, "batch_size": x.shape[0]}):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a reference at its budget
+            with cockpit(step, info={"loss": loss, "batch_size": x.shape[0]}):
+                loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
-        spent.append(quantity.last_num_hvps)
-        values.append(cockpit.get_output()[step]["HessMaxEV"])
-    return spent, values
+        record = cockpit.get_output()[step]
+        exact = max((record[q.key] for q in references), key=abs)
+        out["reference"].append(exact)
+        for label, quantity in solvers.items():
+            value = record[quantity.key]
+            out[label]["products"].append(quantity.last_num_hvps)
+            out[label]["values"].append(value)
+            out[label]["errors"].append(abs(value - exact) / abs(exact))
+    return out
 
 
 def main(argv=None):
@@ -255,20 +288,36 @@ def main(argv=None):
         type=int,
         default=0,
         help="instead: count HessMaxEV's Hessian-vector products over this many "
-        "SGD steps of each problem (printed, not written)",
+        "SGD steps of each problem, with errors against a tight reference "
+        "(printed, not written)",
     )
+    parser.add_argument("--hvp-lr", type=float, default=0.01)
+    parser.add_argument("--hvp-momentum", type=float, default=0.0)
+    parser.add_argument("--hvp-seeds", default="0", help="problem seeds, e.g. 0,1")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.hvp_steps:
+        print(
+            "| problem | seed | warm start | products per step | mean | min-max | "
+            "max error | steps off by > 1e-3 |\n| --- | ---: | --- | --- | ---: | "
+            "--- | ---: | ---: |",
+            flush=True,
+        )
         for name in args.problems.split(","):
-            spent, values = hvp_counts(name, args.hvp_steps)
-            print(f"{name}: products per step {spent}")
-            print(
-                f"{name}: mean {statistics.mean(spent):.1f}, median "
-                f"{statistics.median(spent)}, min {min(spent)}, max {max(spent)}; "
-                f"values {[round(v, 5) for v in values]}",
-                flush=True,
-            )
+            for seed in [int(s) for s in args.hvp_seeds.split(",")]:
+                out = hvp_counts(
+                    name, args.hvp_steps, args.hvp_lr, args.hvp_momentum, seed
+                )
+                for label, row in out.items():
+                    if label == "reference":
+                        continue
+                    spent, errors = row["products"], row["errors"]
+                    print(
+                        f"| {name} | {seed} | {label} | {', '.join(map(str, spent))} "
+                        f"| {statistics.mean(spent):.1f} | {min(spent)}-{max(spent)} "
+                        f"| {max(errors):.1e} | {sum(e > 1e-3 for e in errors)} |",
+                        flush=True,
+                    )
         return
     lines = [
         "# Gradient-histogram kernels",

@@ -7,6 +7,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 from benchmarks import measure, record, report, retry, run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -310,3 +312,21 @@ def test_any_model_benchmark_checks_the_engine_and_records_goals(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert again.returncode == 0 and again.stdout == proc.stdout
+
+
+def test_hvp_counts_compare_warm_starts_against_a_tight_reference():
+    """`benchmarks.kernels --hvp-steps`: products and errors per warm start."""
+    from benchmarks.kernels import hvp_counts
+
+    out = hvp_counts("mlp", 2, lr=0.05, momentum=0.9)
+    assert set(out) == {"warm start from 3", "warm start from 1", "reference"}
+    assert len(out["reference"]) == 2 and all(v > 0 for v in out["reference"])
+    for label in ("warm start from 3", "warm start from 1"):
+        row = out[label]
+        assert len(row["products"]) == 2 and all(n > 1 for n in row["products"])
+        assert max(row["errors"]) < 1e-3, (label, row)
+        # the errors are against the reference of the same step
+        for value, exact, error in zip(
+            row["values"], out["reference"], row["errors"], strict=True
+        ):
+            assert error == pytest.approx(abs(value - exact) / abs(exact))

@@ -385,3 +385,55 @@ def test_everything_together(spec, schedule):
             else:
                 close(out[key], twin, 1e-6, f"{key} step {step}")
         close(out["HessMaxEV"], max_ev_twin(problem, record), 1e-3, "HessMaxEV")
+
+
+def _swapping_spectra(seed, dim=200):
+    """Two Hessians on one eigenbasis whose two leading eigenvalues change places.
+
+    Step 0: 1.00 (u1), 0.98 (u2), 0.96 (u3); step 1: 0.99 (u1), 1.02 (u2), 0.96 (u3);
+    the rest of the spectrum in [-0.3, 0.5] at both steps.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(
+        torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+    )
+    bulk = torch.rand(dim - 3, generator=generator, dtype=torch.float64) * 0.8 - 0.3
+    lead = ([1.0, 0.98, 0.96], [0.99, 1.02, 0.96])
+    return [
+        basis
+        @ torch.diag(torch.cat([torch.tensor(top, dtype=torch.float64), bulk]))
+        @ basis.T
+        for top in lead
+    ]
+
+
+def _max_ev_on_quadratics(hessians, quantity):
+    """HessMaxEV through the cockpit on ``0.5 w^T H_t w``, one Hessian per step."""
+    w = torch.nn.Parameter(torch.zeros(hessians[0].shape[0], dtype=torch.float64))
+    cockpit = Cockpit([w], [quantity])
+    for step, hessian in enumerate(hessians):
+        w.grad = None
+        loss = 0.5 * w @ hessian @ w
+        with cockpit(step, info={"loss": loss, "batch_size": 1}):
+            loss.backward(create_graph=cockpit.create_graph(step))
+    return [cockpit.get_output()[step]["HessMaxEV"] for step in range(len(hessians))]
+
+
+@pytest.mark.filterwarnings("ignore::cockpit.errors.CockpitWarning")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_warm_start_finds_leading_eigenvalues_that_changed_places(seed, monkeypatch):
+    """The warm start spans several Ritz vectors, so a swap of the leading pair is seen.
+
+    Control: from the previous eigenvector alone (one vector), Lanczos settles on that
+    vector's new eigenvalue (0.99) long before the new leading one (1.02), which the
+    start barely contains, shows up.
+    """
+    hessians = _swapping_spectra(seed)
+    exact = [float(torch.linalg.eigvalsh(h)[-1]) for h in hessians]
+    assert exact == pytest.approx([1.0, 1.02], abs=1e-12)
+    values = _max_ev_on_quadratics(hessians, Q.HessMaxEV(linear(1)))
+    for value, want in zip(values, exact, strict=True):
+        close(value, want, 1e-3, "HessMaxEV")
+    monkeypatch.setattr(Q.HessMaxEV, "WARM_START_VECTORS", 1)
+    control = _max_ev_on_quadratics(hessians, Q.HessMaxEV(linear(1)))
+    assert control[1] == pytest.approx(0.99, rel=1e-3)
