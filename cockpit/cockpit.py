@@ -107,13 +107,14 @@ class Cockpit:
             :class:`~cockpit.distributed.DistributedError` (instead of hanging
             when another process failed).
         log_rank: In a data-parallel run, the process that streams the log,
-            writes it (:meth:`write`) and warns about diagnoses; every process
-            holds the same values.
+            writes it (:meth:`write`) and warns about diagnoses, by its rank within
+            the process group; every process holds the same values.
 
     Raises:
         ValueError: If a parameter does not require gradients or is given twice,
-            if there are no parameters, or an item of ``quantities`` is not a
-            quantity instance.
+            if there are no parameters, an item of ``quantities`` is not a
+            quantity instance, ``log_rank`` is not a rank of the data-parallel
+            group, or this process is not a member of ``process_group``.
         TypeError: If a parameter is not a tensor, or ``quantities`` is a single
             quantity instead of a list.
         OSError: If ``logpath`` cannot be written.
@@ -151,8 +152,19 @@ class Cockpit:
         self._setup_checked = False
         #: This process's rank in the data-parallel group (0 in a single process).
         self.rank = self._communicator.rank if self._communicator is not None else 0
+        if self.data_parallel:
+            size = self._communicator.size
+            if isinstance(log_rank, bool) or not isinstance(log_rank, int):
+                raise TypeError(f"log_rank must be an int, got {log_rank!r}.")
+            if not 0 <= log_rank < size:
+                raise ValueError(
+                    f"log_rank={log_rank} names no process of this data-parallel "
+                    f"group of {size} (ranks 0 to {size - 1}, within the group), so "
+                    "no process would write the log. Fix: pass a rank of the group, "
+                    "e.g. log_rank=0."
+                )
         #: Whether this process writes the log and shows diagnoses.
-        self.is_writer = not self.data_parallel or self.rank == int(log_rank)
+        self.is_writer = not self.data_parallel or self.rank == log_rank
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []

@@ -61,7 +61,8 @@ def resolve_group(process_group: Any) -> Any | None:
             ``None`` (rank-local: each process describes its own shard).
 
     Raises:
-        ValueError: For a string other than ``"auto"``.
+        ValueError: For a string other than ``"auto"``, without an initialised
+            ``torch.distributed``, or for a group this process is not a member of.
     """
     if process_group is None:
         return None
@@ -81,6 +82,14 @@ def resolve_group(process_group: Any) -> Any | None:
             "Cockpit(process_group=...) got a process group, but torch.distributed "
             "is not initialised. Fix: call torch.distributed.init_process_group() "
             "first, or pass process_group=None."
+        )
+    if dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"Cockpit(process_group=...): this process (global rank "
+            f"{dist.get_rank()}) is not a member of the process group it was given, "
+            "so it has no share of that group's batch. Fix: build the Cockpit on the "
+            "group's members with their group (each data-parallel group its own), "
+            "or pass process_group=None for values of this process's shard."
         )
     return process_group if dist.get_world_size(process_group) > 1 else None
 

@@ -11,6 +11,7 @@ processes equally, which is why it is the last step (only values of that step ex
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -234,6 +235,57 @@ def test_rank_local_opt_out_and_one_log_writer(tmp_path):
     _compare(first["logged"], second["logged"], "ranks", problems)
     assert not problems
     assert first["local"]["0"]["Loss"] != second["local"]["0"]["Loss"]
+
+
+def test_log_rank_picks_the_writer_and_a_rank_outside_the_group_is_refused(tmp_path):
+    """log_rank=1: rank 1 streams and writes the log, rank 0 writes nothing, values
+    equal; log_rank=2 of 2 processes: a ValueError on every rank, before training."""
+    results = ddp.launch(ddp.logged_by, 2, tmp_path, logdir=str(tmp_path), log_rank=1)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+    first, second = results
+    assert [first["is_writer"], second["is_writer"]] == [False, True]
+    assert first["logpath"] is None and first["written"] is None
+    assert second["logpath"] == str(tmp_path / "run.jsonl")
+    assert second["written"] == str(tmp_path / "written.json")
+    logged = [json.loads(line) for line in (tmp_path / "run.jsonl").open()]
+    assert len(logged) >= 2
+    problems: list[str] = []
+    _compare(first["logged"], second["logged"], "ranks", problems)
+    assert not problems
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for log_rank, kind in ((2, "ValueError"), ("1", "TypeError")):
+        results = ddp.launch(ddp.logged_by, 2, bad, logdir=str(bad), log_rank=log_rank)
+        for result in results:
+            assert "error" not in result, result.get("traceback", result["error"])
+            assert result["raised"].startswith(f"{kind}: log_rank"), result
+        assert "ranks 0 to 1" in results[0]["raised"] or kind == "TypeError"
+    assert not any(p.name.startswith("run") for p in bad.iterdir())
+
+
+def test_two_data_parallel_groups_each_describe_their_own_joined_batch(tmp_path):
+    """Four processes in two DDP groups {0, 1} and {2, 3}, each cockpit on its own
+    group: each group's values equal one process on that group's joined batch (the
+    groups train on different data); a cockpit given a group this process is not a
+    member of is refused with a message naming the fix."""
+    results = ddp.launch(ddp.two_groups, 4, tmp_path)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+    case = {"model": "mlp", "optimizer": "sgd", "configuration": "economy"}
+    for group in (0, 1):
+        want = _as_json(ddp.train_on(case, ddp.group_batches(group)).history.to_dict())
+        members = results[2 * group : 2 * group + 2]
+        assert [r["group_rank"] for r in members] == [0, 1]
+        assert [r["is_writer"] for r in members] == [True, False]
+        for result in members:
+            assert "not a member of the process group" in result["refused"]
+            assert "Fix:" in result["refused"]
+            problems: list[str] = []
+            _compare(want, result["history"], f"group {group}", problems)
+            assert not problems, "\n".join(problems[:20])
+    assert results[0]["history"]["0"]["Loss"] != results[2]["history"]["0"]["Loss"]
 
 
 # --- the step's header and shared projections, without processes ---------------------

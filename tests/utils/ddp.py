@@ -124,13 +124,20 @@ def train(
     case: dict[str, Any],
     rank: int | None = None,
     world: int | None = None,
+    ddp_group=None,
     **cockpit_kwargs,
 ) -> Cockpit:
-    """Train a case: on the joined batches (``rank=None``) or on one shard (DDP)."""
+    """Train a case: on the joined batches (``rank=None``) or on one shard (DDP).
+
+    ``rank`` and ``world`` place the shard within the data-parallel group, which is
+    ``ddp_group`` (default: every process).
+    """
     model = make_model(case["model"])
     network = model
     if rank is not None:
-        network = torch.nn.parallel.DistributedDataParallel(model)
+        network = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=ddp_group
+        )
     loss_fn = extend(torch.nn.CrossEntropyLoss())
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(case["optimizer"], params)
@@ -454,4 +461,60 @@ def local_and_logged(rank: int, world: int, logdir: str) -> dict[str, Any]:
         "logged": logged.history.to_dict(),
         "logpath": logged.logpath,
         "written": written,
+    }
+
+
+def logged_by(rank: int, world: int, logdir: str, log_rank: Any) -> dict[str, Any]:
+    """Worker: a data-parallel cockpit that streams its log from ``log_rank``."""
+    case = {
+        "model": "mlp",
+        "optimizer": "sgd",
+        "sizes": [8, 8],
+        "configuration": "economy",
+    }
+    logpath = os.path.join(logdir, "run")
+    try:
+        cockpit = train(case, rank, world, logpath=logpath, log_rank=log_rank)
+    except (TypeError, ValueError) as error:
+        return {"raised": f"{type(error).__name__}: {error}"}
+    return {
+        "logged": cockpit.history.to_dict(),
+        "logpath": cockpit.logpath,
+        "written": cockpit.write(os.path.join(logdir, "written")),
+        "is_writer": cockpit.is_writer,
+    }
+
+
+def group_batches(group: int):
+    """The joined batches of data-parallel group ``group`` (each its own data)."""
+    return joined_batches("mlp", [8, 8, 8, 8])[group : group + 3]
+
+
+def two_groups(rank: int, world: int) -> dict[str, Any]:
+    """Worker, 4 processes: two data-parallel groups {0, 1} and {2, 3}, each with its
+    own DDP and cockpit; first a cockpit on the other group, which must be refused."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine, other = groups[rank // 2], groups[1 - rank // 2]
+    params = list(make_model("mlp").parameters())
+    try:
+        Cockpit(params, [quantities.GradNorm(linear(1))], process_group=other)
+    except ValueError as error:
+        refused = str(error)
+    else:
+        refused = None
+    case = {
+        "model": "mlp",
+        "optimizer": "sgd",
+        "configuration": "economy",
+        "batches": group_batches(rank // 2),
+    }
+    group_rank = dist.get_rank(mine)
+    cockpit = train(case, group_rank, 2, ddp_group=mine, process_group=mine)
+    return {
+        "refused": refused,
+        "history": cockpit.history.to_dict(),
+        "group_rank": cockpit.rank,
+        "is_writer": cockpit.is_writer,
     }
