@@ -217,13 +217,15 @@ def measure(name, repeats, baseline=None):
     return values, plain, medians
 
 
-def hvp_counts(name, steps, lr=0.01, momentum=0.0, seed=0, warm_vectors=(3, 1)):
+def hvp_counts(
+    name, steps, lr=0.01, momentum=0.0, seed=0, warm_vectors=(3, 1), ref_rtol=1e-5
+):
     """Hessian-vector products per tracked step of HessMaxEV over a short SGD run.
 
     Every step tracked, the problem's cycled random batches. One HessMaxEV per entry
     of ``warm_vectors`` (how many of the previous step's Ritz vectors its warm start
     is built from) and a cold, tight reference solve (Lanczos from two random starts
-    to rtol 1e-5, the larger magnitude kept) run in the same cockpit on the same
+    to ``ref_rtol``, the larger magnitude kept) run in the same cockpit on the same
     graph, so they see identical Hessians.
 
     Returns:
@@ -239,7 +241,7 @@ def hvp_counts(name, steps, lr=0.01, momentum=0.0, seed=0, warm_vectors=(3, 1)):
     references = [
         Q.HessMaxEV(
             lambda step: True,
-            rtol=1e-5,
+            rtol=ref_rtol,
             atol=0.0,
             max_iter=150,
             warm_start=False,
@@ -258,7 +260,8 @@ def hvp_counts(name, steps, lr=0.01, momentum=0.0, seed=0, warm_vectors=(3, 1)):
         optimizer.zero_grad()
         loss = bench.loss_fn(bench.extended(x), y)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a reference at its budget
+            # a reference at its budget; the warm starts' warnings stay visible
+            warnings.filterwarnings("ignore", message=r"reference \d at step")
             with cockpit(step, info={"loss": loss, "batch_size": x.shape[0]}):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
@@ -294,6 +297,9 @@ def main(argv=None):
     parser.add_argument("--hvp-lr", type=float, default=0.01)
     parser.add_argument("--hvp-momentum", type=float, default=0.0)
     parser.add_argument("--hvp-seeds", default="0", help="problem seeds, e.g. 0,1")
+    parser.add_argument(
+        "--hvp-ref-rtol", type=float, default=1e-5, help="reference solve's rtol"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.hvp_steps:
@@ -306,7 +312,12 @@ def main(argv=None):
         for name in args.problems.split(","):
             for seed in [int(s) for s in args.hvp_seeds.split(",")]:
                 out = hvp_counts(
-                    name, args.hvp_steps, args.hvp_lr, args.hvp_momentum, seed
+                    name,
+                    args.hvp_steps,
+                    args.hvp_lr,
+                    args.hvp_momentum,
+                    seed,
+                    ref_rtol=args.hvp_ref_rtol,
                 )
                 for label, row in out.items():
                     if label == "reference":

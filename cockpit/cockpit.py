@@ -115,8 +115,8 @@ class Cockpit:
             if there are no parameters, an item of ``quantities`` is not a
             quantity instance, ``log_rank`` is not a rank of the data-parallel
             group, or this process is not a member of ``process_group``.
-        TypeError: If a parameter is not a tensor, or ``quantities`` is a single
-            quantity instead of a list.
+        TypeError: If a parameter is not a tensor, ``quantities`` is a single
+            quantity instead of a list, or ``log_rank`` is not an int.
         OSError: If ``logpath`` cannot be written.
     """
 
@@ -152,10 +152,14 @@ class Cockpit:
         self._setup_checked = False
         #: This process's rank in the data-parallel group (0 in a single process).
         self.rank = self._communicator.rank if self._communicator is not None else 0
+        if isinstance(log_rank, bool):
+            raise TypeError(f"log_rank must be an int, got {log_rank!r}.")
+        try:
+            log_rank = operator.index(log_rank)
+        except TypeError:
+            raise TypeError(f"log_rank must be an int, got {log_rank!r}.") from None
         if self.data_parallel:
             size = self._communicator.size
-            if isinstance(log_rank, bool) or not isinstance(log_rank, int):
-                raise TypeError(f"log_rank must be an int, got {log_rank!r}.")
             if not 0 <= log_rank < size:
                 raise ValueError(
                     f"log_rank={log_rank} names no process of this data-parallel "

@@ -437,3 +437,40 @@ def test_warm_start_finds_leading_eigenvalues_that_changed_places(seed, monkeypa
     monkeypatch.setattr(Q.HessMaxEV, "WARM_START_VECTORS", 1)
     control = _max_ev_on_quadratics(hessians, Q.HessMaxEV(linear(1)))
     assert control[1] == pytest.approx(0.99, rel=1e-3)
+
+
+def test_lanczos_returns_orthonormal_leading_ritz_vectors_first_the_answer():
+    hessians = _swapping_spectra(3, dim=60)
+    v0 = torch.randn(
+        60, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    result = lanczos_max_ev(lambda v: hessians[0] @ v, v0, num_vectors=3)
+    rows = result.ritz_vectors
+    assert rows.shape == (3, 60) and torch.equal(rows[0], result.eigenvector)
+    torch.testing.assert_close(rows @ rows.T, torch.eye(3, dtype=torch.float64))
+    rayleigh = ((rows @ hessians[0]) * rows).sum(1)
+    assert rayleigh[0] == pytest.approx(result.eigenvalue, rel=1e-12)
+    assert rayleigh[0] >= rayleigh[1].abs() and rayleigh[0] >= rayleigh[2].abs()
+    # never more rows than Lanczos steps; at least one vector is asked for
+    tiny = lanczos_max_ev(lambda v: 2.0 * v, v0, num_vectors=5)
+    assert tiny.num_hvps == 1 and tiny.ritz_vectors.shape == (1, 60)
+    with pytest.raises(ValueError, match="num_vectors must be at least 1"):
+        lanczos_max_ev(lambda v: v, v0, num_vectors=0)
+
+
+def test_warm_start_state_is_one_unit_vector_and_a_foreign_one_is_ignored():
+    """Between steps HessMaxEV keeps one flat unit vector (the direction of the sum
+    of the leading Ritz vectors), as a checkpoint from before did; a vector of
+    another size (another model) falls back to a random start."""
+    hessians = _swapping_spectra(0, dim=50)
+    quantity = Q.HessMaxEV(linear(1))
+    _max_ev_on_quadratics(hessians[:1], quantity)
+    kept = quantity.state_dict()["previous"]
+    assert kept.shape == (50,) and float(kept.norm()) == pytest.approx(1.0)
+    cold = Q.HessMaxEV(linear(1))._start_vector(7, 50)
+    foreign = Q.HessMaxEV(linear(1))
+    foreign.load_state_dict({"previous": torch.ones(49, dtype=torch.float64)})
+    assert torch.equal(foreign._start_vector(7, 50), cold)
+    warm = Q.HessMaxEV(linear(1))
+    warm.load_state_dict(quantity.state_dict())
+    assert not torch.equal(warm._start_vector(7, 50), cold)

@@ -254,15 +254,15 @@ def test_log_rank_picks_the_writer_and_a_rank_outside_the_group_is_refused(tmp_p
     _compare(first["logged"], second["logged"], "ranks", problems)
     assert not problems
 
-    bad = tmp_path / "bad"
-    bad.mkdir()
     for log_rank, kind in ((2, "ValueError"), ("1", "TypeError")):
+        bad = tmp_path / f"bad-{kind}"  # its own folder: no rank file of another run
+        bad.mkdir()
         results = ddp.launch(ddp.logged_by, 2, bad, logdir=str(bad), log_rank=log_rank)
         for result in results:
             assert "error" not in result, result.get("traceback", result["error"])
             assert result["raised"].startswith(f"{kind}: log_rank"), result
         assert "ranks 0 to 1" in results[0]["raised"] or kind == "TypeError"
-    assert not any(p.name.startswith("run") for p in bad.iterdir())
+        assert not any(p.name.startswith("run") for p in bad.iterdir())
 
 
 def test_two_data_parallel_groups_each_describe_their_own_joined_batch(tmp_path):

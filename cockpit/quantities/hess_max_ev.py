@@ -42,9 +42,10 @@ class EigenResult:
         num_hvps: How many Hessian-vector products were spent.
         converged: Whether the stopping rule was met within the iteration budget.
         residual: ``||H y - theta y||`` of the returned pair (``y`` the vector).
-        ritz_vectors: The unit Ritz vectors of the ``num_vectors`` Ritz values of
-            largest magnitude, one per row, the returned one first (shape
-            ``(k, dim)``); what a warm start of the next step builds on.
+        ritz_vectors: The orthonormal Ritz vectors of up to ``num_vectors`` Ritz
+            values of largest magnitude (no more than the Lanczos steps taken), one
+            per row, the returned one first (shape ``(k, dim)``); what a warm start
+            of the next step builds on.
     """
 
     eigenvalue: float
@@ -137,11 +138,17 @@ def lanczos_max_ev(
         rtol: Relative residual tolerance.
         atol: Absolute residual tolerance.
         max_iter: Budget of Hessian-vector products (basis size).
-        num_vectors: How many Ritz vectors to return (largest magnitudes first).
+        num_vectors: How many Ritz vectors to return at most (largest magnitudes
+            first); at least 1.
 
     Returns:
         The estimate, its Ritz vector(s) and the number of products.
+
+    Raises:
+        ValueError: If ``num_vectors`` is below 1.
     """
+    if num_vectors < 1:
+        raise ValueError(f"num_vectors must be at least 1, got {num_vectors!r}.")
     with torch.no_grad():
         dim = v0.numel()
         steps = max(1, min(max_iter, dim))
@@ -218,16 +225,18 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
     atol 1e-6, which can stop early when convergence is slow.)
 
     Start vector: on the first step a random direction; afterwards (warm start) the
-    sum of the previous tracked step's ``WARM_START_VECTORS`` (3) leading Ritz
-    vectors plus 10 % of a random direction. Several vectors, not just the previous
-    eigenvector: the leading eigenvalues of a mini-batch Hessian often lie close
-    together and swap places from one batch to the next, and Lanczos started next to
-    the old eigenvector converges to *its* eigenvalue long before the new leading
-    one, which the start barely contains, shows up (measured on an MLP during
-    training: 1.7 % too small). The random direction comes from a private generator
-    seeded with ``seed + global_step`` (reproducible, the global RNG is untouched).
-    Vectors live on the first parameter's device in the promoted dtype of the
-    parameters; the tridiagonal problem is solved in float64.
+    normalised sum of the previous tracked step's ``WARM_START_VECTORS`` (3) leading
+    Ritz vectors (kept as that one vector between steps) plus 10 % of a random
+    direction; power iteration has one vector and starts from it. Several vectors,
+    not just the previous eigenvector: the leading eigenvalues of a mini-batch
+    Hessian often lie close together and swap places from one batch to the next,
+    and Lanczos started next to the old eigenvector converges to *its* eigenvalue
+    long before the new leading one, which the start barely contains, shows up
+    (measured on an MLP during training: 1.7 % too small). The random direction
+    comes from a private generator seeded with ``seed + global_step``
+    (reproducible, the global RNG is untouched). Vectors live on the first
+    parameter's device in the promoted dtype of the parameters; the tridiagonal
+    problem is solved in float64.
 
     Args:
         track_schedule: When to track; on those steps ``create_graph`` is True.
@@ -236,7 +245,7 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         rtol: Relative residual tolerance.
         atol: Absolute residual tolerance.
         max_iter: Budget of products (default: 50 for Lanczos, 100 for power).
-        warm_start: Start from the previous step's eigenvector.
+        warm_start: Start from the previous step's leading Ritz vectors.
         seed: Seed of the random start direction.
         key: History key (default ``"HessMaxEV"``).
 
@@ -312,7 +321,7 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         del hvp, grads
         self.last_num_hvps = result.num_hvps
         if self.warm_start:
-            self._previous = result.ritz_vectors.detach()
+            self._previous = _unit_sum(result.ritz_vectors.detach())
         if not result.converged:
             warnings.warn(
                 f"{self.key} at step {global_step}: no convergence within "
@@ -336,26 +345,35 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         noise = torch.randn(dim, generator=generator, dtype=torch.float64)
         noise /= noise.norm()
         previous = self._previous
-        if previous is None or previous.numel() % dim != 0:
+        if previous is None or previous.numel() != dim:
             return noise
-        rows = previous.detach().to(device="cpu", dtype=torch.float64).reshape(-1, dim)
-        norms = rows.norm(dim=1, keepdim=True)
-        keep = torch.isfinite(norms).squeeze(1) & (norms.squeeze(1) > 0)
-        if not bool(keep.any()):
-            return noise
-        start = (rows[keep] / norms[keep]).sum(0)
-        norm = start.norm()
+        previous = previous.detach().to(device="cpu", dtype=torch.float64)
+        norm = previous.norm()
         if not torch.isfinite(norm) or float(norm) == 0.0:
             return noise
-        return start / norm + self.WARM_START_NOISE * noise
+        return previous.reshape(-1) / norm + self.WARM_START_NOISE * noise
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the warm-start vectors (``(k, dim)``, or ``None``)."""
+        """Return the warm-start vector (flat, or ``None``)."""
         return {"previous": self._previous}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the warm-start vectors (a single flat vector is accepted too)."""
+        """Restore the warm-start vector."""
         self._previous = state.get("previous")
+
+
+def _unit_sum(rows: Tensor) -> Tensor:
+    """The unit vector along the sum of the unit rows of ``rows`` (flat).
+
+    Zero or non-finite rows are left out; if none is left, the first row as is.
+    """
+    norms = rows.norm(dim=1, keepdim=True)
+    keep = (torch.isfinite(norms) & (norms > 0)).squeeze(1)
+    if not bool(keep.any()):
+        return rows[0].clone()
+    total = (rows[keep] / norms[keep]).sum(0)
+    norm = total.norm()
+    return total / norm if bool(torch.isfinite(norm)) and float(norm) > 0 else rows[0]
 
 
 def _graph_gradients(

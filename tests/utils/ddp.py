@@ -329,7 +329,7 @@ def _one_step(cockpit, network, optimizer, step, x, y, no_sync=False):
     optimizer.step()
 
 
-def misuse(rank: int, world: int, how: str, timeout: float = 5.0) -> dict[str, Any]:
+def misuse(rank: int, world: int, how: str, timeout: float = 30.0) -> dict[str, Any]:
     """Worker: a run where the processes disagree; what each process raised."""
     model = make_model("mlp")
     if how == "shapes" and rank == 1:  # a wider hidden layer (DDP would refuse it)
