@@ -474,3 +474,31 @@ def test_warm_start_state_is_one_unit_vector_and_a_foreign_one_is_ignored():
     warm = Q.HessMaxEV(linear(1))
     warm.load_state_dict(quantity.state_dict())
     assert not torch.equal(warm._start_vector(7, 50), cold)
+
+
+def test_lanczos_basis_grows_with_the_products_spent(monkeypatch):
+    """The basis is allocated 8 vectors at first and doubled when full, so memory
+    follows the products spent (not ``max_iter``); the answer is the dense one."""
+    generator = torch.Generator().manual_seed(5)
+    basis, _ = torch.linalg.qr(torch.randn(300, 300, generator=generator).double())
+    spectrum = torch.linspace(-1.0, 1.0, 300, dtype=torch.float64) ** 3
+    spectrum[-1] = 1.02  # a small gap: many products
+    matrix = basis @ torch.diag(spectrum) @ basis.T
+    rows = []
+    original = torch.zeros
+
+    def zeros(*shape, **kwargs):
+        out = original(*shape, **kwargs)
+        if out.dim() == 2 and out.shape[1] == 300:  # a Lanczos basis
+            rows.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    v0 = torch.randn(300, generator=generator, dtype=torch.float64)
+    result = lanczos_max_ev(lambda v: matrix @ v, v0, max_iter=200)
+    monkeypatch.setattr(torch, "zeros", original)
+    assert result.converged and result.num_hvps > 16, result.num_hvps
+    close(result.eigenvalue, 1.02, 1e-3, "largest eigenvalue")
+    assert rows[0] == 8  # the first allocation, then doublings
+    assert rows == [8 * 2**k for k in range(len(rows))], rows
+    assert rows[-1] >= result.num_hvps > rows[-1] // 2, (rows, result.num_hvps)

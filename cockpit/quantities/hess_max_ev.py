@@ -99,6 +99,10 @@ def power_max_ev(
         return EigenResult(theta, v, count, converged, residual, v.reshape(1, -1))
 
 
+#: Lanczos vectors allocated at first; the basis doubles when it is full.
+_FIRST_BASIS_ROWS = 8
+
+
 def lanczos_max_ev(
     hvp: HVP,
     v0: Tensor,
@@ -122,8 +126,10 @@ def lanczos_max_ev(
     the Ritz value ``theta'`` at the opposite end of the spectrum is settled below it,
     ``|theta'| + residual' <= |theta|``; or the Krylov space became invariant
     (``beta_k`` at rounding level: the Ritz values are exact eigenvalues); or
-    ``max_iter`` products are spent (capped at the dimension). The basis costs
-    ``max_iter`` vectors of the size of ``v0``.
+    ``max_iter`` products are spent (capped at the dimension). The basis holds one
+    vector of the size of ``v0`` per product spent: 8 are allocated first and the
+    buffer doubles when full (up to ``max_iter``), so a run that stops after 15
+    products holds 16 vectors, not ``max_iter``.
 
     The rule looks at the residual, not at ``residual**2 / gap`` with the gap read
     off the other Ritz values: while a cluster of eigenvalues is still unresolved,
@@ -152,7 +158,8 @@ def lanczos_max_ev(
     with torch.no_grad():
         dim = v0.numel()
         steps = max(1, min(max_iter, dim))
-        basis = torch.zeros(steps, dim, dtype=v0.dtype, device=v0.device)
+        rows = min(steps, _FIRST_BASIS_ROWS)  # grown by doubling, up to ``steps``
+        basis = torch.zeros(rows, dim, dtype=v0.dtype, device=v0.device)
         basis[0] = v0 / v0.norm()
         alphas: list[float] = []
         betas: list[float] = []
@@ -191,6 +198,11 @@ def lanczos_max_ev(
                 converged = invariant or j + 1 == dim
                 break
             betas.append(beta)
+            if j + 1 == basis.shape[0]:
+                rows = min(steps, 2 * rows)
+                grown = torch.zeros(rows, dim, dtype=basis.dtype, device=basis.device)
+                grown[: j + 1] = basis
+                basis = grown
             basis[j + 1] = w / beta
         rest = [q for q in values.abs().argsort(descending=True).tolist() if q != best]
         order = [best] + rest[: max(0, num_vectors - 1)]
