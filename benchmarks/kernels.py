@@ -276,6 +276,41 @@ def hvp_counts(
     return out
 
 
+def small_block_times(sizes=(64, 2048, 8192, 32768), repeats=31):
+    """Median seconds of ``histogram_1d`` on one block: edge search vs general path.
+
+    100 bins on (-2, 2), values ``N(0, scale**2)`` for a narrow and a wide spread,
+    one NaN in 97; both paths must give the same counts.
+    """
+    edges = grad_hist.histogram_edges(-2.0, 2.0, 100)
+    limit = grad_hist.SEARCH_AT_MOST
+    rows = []
+    for n in sizes:
+        for scale in (1e-3, 0.3):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * scale
+            x[::97] = float("nan")
+            times = {"search": [], "general": []}
+            counts = {}
+            for _ in range(repeats):
+                for path, at_most in (("search", n), ("general", 0)):
+                    grad_hist.SEARCH_AT_MOST = at_most
+                    try:
+                        start = time.perf_counter()
+                        counts[path] = grad_hist.histogram_1d(x, edges, (-2.0, 2.0))
+                        times[path].append(time.perf_counter() - start)
+                    finally:
+                        grad_hist.SEARCH_AT_MOST = limit
+            assert torch.equal(counts["search"], counts["general"]), (n, scale)
+            rows.append(
+                (
+                    n,
+                    scale,
+                    *(statistics.median(times[p]) for p in ("search", "general")),
+                )
+            )
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default="mlp,3c3d")
@@ -300,8 +335,27 @@ def main(argv=None):
     parser.add_argument(
         "--hvp-ref-rtol", type=float, default=1e-5, help="reference solve's rtol"
     )
+    parser.add_argument(
+        "--small-blocks",
+        action="store_true",
+        help="instead: time histogram_1d on small blocks, edge search vs general "
+        "path (printed, not written)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.small_blocks:
+        print(
+            f"| values | spread | search (us) | general (us) | "
+            f"SEARCH_AT_MOST = {grad_hist.SEARCH_AT_MOST} |\n| ---: | ---: | ---: "
+            "| ---: | --- |"
+        )
+        for n, scale, search, general in small_block_times():
+            chosen = "search" if n <= grad_hist.SEARCH_AT_MOST else "general"
+            print(
+                f"| {n} | {scale} | {search * 1e6:.0f} | {general * 1e6:.0f} | "
+                f"{chosen} |"
+            )
+        return
     if args.hvp_steps:
         print(
             "| problem | seed | warm start | products per step | mean | min-max | "

@@ -330,3 +330,17 @@ def test_hvp_counts_compare_warm_starts_against_a_tight_reference():
             row["values"], out["reference"], row["errors"], strict=True
         ):
             assert error == pytest.approx(abs(value - exact) / abs(exact))
+
+
+def test_small_block_times_compare_two_exact_paths():
+    """`benchmarks.kernels --small-blocks`: both paths timed, their counts equal."""
+    from benchmarks.kernels import small_block_times
+    from cockpit.quantities import grad_hist
+
+    limit = grad_hist.SEARCH_AT_MOST
+    rows = small_block_times(sizes=(64, 3000), repeats=1)
+    assert grad_hist.SEARCH_AT_MOST == limit  # restored
+    assert [(n, s) for n, s, *_ in rows] == [
+        (64, 1e-3), (64, 0.3), (3000, 1e-3), (3000, 0.3)
+    ]  # fmt: skip
+    assert all(search > 0 and general > 0 for *_, search, general in rows)

@@ -534,3 +534,33 @@ def test_float32_model_counts_every_value():
 def test_invalid_arguments_are_explained(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bins,lo,hi", RANGES_1D)
+def test_small_blocks_are_counted_by_searching_the_edges(bins, lo, hi, dtype):
+    """Up to SEARCH_AT_MOST values: torch.bucketize, exact on and next to every edge,
+    outliers clamped, NaN dropped; equal to numpy and to the general path."""
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    values = edge_probes(edges, torch.Generator().manual_seed(4), hi - lo, n=300)
+    values[:150] += (lo + hi) / 2
+    values = torch.cat([values, torch.full((3,), math.nan, dtype=dtype)])
+    assert values.numel() <= grad_hist.SEARCH_AT_MOST
+    searched = []
+    original = torch.bucketize
+
+    def bucketize(*args, **kwargs):
+        searched.append(True)
+        return original(*args, **kwargs)
+
+    torch.bucketize = bucketize
+    try:
+        counts = histogram_1d(values, edges, (lo, hi))
+    finally:
+        torch.bucketize = original
+    assert searched, "the small block did not take the search path"
+    expected, _ = np_hist_1d(values[~torch.isnan(values)].numpy(), bins, lo, hi)
+    assert counts.tolist() == expected
+    index = bin_index(values, edges, (lo, hi), correct_all=True)
+    general = torch.bincount(index.reshape(-1).long(), minlength=bins + 1)[:bins]
+    assert torch.equal(counts, general)

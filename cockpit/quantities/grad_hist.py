@@ -178,6 +178,24 @@ def _counts_by_comparison(
     return counts
 
 
+#: Blocks of at most this many values are counted by searching the edges
+#: (``torch.bucketize``: exact comparisons, a handful of kernels). The other paths
+#: cost ~0.3 ms before the first value (extremes, bin positions, checks near edges),
+#: which dominates a small parameter's block: measured on one thread, 43-77 us
+#: against ~300 us for 64 to 2048 values, 0.18-0.30 ms against 0.36 ms at 8192; from
+#: ~10k-25k values on, the general path's ~6-10 ns per value wins.
+SEARCH_AT_MOST = 8192
+
+
+def _counts_by_search(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
+    """Counts by a binary search of every value in ``edges`` (see histogram_1d)."""
+    bins = edges.numel() - 1
+    v = values.reshape(-1).clamp(*limits)
+    index = torch.bucketize(v, edges, right=True).sub_(1).clamp_(0, bins - 1)
+    index.masked_fill_(torch.isnan(v), bins)  # NaN: the overflow slot, dropped
+    return torch.bincount(index, minlength=bins + 1)[:bins]
+
+
 def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
     """Count ``values`` into the bins of ``edges``, clamping them to the outer edges.
 
@@ -193,6 +211,8 @@ def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
         ``int64`` counts, shape ``[bins]``.
     """
     bins = edges.numel() - 1
+    if values.numel() <= SEARCH_AT_MOST:
+        return _counts_by_search(values, edges, limits)
     span = _span(values, edges, limits, None)
     if span is not None:
         k_lo, k_hi = span
