@@ -57,14 +57,9 @@ class SharedGate(torch.nn.Module):
         return self.head(self.gate(self.gate(self.inp(x))))
 
 
-class CheckpointedGate(torch.nn.Module):
-    """The gate runs under activation checkpointing (recomputed in backward passes)."""
-
-    def __init__(self, width=4, classes=3):
-        super().__init__()
-        self.inp = torch.nn.Linear(3, width)
-        self.gate = Gate(width)
-        self.head = torch.nn.Linear(width, classes)
+class CheckpointedGate(SharedGate):
+    """The gate runs once, under activation checkpointing (recomputed in backward
+    passes); the layers are SharedGate's."""
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
