@@ -277,29 +277,29 @@ def hvp_counts(
 
 
 def small_block_times(sizes=(64, 2048, 8192, 32768), repeats=31):
-    """Median seconds of ``histogram_1d`` on one block: edge search vs general path.
+    """Median seconds of counting one block: edge search vs general path.
 
     100 bins on (-2, 2), values ``N(0, scale**2)`` for a narrow and a wide spread,
-    one NaN in 97; both paths must give the same counts.
+    one NaN in 97; both paths must give the same counts. ``histogram_1d`` takes the
+    search up to ``grad_hist.SEARCH_AT_MOST`` values, the general path beyond.
     """
     edges = grad_hist.histogram_edges(-2.0, 2.0, 100)
-    limit = grad_hist.SEARCH_AT_MOST
+    paths = {
+        "search": grad_hist._counts_by_search,
+        "general": grad_hist._counts_by_position,
+    }
     rows = []
     for n in sizes:
         for scale in (1e-3, 0.3):
             x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * scale
             x[::97] = float("nan")
-            times = {"search": [], "general": []}
+            times = {path: [] for path in paths}
             counts = {}
             for _ in range(repeats):
-                for path, at_most in (("search", n), ("general", 0)):
-                    grad_hist.SEARCH_AT_MOST = at_most
-                    try:
-                        start = time.perf_counter()
-                        counts[path] = grad_hist.histogram_1d(x, edges, (-2.0, 2.0))
-                        times[path].append(time.perf_counter() - start)
-                    finally:
-                        grad_hist.SEARCH_AT_MOST = limit
+                for path, count in paths.items():
+                    start = time.perf_counter()
+                    counts[path] = count(x, edges, (-2.0, 2.0))
+                    times[path].append(time.perf_counter() - start)
             assert torch.equal(counts["search"], counts["general"]), (n, scale)
             rows.append(
                 (

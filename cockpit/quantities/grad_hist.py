@@ -210,9 +210,14 @@ def histogram_1d(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
     Returns:
         ``int64`` counts, shape ``[bins]``.
     """
-    bins = edges.numel() - 1
     if values.numel() <= SEARCH_AT_MOST:
         return _counts_by_search(values, edges, limits)
+    return _counts_by_position(values, edges, limits)
+
+
+def _counts_by_position(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
+    """Counts by comparisons (few bins occupied) or by bin positions."""
+    bins = edges.numel() - 1
     span = _span(values, edges, limits, None)
     if span is not None:
         k_lo, k_hi = span
