@@ -152,12 +152,9 @@ class Cockpit:
         self._setup_checked = False
         #: This process's rank in the data-parallel group (0 in a single process).
         self.rank = self._communicator.rank if self._communicator is not None else 0
-        if isinstance(log_rank, bool):
+        if isinstance(log_rank, bool) or not hasattr(type(log_rank), "__index__"):
             raise TypeError(f"log_rank must be an int, got {log_rank!r}.")
-        try:
-            log_rank = operator.index(log_rank)
-        except TypeError:
-            raise TypeError(f"log_rank must be an int, got {log_rank!r}.") from None
+        log_rank = operator.index(log_rank)
         if self.data_parallel:
             size = self._communicator.size
             if not 0 <= log_rank < size:
