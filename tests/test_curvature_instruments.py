@@ -19,7 +19,11 @@ from backpack.extensions import DiagGGNMC, DiagHessian, SumGradSquared
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.quantities.base import Quantity
-from cockpit.quantities.hess_max_ev import lanczos_max_ev, power_max_ev
+from cockpit.quantities.hess_max_ev import (
+    _orthogonalise,
+    lanczos_max_ev,
+    power_max_ev,
+)
 from cockpit.utils.schedules import linear
 from tests.test_histograms import np_hist_1d, np_hist_2d, per_sample_gradients
 from tests.utils import brute_force as bf
@@ -458,6 +462,55 @@ def test_lanczos_returns_orthonormal_leading_ritz_vectors_first_the_answer():
         lanczos_max_ev(lambda v: v, v0, num_vectors=0)
 
 
+def test_orthogonalise_repeats_its_pass_only_where_it_cancelled():
+    """One Gram-Schmidt pass leaves rounding of the removed part behind: relative
+    to what remains that is large only if most of ``w`` lay in the basis, and then
+    the pass is repeated (float32, where one pass would leave ~1e-4)."""
+    generator = torch.Generator().manual_seed(3)
+    basis = torch.linalg.qr(torch.randn(5000, 12, generator=generator))[0].T
+    inside = 1000.0 * (torch.randn(12, generator=generator) @ basis)
+    outside = torch.randn(5000, generator=generator)
+    outside -= basis.T @ (basis @ outside)
+    outside -= basis.T @ (basis @ outside)
+    calls, addmv = [], torch.addmv
+
+    def mv(*args, **kwargs):
+        calls.append(1)
+        return addmv(*args, **kwargs)
+
+    for w, passes in ((inside + outside, 2), (outside + 1e-3 * inside, 1)):
+        calls.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "addmv", mv)
+            result, norm = _orthogonalise(w.clone(), basis)
+        assert len(calls) == passes
+        assert norm == pytest.approx(float(result.norm()))
+        assert float((basis @ result).abs().max()) <= 50 * 1.2e-7 * norm
+    one_pass = (inside + outside) - basis.T @ (basis @ (inside + outside))
+    assert float((basis @ one_pass).abs().max()) > 50 * 1.2e-7 * one_pass.norm()
+
+
+def test_lanczos_basis_stays_orthonormal_in_float32():
+    """Sixty products on a clustered spectrum in float32: the vectors Lanczos hands
+    to the product stay orthonormal to a few hundred ulps."""
+    generator = torch.Generator().manual_seed(4)
+    spectrum = torch.rand(20000, generator=generator) ** 3
+    spectrum[:4] = torch.tensor([1.0, 0.999, 0.99, 0.98])
+    seen = []
+
+    def hvp(v):
+        seen.append(v.clone())
+        return spectrum * v
+
+    v0 = torch.randn(20000, generator=generator)
+    result = lanczos_max_ev(hvp, v0, rtol=1e-9, atol=0.0, max_iter=60)
+    assert result.num_hvps == 60
+    rows = torch.stack(seen).double()
+    gram = rows @ rows.T - torch.eye(60, dtype=torch.float64)
+    assert float(gram.abs().max()) < 300 * 1.2e-7
+    assert result.eigenvalue == pytest.approx(1.0, abs=2e-3)
+
+
 def test_warm_start_state_is_one_unit_vector_and_a_foreign_one_is_ignored():
     """Between steps HessMaxEV keeps one flat unit vector (the direction of the sum
     of the leading Ritz vectors), as a checkpoint from before did; a vector of
@@ -485,18 +538,18 @@ def test_lanczos_basis_grows_with_the_products_spent(monkeypatch):
     spectrum[-1] = 1.02  # a small gap: many products
     matrix = basis @ torch.diag(spectrum) @ basis.T
     rows = []
-    original = torch.zeros
+    original = torch.empty
 
-    def zeros(*shape, **kwargs):
+    def empty(*shape, **kwargs):
         out = original(*shape, **kwargs)
         if out.dim() == 2 and out.shape[1] == 300:  # a Lanczos basis
             rows.append(out.shape[0])
         return out
 
-    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(torch, "empty", empty)
     v0 = torch.randn(300, generator=generator, dtype=torch.float64)
     result = lanczos_max_ev(lambda v: matrix @ v, v0, max_iter=200)
-    monkeypatch.setattr(torch, "zeros", original)
+    monkeypatch.setattr(torch, "empty", original)
     assert result.converged and result.num_hvps > 16, result.num_hvps
     close(result.eigenvalue, 1.02, 1e-3, "largest eigenvalue")
     assert rows[0] == 8  # the first allocation, then doublings
