@@ -311,6 +311,54 @@ def small_block_times(sizes=(64, 2048, 8192, 32768), repeats=31):
     return rows
 
 
+def lanczos_times(name, products=20, repeats=7, baseline=None):
+    """Lanczos' own work at a problem's size, against one Hessian-vector product.
+
+    ``lanczos_max_ev`` runs ``products`` steps (rtol 0: no early stop) on a diagonal
+    operator with as many entries as the problem has parameters (a clustered top
+    spectrum); its products cost next to nothing, so the time is the method's own:
+    re-orthogonalisation, the tridiagonal eigenproblems, the basis. Timed in
+    interleaved rounds with the same run of ``baseline.lanczos_max_ev`` (another
+    ``hess_max_ev.py``, e.g. ``git show <commit>:cockpit/quantities/hess_max_ev.py``)
+    if given, and with one Hessian-vector product of the problem's plain model on
+    a batch (after a ``create_graph`` backward pass), for scale.
+
+    Returns:
+        ``{"parameters", "hvp", "now", "baseline"}``: median seconds (``baseline``
+        ``None`` without one).
+    """
+    from cockpit.quantities.hess_max_ev import lanczos_max_ev
+
+    bench = make(name, need_extended=False)
+    params = list(bench.plain.parameters())
+    x, y = bench.batch(0)
+    loss = torch.nn.functional.cross_entropy(bench.plain(x), y)
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    probe = [torch.randn_like(p) for p in params]
+    dim = sum(p.numel() for p in params)
+    generator = torch.Generator().manual_seed(0)
+    spectrum = torch.rand(dim, generator=generator) ** 3
+    spectrum[:4] = torch.tensor([1.0, 0.999, 0.99, 0.98])
+    v0 = torch.randn(dim, generator=generator)
+    options = {"rtol": 0.0, "atol": 1e-30, "max_iter": products}
+    runs = {
+        "hvp": lambda: torch.autograd.grad(grads, params, probe, retain_graph=True),
+        "now": lambda: lanczos_max_ev(lambda v: spectrum * v, v0, **options),
+    }
+    if baseline is not None:
+        runs["baseline"] = lambda: baseline.lanczos_max_ev(
+            lambda v: spectrum * v, v0, **options
+        )
+    times = {key: [] for key in runs}
+    for _ in range(repeats + 1):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    out = {key: statistics.median(t[1:]) for key, t in times.items()}
+    return {"parameters": dim, "baseline": None, **out}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default="mlp,3c3d")
@@ -341,8 +389,43 @@ def main(argv=None):
         help="instead: time histogram_1d on small blocks, edge search vs general "
         "path (printed, not written)",
     )
+    parser.add_argument(
+        "--lanczos",
+        type=int,
+        default=0,
+        help="instead: time Lanczos' own work over this many products at each "
+        "problem's size, against one Hessian-vector product (printed, not written)",
+    )
+    parser.add_argument(
+        "--lanczos-baseline",
+        help="path of another hess_max_ev.py whose lanczos_max_ev is timed alongside",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.lanczos:
+        baseline = None
+        if args.lanczos_baseline:
+            spec = importlib.util.spec_from_file_location(
+                "baseline_hess_max_ev", args.lanczos_baseline
+            )
+            baseline = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = baseline
+            spec.loader.exec_module(baseline)
+        print(
+            f"| problem | parameters | one HVP (ms) | Lanczos, {args.lanczos} products "
+            "(ms) | in HVPs | baseline (ms) | in HVPs |\n| --- | ---: | ---: | ---: "
+            "| ---: | ---: | ---: |"
+        )
+        for name in args.problems.split(","):
+            t = lanczos_times(name, args.lanczos, args.repeats, baseline)
+            base = t["baseline"]
+            tail = "– | –" if base is None else f"{base * 1e3:.1f} | {base / t['hvp']:.1f}"
+            print(
+                f"| {name} | {t['parameters']:,} | {t['hvp'] * 1e3:.2f} | "
+                f"{t['now'] * 1e3:.1f} | {t['now'] / t['hvp']:.1f} | {tail} |",
+                flush=True,
+            )
+        return
     if args.small_blocks:
         print(
             f"| values | spread | search (us) | general (us) | "

@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,12 +108,72 @@ _FIRST_BASIS_ROWS = 8
 _REPEAT_BELOW = 2**-0.5
 
 
-def _orthogonalise(w: Tensor, basis: Tensor) -> tuple[Tensor, float]:
-    """``w`` without its components along the orthonormal rows of ``basis``.
+class _Basis:
+    """The orthonormal Lanczos vectors, as rows of blocks that are never copied.
 
-    One classical Gram-Schmidt pass (two matrix-vector products with ``basis``),
+    The first block has ``_FIRST_BASIS_ROWS`` rows; each further one as many as all
+    before it (up to ``capacity`` in all), so the rows held follow the products
+    spent, and growing costs no copy of the rows already there.
+    """
+
+    def __init__(self, first: Tensor, capacity: int):
+        self._dim, self._capacity = first.numel(), capacity
+        self._dtype, self._device = first.dtype, first.device
+        self.blocks: list[Tensor] = []
+        self._rows = 0  # rows written
+        self._allocated = 0
+        self.append(first, float(first.norm()))
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def append(self, vector: Tensor, norm: float) -> None:
+        """Add ``vector / norm`` as the next row."""
+        if self._rows == self._allocated:
+            rows = min(max(self._allocated, _FIRST_BASIS_ROWS), self._capacity - self._rows)
+            # rows are written before they are read: no need to zero them
+            self.blocks.append(
+                torch.empty(rows, self._dim, dtype=self._dtype, device=self._device)
+            )
+            self._allocated += rows
+        block = self.blocks[-1]
+        torch.div(vector, norm, out=block[block.shape[0] - (self._allocated - self._rows)])
+        self._rows += 1
+
+    def row(self, j: int) -> Tensor:
+        """The ``j``-th vector (a view)."""
+        for block in self.blocks:
+            if j < block.shape[0]:
+                return block[j]
+            j -= block.shape[0]
+        raise IndexError(j)
+
+    def filled(self) -> list[Tensor]:
+        """The written rows, block by block (views)."""
+        out, left = [], self._rows
+        for block in self.blocks:
+            if left <= 0:
+                break
+            out.append(block[:left])
+            left -= block.shape[0]
+        return out
+
+    def combine(self, coefficients: Tensor) -> Tensor:
+        """``coefficients.T @ Q`` for ``[rows, k]`` coefficients: ``k`` flat rows."""
+        out, start = None, 0
+        for block in self.filled():
+            part = coefficients[start : start + block.shape[0]].T @ block
+            out = part if out is None else out.add_(part)
+            start += block.shape[0]
+        return out
+
+
+def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
+    """``w`` without its components along the orthonormal rows of ``blocks``.
+
+    One classical Gram-Schmidt pass (two matrix-vector products with each block),
     repeated once if it removed most of ``w``: only then can rounding have left
-    components along ``basis`` that are large relative to what remains. After
+    components along the basis that are large relative to what remains. After
     Lanczos' three-term recurrence ``w`` is orthogonal to the basis up to rounding,
     so the second pass is rarely needed; each pass reads the whole basis twice,
     which on a small model costs more than the Hessian-vector product itself
@@ -122,11 +183,14 @@ def _orthogonalise(w: Tensor, basis: Tensor) -> tuple[Tensor, float]:
         The orthogonalised vector and its norm.
     """
     before = float(w.norm())
-    w = torch.addmv(w, basis.T, basis @ w, alpha=-1)
-    after = float(w.norm())
-    if after < _REPEAT_BELOW * before:
-        w = torch.addmv(w, basis.T, basis @ w, alpha=-1)
+    for repeat in range(2):
+        coefficients = [block @ w for block in blocks]
+        for block, c in zip(blocks, coefficients, strict=True):
+            w = torch.addmv(w, block.T, c, alpha=-1)
         after = float(w.norm())
+        if after >= _REPEAT_BELOW * before:
+            break
+        before = after
     return w, after
 
 
@@ -143,7 +207,7 @@ def lanczos_max_ev(
     Builds an orthonormal basis ``Q_k`` of the Krylov space of ``v0`` (one product
     per step, full re-orthogonalisation against all previous vectors, repeated where
     it cancels, :func:`_orthogonalise`) and
-    the tridiagonal ``T_k = Q_k^T H Q_k``, whose eigenpairs (``torch.linalg.eigh`` in
+    the tridiagonal ``T_k = Q_k^T H Q_k``, whose eigenpairs (``numpy.linalg.eigh`` in
     float64) give Ritz values ``theta_j`` with residuals
     ``r_j = ||H y_j - theta_j y_j|| = beta_k |s_j[-1]|``, free of extra products. The
     answer is the Ritz value ``theta`` of largest magnitude.
@@ -186,55 +250,49 @@ def lanczos_max_ev(
     with torch.no_grad():
         dim = v0.numel()
         steps = max(1, min(max_iter, dim))
-        rows = min(steps, _FIRST_BASIS_ROWS)  # grown by doubling, up to ``steps``
-        # rows are written before they are read: no need to zero them
-        basis = torch.empty(rows, dim, dtype=v0.dtype, device=v0.device)
-        basis[0] = v0 / v0.norm()
+        basis = _Basis(v0, steps)
         alphas: list[float] = []
         betas: list[float] = []
         count, converged = 0, False
         breakdown = 10 * torch.finfo(v0.dtype).eps
         for j in range(steps):
-            w = hvp(basis[j])
+            q = basis.row(j)
+            w = hvp(q)
             count += 1
-            alpha = float(torch.dot(basis[j], w))
-            w = torch.add(w, basis[j], alpha=-alpha)  # a new tensor: hvp's may alias
+            alpha = float(torch.dot(q, w))
+            w = torch.add(w, q, alpha=-alpha)  # a new tensor: hvp's may alias
             if j > 0:
-                w.sub_(basis[j - 1], alpha=betas[-1])
-            done = basis[: j + 1]
-            w, beta = _orthogonalise(w, done)
+                w.sub_(basis.row(j - 1), alpha=betas[-1])
+            w, beta = _orthogonalise(w, basis.filled())
             alphas.append(alpha)
-            tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+            # the small tridiagonal eigenproblem in NumPy: a few microseconds, where
+            # building it from torch tensors costs more than solving it
+            tridiagonal = np.diag(alphas)
             if betas:
-                off = torch.tensor(betas, dtype=torch.float64)
-                tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
-            values, vectors = torch.linalg.eigh(tridiagonal)
-            residuals = beta * vectors[-1].abs()
-            best = int(values.abs().argmax())
+                tridiagonal += np.diag(betas, 1) + np.diag(betas, -1)
+            values, vectors = np.linalg.eigh(tridiagonal)
+            residuals = beta * np.abs(vectors[-1])
+            magnitudes = np.abs(values)
+            best = int(magnitudes.argmax())
             other = 0 if best == len(alphas) - 1 else len(alphas) - 1
             theta = float(values[best])
             residual = float(residuals[best])
             settled = other == best or float(
-                values[other].abs() + residuals[other]
+                magnitudes[other] + residuals[other]
             ) <= abs(theta)
             if settled and residual <= _tolerance(theta, rtol, atol):
                 converged = True
                 break
-            invariant = beta <= breakdown * float(values.abs().max())
+            invariant = beta <= breakdown * float(magnitudes.max())
             if invariant or j + 1 == steps:
                 converged = invariant or j + 1 == dim
                 break
             betas.append(beta)
-            if j + 1 == basis.shape[0]:
-                rows = min(steps, 2 * rows)
-                grown = torch.empty(rows, dim, dtype=basis.dtype, device=basis.device)
-                grown[: j + 1] = basis
-                basis = grown
-            torch.div(w, beta, out=basis[j + 1])
-        rest = [q for q in values.abs().argsort(descending=True).tolist() if q != best]
+            basis.append(w, beta)
+        rest = [q for q in np.argsort(-magnitudes, kind="stable").tolist() if q != best]
         order = [best] + rest[: max(0, num_vectors - 1)]
-        coefficients = vectors[:, order].to(dtype=v0.dtype, device=v0.device)
-        ritz = coefficients.T @ done  # rows: the Ritz vectors
+        coefficients = torch.from_numpy(vectors[:, order]).to(v0.device, v0.dtype)
+        ritz = basis.combine(coefficients)  # rows: the Ritz vectors
         return EigenResult(theta, ritz[0].clone(), count, converged, residual, ritz)
 
 
