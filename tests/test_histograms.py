@@ -129,6 +129,37 @@ def test_bin_index_paths_agree_and_follow_the_edges(bins, lo, hi, dtype):
     assert ((v < edges[k + 1]) | (last & (v == edges[-1]))).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bins,lo,hi", [(100, -2.0, 2.0), (4, -1.0, 1.0), (7, -0.1, 0.1)])
+def test_many_exact_zeros_share_one_bin_without_re_checking_every_value(
+    bins, lo, hi, dtype, monkeypatch
+):
+    """An embedding's per-sample gradients are mostly exact zeros (and -0.0): on a
+    symmetric range with an even number of bins they sit on the edge at 0. They get
+    the bin of 0 found once; the other values near edges are still re-checked."""
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    probes = edge_probes(edges, torch.Generator().manual_seed(6), hi - lo, n=100)
+    zeros = torch.zeros(4000, dtype=dtype)
+    zeros[:200] = -0.0
+    nan = torch.full((3,), math.nan, dtype=dtype)
+    values = torch.cat([probes, zeros, nan])[torch.randperm(4000 + probes.numel() + 3)]
+    sizes = []
+    original = grad_hist._correct
+
+    def correct(v, index, edges):
+        sizes.append(v.numel())
+        return original(v, index, edges)
+
+    monkeypatch.setattr(grad_hist, "_correct", correct)
+    fast = bin_index(values, edges, (lo, hi), correct_all=False)
+    assert sizes and max(sizes) < values.numel() // 8  # no re-check of every value
+    full = bin_index(values, edges, (lo, hi), correct_all=True)
+    assert torch.equal(fast, full)
+    counts = torch.bincount(fast.long(), minlength=bins + 1)[:bins]
+    expected, _ = np_hist_1d(values[~torch.isnan(values)].numpy(), bins, lo, hi)
+    assert counts.tolist() == expected
+
+
 @pytest.mark.parametrize(
     "bins,ranges",
     [((40, 50), ((-1.0, 1.0), (-2.0, 2.0))), ((3, 4), ((-0.1, 0.2), (-1.0, 1.0)))],

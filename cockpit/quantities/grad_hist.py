@@ -105,12 +105,27 @@ def bin_index(
     delta = 16 * eps * bins * (1 + max(abs(lo), abs(hi)) / (hi - lo))
     centred = position.frac_().sub_(0.5).abs_()  # NaN stays NaN
     suspicious = torch.le(centred, 0.5 - delta).logical_not_().reshape(-1)
-    if int(torch.count_nonzero(suspicious)) * 8 > suspicious.numel():
-        return _correct(v, index, edges)  # many (e.g. exact zeros): all at once
-    where = suspicious.nonzero().squeeze(1)
-    if where.numel():
-        flat = index.view(-1)
-        flat[where] = _correct(v.reshape(-1)[where], flat[where], edges)
+    many = int(torch.count_nonzero(suspicious)) * 8 > suspicious.numel()
+    zeros = None
+    if many and low <= 0.0 <= high:
+        # Exact zeros (an embedding's rows no sample uses, inactive units) sit on
+        # the edge at 0 of a symmetric range and would all be re-checked: they
+        # share one bin, found once.
+        zeros = torch.eq(v, 0).reshape(-1)
+        suspicious.logical_and_(zeros.logical_not())
+        many = int(torch.count_nonzero(suspicious)) * 8 > suspicious.numel()
+    if many:
+        index = _correct(v, index, edges)  # many near edges: all at once
+    else:
+        where = suspicious.nonzero().squeeze(1)
+        if where.numel():
+            flat = index.view(-1)
+            flat[where] = _correct(v.reshape(-1)[where], flat[where], edges)
+    if zeros is not None:
+        zero = torch.zeros(1, dtype=v.dtype, device=v.device)
+        start = torch.full((1,), int(bins * (0.0 - lo) / (hi - lo)), dtype=index.dtype)
+        k0 = _correct(zero, start.to(v.device), edges)
+        index.view(-1).masked_fill_(zeros, k0.squeeze(0))
     return index
 
 
