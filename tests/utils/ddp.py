@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 import traceback
+import uuid
 from typing import Any
 
 import torch
@@ -233,7 +235,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, outdir, target, args):
+def _worker(rank, world, port, rendezvous, outdir, target, args):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -242,8 +244,12 @@ def _worker(rank, world, port, outdir, target, args):
     result: dict[str, Any] = {"rank": rank}
     started = time.perf_counter()
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=_timedelta(120)
+        dist.init_process_group(  # a file to meet at: no port to race for
+            "gloo",
+            init_method=f"file://{rendezvous}",
+            rank=rank,
+            world_size=world,
+            timeout=_timedelta(120),
         )
         result.update(target(rank, world, **args) or {})
     except BaseException as error:  # reported to the test, which decides
@@ -274,10 +280,14 @@ def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dic
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
-    port = free_port()
+    port = free_port()  # only for code that reads MASTER_PORT (Lightning)
+    rendezvous = os.path.join(  # outside outdir: tests list what ranks wrote there
+        tempfile.gettempdir(), f"cockpit-ddp-rendezvous-{uuid.uuid4().hex}"
+    )
     processes = [
         context.Process(
-            target=_worker, args=(rank, world, port, str(outdir), target, args)
+            target=_worker,
+            args=(rank, world, port, rendezvous, str(outdir), target, args),
         )
         for rank in range(world)
     ]
@@ -286,11 +296,15 @@ def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dic
     deadline = time.monotonic() + limit
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
+    hung = {rank for rank, process in enumerate(processes) if process.is_alive()}
+    for rank in hung:
+        processes[rank].kill()
+        processes[rank].join()
+    if os.path.exists(rendezvous):
+        os.unlink(rendezvous)
     results = []
     for rank, process in enumerate(processes):
-        if process.is_alive():
-            process.kill()
-            process.join()
+        if rank in hung:
             results.append({"rank": rank, "error": "hung"})
             continue
         path = os.path.join(str(outdir), f"rank{rank}.json")
