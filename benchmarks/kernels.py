@@ -419,7 +419,9 @@ def main(argv=None):
         for name in args.problems.split(","):
             t = lanczos_times(name, args.lanczos, args.repeats, baseline)
             base = t["baseline"]
-            tail = "– | –" if base is None else f"{base * 1e3:.1f} | {base / t['hvp']:.1f}"
+            tail = (
+                "– | –" if base is None else f"{base * 1e3:.1f} | {base / t['hvp']:.1f}"
+            )
             print(
                 f"| {name} | {t['parameters']:,} | {t['hvp'] * 1e3:.2f} | "
                 f"{t['now'] * 1e3:.1f} | {t['now'] / t['hvp']:.1f} | {tail} |",

@@ -130,7 +130,9 @@ def test_bin_index_paths_agree_and_follow_the_edges(bins, lo, hi, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("bins,lo,hi", [(100, -2.0, 2.0), (4, -1.0, 1.0), (7, -0.1, 0.1)])
+@pytest.mark.parametrize(
+    "bins,lo,hi", [(100, -2.0, 2.0), (4, -1.0, 1.0), (7, -0.1, 0.1)]
+)
 def test_many_exact_zeros_share_one_bin_without_re_checking_every_value(
     bins, lo, hi, dtype, monkeypatch
 ):

@@ -535,15 +535,16 @@ def histogram_2d_outer(
     samples, outputs = rest.nonzero().unbind(1)
     step = max(1, max_elements // dim)
     total = xbins * ybins
-    iy = iy.masked_fill(iy == ybins, total)  # NaN weights: dropped slots
+    slots = _index_dtype(2 * total + 1)  # int32 unless huge (NaN rows: ix = xbins)
+    iy = iy.masked_fill(iy == ybins, total).to(slots)  # NaN weights: dropped slots
     for start in range(0, samples.numel(), step):
         i, a = samples[start : start + step], outputs[start : start + step]
-        values = _outer_values(
-            delta[i, a].unsqueeze(1), inputs.index_select(0, i), scale
-        )
-        ix = bin_index(values, xedges, limits, clamp).long()
-        rows_iy = iy.index_select(0, a)
-        flat = ix.mul_(ybins).add_(rows_iy)
+        # (delta * input) * scale as _outer_values rounds it, in the gathered rows
+        values = inputs.index_select(0, i).mul_(delta[i, a].unsqueeze(1))
+        if scale != 1.0:
+            values.mul_(scale)
+        ix = bin_index(values, xedges, limits, clamp).to(slots)
+        flat = ix.mul_(ybins).add_(iy.index_select(0, a))
         block = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]
         counts += block.reshape(xbins, ybins)
     return counts

@@ -130,14 +130,18 @@ class _Basis:
     def append(self, vector: Tensor, norm: float) -> None:
         """Add ``vector / norm`` as the next row."""
         if self._rows == self._allocated:
-            rows = min(max(self._allocated, _FIRST_BASIS_ROWS), self._capacity - self._rows)
+            rows = min(
+                max(self._allocated, _FIRST_BASIS_ROWS), self._capacity - self._rows
+            )
             # rows are written before they are read: no need to zero them
             self.blocks.append(
                 torch.empty(rows, self._dim, dtype=self._dtype, device=self._device)
             )
             self._allocated += rows
         block = self.blocks[-1]
-        torch.div(vector, norm, out=block[block.shape[0] - (self._allocated - self._rows)])
+        torch.div(
+            vector, norm, out=block[block.shape[0] - (self._allocated - self._rows)]
+        )
         self._rows += 1
 
     def row(self, j: int) -> Tensor:
@@ -183,7 +187,7 @@ def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
         The orthogonalised vector and its norm.
     """
     before = float(w.norm())
-    for repeat in range(2):
+    for _ in range(2):
         coefficients = [block @ w for block in blocks]
         for block, c in zip(blocks, coefficients, strict=True):
             w = torch.addmv(w, block.T, c, alpha=-1)
