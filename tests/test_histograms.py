@@ -129,22 +129,27 @@ def test_bin_index_paths_agree_and_follow_the_edges(bins, lo, hi, dtype):
     assert ((v < edges[k + 1]) | (last & (v == edges[-1]))).all()
 
 
+@pytest.mark.parametrize("clamp", [None, "at-zero"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
-    "bins,lo,hi", [(100, -2.0, 2.0), (4, -1.0, 1.0), (7, -0.1, 0.1)]
+    "bins,lo,hi",
+    [(100, -2.0, 2.0), (4, -1.0, 1.0), (7, -0.1, 0.1)],  # 7: 0 is no edge (control)
 )
 def test_many_exact_zeros_share_one_bin_without_re_checking_every_value(
-    bins, lo, hi, dtype, monkeypatch
+    bins, lo, hi, dtype, clamp, monkeypatch
 ):
     """An embedding's per-sample gradients are mostly exact zeros (and -0.0): on a
     symmetric range with an even number of bins they sit on the edge at 0. They get
-    the bin of 0 found once; the other values near edges are still re-checked."""
+    the bin of 0 found once; the other values near edges are still re-checked. A
+    clamp at 0 turns every negative value into a zero."""
+    clamp = None if clamp is None else (0.0, hi)
     edges = histogram_edges(lo, hi, bins).to(dtype)
     probes = edge_probes(edges, torch.Generator().manual_seed(6), hi - lo, n=100)
     zeros = torch.zeros(4000, dtype=dtype)
     zeros[:200] = -0.0
     nan = torch.full((3,), math.nan, dtype=dtype)
-    values = torch.cat([probes, zeros, nan])[torch.randperm(4000 + probes.numel() + 3)]
+    values = torch.cat([probes, zeros, nan])
+    values = values[torch.randperm(values.numel())]
     sizes = []
     original = grad_hist._correct
 
@@ -153,13 +158,48 @@ def test_many_exact_zeros_share_one_bin_without_re_checking_every_value(
         return original(v, index, edges)
 
     monkeypatch.setattr(grad_hist, "_correct", correct)
-    fast = bin_index(values, edges, (lo, hi), correct_all=False)
+    fast = bin_index(values, edges, (lo, hi), clamp, correct_all=False)
     assert sizes and max(sizes) < values.numel() // 8  # no re-check of every value
-    full = bin_index(values, edges, (lo, hi), correct_all=True)
+    full = bin_index(values, edges, (lo, hi), clamp, correct_all=True)
     assert torch.equal(fast, full)
     counts = torch.bincount(fast.long(), minlength=bins + 1)[:bins]
-    expected, _ = np_hist_1d(values[~torch.isnan(values)].numpy(), bins, lo, hi)
+    finite = values[~torch.isnan(values)]
+    if clamp is not None:
+        finite = finite.clamp(*clamp)
+    expected, _ = np_hist_1d(finite.numpy(), bins, lo, hi)
     assert counts.tolist() == expected
+    # a transposed (non-contiguous) block is binned like its contiguous copy
+    square = values[:4096].reshape(64, 64)
+    assert torch.equal(
+        bin_index(square.T, edges, (lo, hi), clamp, correct_all=False),
+        bin_index(square.T.contiguous(), edges, (lo, hi), clamp, correct_all=False),
+    )
+
+
+@pytest.mark.parametrize("correct_all", [False, True])
+@pytest.mark.parametrize(
+    "dtype,bins,lo,hi",
+    [
+        (torch.float16, 4000, -1.0, 1.0),
+        (torch.bfloat16, 300, -0.5, 0.5),
+        (torch.bfloat16, 1000, -1.0, 1.0),  # bins narrower than bfloat16's ulps
+    ],
+)
+def test_half_precision_values_get_exactly_the_bins_of_their_edges(
+    dtype, bins, lo, hi, correct_all
+):
+    """In float16/bfloat16 the scaled position can be off by more than one bin (and
+    rounded edges can coincide): the bin is still the one the rounded edges give,
+    ``edges[k] <= v < edges[k + 1]`` (of equal edges the last), last bin closed."""
+    edges = histogram_edges(lo, hi, bins).to(dtype)
+    values = edge_probes(edges, torch.Generator().manual_seed(7), hi - lo, n=5000)
+    values = torch.cat([values.to(dtype), torch.full((3,), math.nan, dtype=dtype)])
+    index = bin_index(values, edges, (lo, hi), correct_all=correct_all)
+    e = edges.double().numpy()
+    v = values.double().clamp(lo, hi).numpy()
+    want = np.clip(np.searchsorted(e, v, side="right") - 1, 0, bins - 1)
+    want[np.isnan(v)] = bins
+    assert index.long().tolist() == want.tolist()
 
 
 @pytest.mark.parametrize(

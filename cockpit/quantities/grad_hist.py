@@ -72,7 +72,10 @@ def bin_index(
     lo))``; values whose scaled position lies within rounding distance of an integer
     (and NaN) are then re-checked against ``edges`` and moved by one bin where the
     edges say so. On the CPU only those few values are re-checked; elsewhere all
-    values are (no device synchronisation); the result is the same.
+    values are (no device synchronisation); the result is the same. Exact zeros,
+    when many values lie near edges, get the bin of ``0`` found once. Half-precision
+    values (float16, bfloat16), whose scaled position can be off by more than one
+    bin, are located by a binary search of the edges instead.
 
     Args:
         values: Any shape; floating point.
@@ -92,7 +95,9 @@ def bin_index(
     bins = edges.numel() - 1
     lo, hi = limits
     low, high = limits if clamp is None else clamp
-    v = values.clamp(low, high)
+    v = values.clamp(low, high).contiguous()
+    if torch.finfo(v.dtype).eps > torch.finfo(torch.float32).eps:
+        return _index_by_search(v, edges)
     position = (v - lo).mul_(bins / (hi - lo))  # in [0, bins], or NaN
     index = position.to(_index_dtype(bins + 1))  # garbage for NaN, fixed below
     if correct_all is None:
@@ -112,8 +117,11 @@ def bin_index(
         # the edge at 0 of a symmetric range and would all be re-checked: they
         # share one bin, found once.
         zeros = torch.eq(v, 0).reshape(-1)
-        suspicious.logical_and_(zeros.logical_not())
-        many = int(torch.count_nonzero(suspicious)) * 8 > suspicious.numel()
+        if int(torch.count_nonzero(zeros)):
+            suspicious.logical_and_(zeros.logical_not())
+            many = int(torch.count_nonzero(suspicious)) * 8 > suspicious.numel()
+        else:
+            zeros = None
     if many:
         index = _correct(v, index, edges)  # many near edges: all at once
     else:
@@ -202,12 +210,21 @@ def _counts_by_comparison(
 SEARCH_AT_MOST = 8192
 
 
+def _index_by_search(v: Tensor, edges: Tensor) -> Tensor:
+    """Bin indices of clamped values by a binary search in ``edges``.
+
+    Exact comparisons; of equal edges the last one holds the value; NaN: ``bins``.
+    """
+    bins = edges.numel() - 1
+    index = torch.bucketize(v, edges, right=True).sub_(1).clamp_(0, bins - 1)
+    index.masked_fill_(torch.isnan(v), bins)  # NaN: the overflow slot, dropped
+    return index.to(_index_dtype(bins + 1))
+
+
 def _counts_by_search(values: Tensor, edges: Tensor, limits: Range) -> Tensor:
     """Counts by a binary search of every value in ``edges`` (see histogram_1d)."""
     bins = edges.numel() - 1
-    v = values.reshape(-1).clamp(*limits)
-    index = torch.bucketize(v, edges, right=True).sub_(1).clamp_(0, bins - 1)
-    index.masked_fill_(torch.isnan(v), bins)  # NaN: the overflow slot, dropped
+    index = _index_by_search(values.reshape(-1).clamp(*limits), edges)
     return torch.bincount(index, minlength=bins + 1)[:bins]
 
 
@@ -540,9 +557,14 @@ def histogram_2d_outer(
     for start in range(0, samples.numel(), step):
         i, a = samples[start : start + step], outputs[start : start + step]
         # (delta * input) * scale as _outer_values rounds it, in the gathered rows
-        values = inputs.index_select(0, i).mul_(delta[i, a].unsqueeze(1))
-        if scale != 1.0:
-            values.mul_(scale)
+        if delta.dtype == inputs.dtype:  # in place; products round as below
+            values = inputs.index_select(0, i).mul_(delta[i, a].unsqueeze(1))
+            if scale != 1.0:
+                values.mul_(scale)
+        else:
+            values = _outer_values(
+                delta[i, a].unsqueeze(1), inputs.index_select(0, i), scale
+            )
         ix = bin_index(values, xedges, limits, clamp).to(slots)
         flat = ix.mul_(ybins).add_(iy.index_select(0, a))
         block = torch.bincount(flat.reshape(-1), minlength=total + 1)[:total]

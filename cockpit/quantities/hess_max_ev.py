@@ -193,8 +193,7 @@ def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
             w = torch.addmv(w, block.T, c, alpha=-1)
         after = float(w.norm())
         if after >= _REPEAT_BELOW * before:
-            break
-        before = after
+            break  # at most two passes
     return w, after
 
 
