@@ -8,6 +8,7 @@ double-backward graph survives a step.
 """
 
 import gc
+import math
 import weakref
 
 import numpy as np
@@ -488,6 +489,16 @@ def test_orthogonalise_repeats_its_pass_only_where_it_cancelled():
         assert float((basis @ result).abs().max()) <= 50 * 1.2e-7 * norm
     one_pass = (inside + outside) - basis.T @ (basis @ (inside + outside))
     assert float((basis @ one_pass).abs().max()) > 50 * 1.2e-7 * one_pass.norm()
+
+
+def test_lanczos_names_a_product_that_is_not_finite():
+    v0 = torch.ones(5, dtype=torch.float64)
+
+    def hvp(v):
+        return torch.full_like(v, math.inf)
+
+    with pytest.raises(FloatingPointError, match="product 1 is not finite"):
+        lanczos_max_ev(hvp, v0)
 
 
 def test_lanczos_basis_stays_orthonormal_in_float32():
