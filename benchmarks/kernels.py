@@ -158,9 +158,10 @@ def plain_step_seconds(bench, repeats):
     return statistics.median(times[2:])
 
 
-def load_baseline(path):
-    """Load another version of ``grad_hist.py`` (e.g. from an older commit)."""
-    spec = importlib.util.spec_from_file_location("baseline_grad_hist", path)
+def load_baseline(path, name="baseline_grad_hist"):
+    """Load another version of a module (``grad_hist.py``, ``hess_max_ev.py``, e.g.
+    from an older commit) under ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -405,12 +406,7 @@ def main(argv=None):
     if args.lanczos:
         baseline = None
         if args.lanczos_baseline:
-            spec = importlib.util.spec_from_file_location(
-                "baseline_hess_max_ev", args.lanczos_baseline
-            )
-            baseline = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = baseline
-            spec.loader.exec_module(baseline)
+            baseline = load_baseline(args.lanczos_baseline, "baseline_hess_max_ev")
         print(
             f"| problem | parameters | one HVP (ms) | Lanczos, {args.lanczos} products "
             "(ms) | in HVPs | baseline (ms) | in HVPs |\n| --- | ---: | ---: | ---: "

@@ -131,9 +131,7 @@ def bin_index(
             flat[where] = _correct(v.reshape(-1)[where], flat[where], edges)
     if zeros is not None:
         zero = torch.zeros(1, dtype=v.dtype, device=v.device)
-        start = torch.full((1,), int(bins * (0.0 - lo) / (hi - lo)), dtype=index.dtype)
-        k0 = _correct(zero, start.to(v.device), edges)
-        index.view(-1).masked_fill_(zeros, k0.squeeze(0))
+        index.view(-1).masked_fill_(zeros, _index_by_search(zero, edges).squeeze(0))
     return index
 
 

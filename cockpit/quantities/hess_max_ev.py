@@ -125,9 +125,6 @@ class _Basis:
         self._allocated = 0
         self.append(first, float(first.norm()))
 
-    def __len__(self) -> int:
-        return self._rows
-
     def append(self, vector: Tensor, norm: float) -> None:
         """Add ``vector / norm`` as the next row."""
         if self._rows == self._allocated:
