@@ -344,3 +344,25 @@ def test_small_block_times_compare_two_exact_paths():
         (64, 1e-3), (64, 0.3), (3000, 1e-3), (3000, 0.3)
     ]  # fmt: skip
     assert all(search > 0 and general > 0 for *_, search, general in rows)
+
+
+def test_hvp_modes_agree_and_are_timed(monkeypatch):
+    """`benchmarks.hvp_modes`: four ways to the same Hessian-vector products."""
+    from benchmarks import hvp_modes
+
+    result = hvp_modes.measure("mlp", probes=3, repeats=1)
+    assert result["parameters"] == 101_770 and result["probes"] == 3
+    assert list(result["modes"]) == list(hvp_modes.MODES)
+    assert all(seconds > 0 for seconds in result["modes"].values())
+    assert 0 <= result["max_deviation"] < 1e-4
+    table = hvp_modes.markdown([result])
+    assert table.count("| mlp |") == len(hvp_modes.MODES)
+    # a mode whose products disagree fails the run instead of being timed
+    wrong = hvp_modes.Problem.forward_over_reverse_loop
+    monkeypatch.setattr(
+        hvp_modes.Problem,
+        "forward_over_reverse_loop",
+        lambda self: wrong(self) * (1 + 1e-3),
+    )
+    with pytest.raises(AssertionError, match="forward-over-reverse, loop"):
+        hvp_modes.measure("mlp", probes=2, repeats=1)
