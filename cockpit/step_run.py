@@ -148,6 +148,7 @@ class StepRouting:
         self, plan: StepPlan, info: StepInfo, router: Router, user: tuple = ()
     ):
         self.routes: list[Route] | None = None
+        self._router = router
         self.autograd: list[int] = []
         self.losses: Tensor | None = None
         #: ``id(quantity)`` -> (quantity, why it has no value at the step, fix).
@@ -213,8 +214,28 @@ class StepRouting:
         """The coverage report of the step (``None`` if nothing per-sample ran)."""
         if self.routes is None:
             return None
-        rows = []
         step = plan.global_step
+        # the same routes, statuses and labels as at the step before: the same
+        # rows (built once, not per parameter and quantity at every step)
+        key = (
+            tuple(self.routes),
+            tuple(
+                (
+                    q.key,
+                    self.dropped[id(q)][1] if id(q) in self.dropped else None,
+                    id(q) in self.estimated,
+                    q.needs_at(step),
+                )
+                for q in plan.active
+            ),
+            self.curvature_problem,
+            tuple(labels),
+            probes,
+        )
+        cached = self._router.coverage_cache
+        if cached is not None and cached[0] == key:
+            return Coverage(step, cached[1].params)
+        rows = []
         for index, route in enumerate(self.routes):
             statuses = {}
             for q in plan.active:
@@ -229,7 +250,9 @@ class StepRouting:
                         q.needs_at(step), route, self.curvature_problem
                     )
             rows.append(ParamCoverage(index, labels[index], route, statuses))
-        return Coverage(step, rows)
+        coverage = Coverage(step, tuple(rows))
+        self._router.coverage_cache = (key, coverage)
+        return coverage
 
 
 class StepRun:

@@ -362,3 +362,50 @@ def test_without_per_sample_losses_a_shared_layer_is_never_left_to_backpack():
     out = cockpit.get_output()[0]
     assert set(out) == {"GradNorm", "missing"} and set(out["missing"]) == {"Variance"}
     assert "used 2 times" in cockpit.coverage().params[0].route.reason
+
+
+def test_coverage_of_a_step_like_the_one_before_is_reused_and_the_same(monkeypatch):
+    """The per-step report is rebuilt only when routes, plan or statuses change;
+    reused, it is the report a fresh build gives (HessTrace only at step 1)."""
+    from cockpit import step_run
+    from cockpit.engines.routing import Router
+
+    built = []
+    status_for = step_run.status_for
+
+    def counting(*args):
+        built.append(1)
+        return status_for(*args)
+
+    monkeypatch.setattr(step_run, "status_for", counting)
+
+    class Recording(Cockpit):
+        def end(self, error=None):
+            super().end(error)
+            self.reports.append((len(built), str(self.coverage())))
+            built.clear()
+
+    def reports():
+        problem = make_any_problem("transformer")
+        quantities = [
+            Q.Variance(linear(1)),
+            Q.GradNorm(linear(1)),
+            Q.HessTrace(lambda step: step == 1),
+        ]
+        cls = type("Recording", (Recording,), {"reports": []})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CockpitWarning)
+            return run(problem, quantities, steps=4, cockpit_cls=cls).cockpit.reports
+
+    cached = reports()
+    monkeypatch.setattr(  # no cache: every step builds its report
+        Router,
+        "coverage_cache",
+        property(lambda self: None, lambda self, value: None),
+        raising=False,
+    )
+    fresh = reports()
+    assert [text for _, text in cached] == [text for _, text in fresh]
+    assert "HessTrace" not in cached[0][1] and "HessTrace" in cached[1][1]
+    assert all(count > 0 for count, _ in fresh)
+    assert [count > 0 for count, _ in cached] == [True, True, True, False]

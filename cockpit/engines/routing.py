@@ -162,6 +162,8 @@ class Router:
         self._probed: dict[tuple, bool] = {}
         #: Random source of estimates (seeded: runs are reproducible).
         self.generator = torch.Generator().manual_seed(0)
+        #: ``(key, report)`` of the latest step's coverage (rebuilt when it changes).
+        self.coverage_cache: tuple | None = None
 
     @property
     def modules(self) -> ModuleMap:
