@@ -43,6 +43,49 @@ class _UserError(Exception):
     """A problem with the command's input: reported in one line, no traceback."""
 
 
+def _number(kind, least: float, strict: bool):
+    """An argparse ``type``: ``kind`` of at least (``strict``: above) ``least``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if value < least or (strict and value == least):
+            bound = "above" if strict else "at least"
+            raise argparse.ArgumentTypeError(f"must be {bound} {least:g}, got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE_INT = _number(int, 1, strict=False)
+_NON_NEGATIVE_INT = _number(int, 0, strict=False)
+_POSITIVE = _number(float, 0, strict=True)
+
+
+def _image_path(path: str, option: str) -> str:
+    """``path`` with ``.png`` added if it has no suffix; a format matplotlib writes.
+
+    Raises:
+        _UserError: For a suffix matplotlib cannot write.
+    """
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if not suffix:
+        return path + ".png"
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise _UserError(
+            f"{path}: matplotlib cannot write .{suffix} images. Fix: give {option} "
+            f"a file ending in one of {', '.join('.' + f for f in sorted(formats))}."
+        )
+    return path
+
+
 def _demo(args: argparse.Namespace) -> int:
     from cockpit.demo import run_demo
     from cockpit.utils.configuration import configuration
@@ -145,7 +188,10 @@ def _plot(args: argparse.Namespace) -> int:
     )
     from cockpit.plotting import CockpitPlotter
 
-    out = args.output or _default_output(args.log, ".png")
+    out = _image_path(args.output or _default_output(args.log, ".png"), "-o")
+    secondary = args.secondary
+    if secondary is not None:
+        secondary = _image_path(secondary, "--secondary")
     plotter = CockpitPlotter(secondary_screen=args.secondary is not None)
     plotter.plot(
         history,
@@ -155,15 +201,13 @@ def _plot(args: argparse.Namespace) -> int:
         plot_title=_log_title(args),
     )
     kwargs = {} if args.dpi is None else {"dpi": args.dpi}
-    for path in plotter.save(out, args.secondary, **kwargs):
+    for path in plotter.save(out, secondary, **kwargs):
         print(f"dashboard written to {path}")
     return 0
 
 
 def _timelapse(args: argparse.Namespace) -> int:
     out = args.output or _default_output(args.log, ".gif")
-    if args.frames < 1:
-        raise _UserError(f"--frames must be at least 1, got {args.frames}.")
     history = load_log(args.log)  # before importing matplotlib: bad files fail fast
     from cockpit.plotting import make_timelapse
 
@@ -200,13 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small network on digits with cockpit; write log and dashboard",
     )
     demo.add_argument("--out", default="cockpit_demo", help="output folder")
-    demo.add_argument("--steps", type=int, default=200, help="training steps")
+    demo.add_argument("--steps", type=_POSITIVE_INT, default=200, help="training steps")
     demo.add_argument("--config", default="full", help="economy | business | full")
-    demo.add_argument("--interval", type=int, default=1, help="track every k steps")
+    demo.add_argument(
+        "--interval", type=_POSITIVE_INT, default=1, help="track every k steps"
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide progress bar")
     demo.add_argument(
         "--live",
-        type=int,
+        type=_NON_NEGATIVE_INT,
         default=0,
         metavar="K",
         help="update a live dashboard window every K steps (0: off)",
@@ -228,9 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw the secondary screen to this file",
     )
     plot.add_argument(
-        "--discard", type=int, default=None, help="plot only steps up to this one"
+        "--discard",
+        type=_NON_NEGATIVE_INT,
+        default=None,
+        help="plot only steps up to this one",
     )
-    plot.add_argument("--dpi", type=float, default=None, help="image resolution")
+    plot.add_argument("--dpi", type=_POSITIVE, default=None, help="image resolution")
     plot.set_defaults(func=_plot)
 
     timelapse = sub.add_parser("timelapse", help="animated GIF of the dashboard")
@@ -238,8 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     timelapse.add_argument(
         "-o", "--output", default=None, help="GIF file (default: next to the log)"
     )
-    timelapse.add_argument("--frames", type=int, default=30, help="number of frames")
-    timelapse.add_argument("--fps", type=float, default=4.0, help="frames per second")
+    timelapse.add_argument(
+        "--frames", type=_POSITIVE_INT, default=30, help="number of frames"
+    )
+    timelapse.add_argument(
+        "--fps", type=_POSITIVE, default=4.0, help="frames per second"
+    )
     timelapse.add_argument(
         "--secondary-screen", action="store_true", help="animate the secondary screen"
     )
@@ -259,13 +312,20 @@ def _one_line(error: BaseException) -> str:
         message = error.strerror
         if error.filename is not None and os.fsdecode(error.filename) not in message:
             message = f"{os.fsdecode(error.filename)}: {message}"
+        if isinstance(error, (FileExistsError, NotADirectoryError)):
+            message += (
+                " (a file where the output needs a folder). Fix: choose an output "
+                "path whose folders are not files"
+            )
+        elif isinstance(error, PermissionError):
+            message += ". Fix: choose an output path you can write to"
     else:
         message = str(error)
     return " ".join(message.split())
 
 
 @contextlib.contextmanager
-def _one_line_warnings(command: str) -> Iterator[None]:
+def one_line_warnings(command: str) -> Iterator[None]:
     """Print warnings as ``cockpit <command>: warning: <message>`` while inside."""
     original = warnings.formatwarning
 
@@ -291,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    with _one_line_warnings(args.command):
+    with one_line_warnings(args.command):
         try:
             return args.func(args)
         except (_UserError, LogFileError, OSError) as error:

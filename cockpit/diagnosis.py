@@ -841,7 +841,12 @@ def load_history(path: str | os.PathLike):
     found = next((p for p in candidates if os.path.isfile(p)), None)
     if found is None:
         if os.path.isdir(path):
-            raise LogFileError(path, "is a directory, not a cockpit log file.")
+            raise LogFileError(
+                path,
+                "is a directory, not a cockpit log file. Fix: pass the log file "
+                "inside it (the path given to Cockpit.write() or "
+                "Cockpit(..., logpath=...)).",
+            )
         raise LogFileError(
             path,
             "no such file (also tried .json and .jsonl). Fix: pass the path given "
@@ -849,7 +854,11 @@ def load_history(path: str | os.PathLike):
         )
     try:
         if os.path.getsize(found) == 0:
-            raise LogFileError(found, "the file is empty (the run wrote nothing).")
+            raise LogFileError(
+                found,
+                "the file is empty (the run wrote nothing). Fix: pass a log of a "
+                "run that tracked at least one step.",
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CockpitWarning)
             history = History.from_json(found)
@@ -874,7 +883,11 @@ def load_history(path: str | os.PathLike):
             '{"<step>": {"<quantity>": value, ...}, ...}.',
         ) from None
     if len(history) == 0:
-        raise LogFileError(found, "the log holds no steps.")
+        raise LogFileError(
+            found,
+            "the log holds no steps. Fix: pass a log of a run that tracked at "
+            "least one step.",
+        )
     return history
 
 

@@ -158,11 +158,14 @@ def report_command(args: argparse.Namespace) -> int:
         0; 2 if ``--fail-on`` is met; 1 (with one line on stderr naming the file
         and the problem) if the log cannot be read.
     """
+    from cockpit.cli import load_log  # the loader (and messages) of every command
+
     try:
-        findings = diagnose(args.log)
+        history = load_log(args.log)  # a damaged line: one warning, as for `plot`
     except LogFileError as error:
         print(f"cockpit report: error: {error}", file=sys.stderr)
         return 1
+    findings = diagnose(history)
     if args.format == "json":
         text = render_json(findings, args.log)
     elif args.format == "markdown":
@@ -218,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cockpit")
     add_report_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    from cockpit.cli import one_line_warnings
+
+    with one_line_warnings("report"):
+        return args.func(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -69,7 +69,9 @@ def test_timelapse(tmp_path):
     assert main(["timelapse", log, "--frames", "1", "-o", str(tmp_path / "a.gif")]) == 0
     with Image.open(tmp_path / "a.gif") as gif:
         assert gif.format == "GIF"
-    assert main(["timelapse", log, "--frames", "0"]) == 1
+    with pytest.raises(SystemExit) as stopped:  # argparse: a bad option value
+        main(["timelapse", log, "--frames", "0"])
+    assert stopped.value.code == 2
 
 
 def test_demo_writes_log_and_dashboard(tmp_path, capsys):
@@ -184,14 +186,17 @@ BAD_KINDS = [
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
-@pytest.mark.parametrize("command", ["plot", "timelapse", "export"])
+@pytest.mark.parametrize("command", ["plot", "timelapse", "export", "report"])
 def test_a_bad_log_gives_one_line_naming_file_and_problem(
     tmp_path, capsys, command, kind
 ):
+    if command == "report" and kind == "odd-values":
+        pytest.skip("the report reads no histograms")
     path, problem = _write_bad_log(tmp_path, kind)
     out = tmp_path / "out" / {"plot": "x.png", "timelapse": "x.gif"}.get(command, "tb")
     option = "--tensorboard" if command == "export" else "-o"
-    assert main([command, str(path), option, str(out)]) == 1
+    output = [] if command == "report" else [option, str(out)]
+    assert main([command, str(path), *output]) == 1
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
@@ -242,3 +247,73 @@ def test_python_dash_m_prints_a_warning_in_one_line(tmp_path):
         f"log {str(log)!r}: the run stopped while writing it. Every earlier step is "
         "read."
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["plot", "LOG", "--dpi", "0"], "--dpi"),
+        (["plot", "LOG", "--dpi", "-5"], "--dpi"),
+        (["plot", "LOG", "--discard", "-5"], "--discard"),
+        (["timelapse", "LOG", "--fps", "0"], "--fps"),
+        (["timelapse", "LOG", "--fps", "-1"], "--fps"),
+        (["timelapse", "LOG", "--frames", "0"], "--frames"),
+        (["demo", "--steps", "0"], "--steps"),
+        (["demo", "--steps", "-3"], "--steps"),
+        (["demo", "--interval", "0"], "--interval"),
+        (["demo", "--live", "-1"], "--live"),
+        (["demo", "--steps", "ten"], "--steps"),
+    ],
+)
+def test_a_bad_option_value_is_blamed_on_the_option_not_the_log(
+    tmp_path, capsys, argv, option
+):
+    log = synthetic_history(3).write_json(tmp_path / "run.json")
+    argv = [log if a == "LOG" else a for a in argv]
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "-o" if argv[0] != "demo" else "--out", str(tmp_path / "o")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and ("must be" in err or "expected" in err)
+    assert "log" not in err.splitlines()[-1] and "Traceback" not in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.png").exists()
+
+
+def test_plot_output_format_is_checked_and_a_bare_name_gets_png(tmp_path, capsys):
+    log = synthetic_history(3).write_json(tmp_path / "run.json")
+    assert main(["plot", log, "-o", str(tmp_path / "x.xyz")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "x.xyz: matplotlib cannot write .xyz images" in err[0]
+    assert "Fix: give -o a file ending in one of" in err[0] and ".png" in err[0]
+    assert "unexpected" not in err[0] and not (tmp_path / "x.xyz").exists()
+    assert main(["plot", log, "-o", str(tmp_path / "bare")]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == f"dashboard written to {tmp_path / 'bare.png'}"
+    assert (tmp_path / "bare.png").is_file() and not (tmp_path / "bare").exists()
+
+
+def test_an_output_folder_that_is_a_file_gives_one_line_with_a_fix(tmp_path, capsys):
+    log = synthetic_history(3).write_json(tmp_path / "run.json")
+    (tmp_path / "afile").write_text("not a folder")
+    assert main(["plot", log, "-o", str(tmp_path / "afile" / "x.png")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and str(tmp_path / "afile") in err[0], err
+    assert "Fix: choose an output path whose folders are not files" in err[0]
+
+
+def test_report_warns_in_one_line_about_a_damaged_line_like_plot(tmp_path):
+    log = tmp_path / "run.jsonl"
+    log.write_text(
+        '{"format":"cockpit-log-stream","version":1}\n'
+        '{"step":0,"values":{"Loss":1.0}}\n{"step":1,"values":{"Loss":0.5}}\n'
+        '{"step":2,"values":{"Lo'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "cockpit", "report", str(log), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["log"] == str(log)  # one JSON object on stdout
+    warning = done.stderr.splitlines()
+    assert len(warning) == 1 and warning[0].startswith("cockpit report: warning:")
+    assert str(log) in warning[0] and "line 4" in warning[0], warning

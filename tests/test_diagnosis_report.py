@@ -113,7 +113,7 @@ def test_fail_on_sets_the_exit_code(tmp_path, capsys):
         ('{"0": {"Loss": 1.0', "is truncated"),
         ("[1, 2, 3]", "JSON list"),
         ('{"zero": {"Loss": 1.0}}', "key 'zero'"),
-        ("{}", "holds no steps"),
+        ("{}", "holds no tracked step"),
     ],
 )
 def test_unusable_logs_fail_with_one_line(tmp_path, capsys, content, problem):
@@ -127,6 +127,7 @@ def test_unusable_logs_fail_with_one_line(tmp_path, capsys, content, problem):
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("cockpit report: error:")
     assert "run.json" in lines[0] and problem in lines[0]
+    assert "Fix:" in lines[0]
 
 
 def test_the_installed_command_prints_no_traceback(tmp_path):

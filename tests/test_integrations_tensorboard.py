@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -196,3 +197,19 @@ def test_histogram_arguments_and_errors(tmp_path, capsys):
         export_tensorboard({}, None)
     assert main(["export", str(tmp_path / "none.json"), "--tensorboard", "x"]) == 1
     assert "none.json" in capsys.readouterr().err
+
+
+def test_param_names_of_another_length_are_not_used_and_say_so(tmp_path):
+    """Names are matched to per-parameter values by position, so a list of another
+    length could mislabel them: tags keep ``param_<i>``, with one warning."""
+    from cockpit.errors import CockpitWarning
+
+    log = {0: {"GradNorm": [1.0, 2.0, 3.0]}, 1: {"GradNorm": [1.5, 2.5, 3.5]}}
+    with pytest.warns(CockpitWarning, match=r"2 parameter name\(s\).*GradNorm.*3"):
+        export_tensorboard(log, tmp_path / "short", param_names=["a", "b"])
+    tags = _read(tmp_path / "short").Tags()["scalars"]
+    assert "cockpit/GradNorm/param_2" in tags and "cockpit/GradNorm/a" not in tags
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)  # the right count: silent
+        export_tensorboard(log, tmp_path / "named", param_names=["a", "b", "c"])
+    assert "cockpit/GradNorm/c" in _read(tmp_path / "named").Tags()["scalars"]

@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from cockpit.errors import CockpitWarning
 from cockpit.history import History
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,6 +158,16 @@ def export_tensorboard(
             writer.close()
         else:
             writer.flush()
+    if out.unnamed:
+        counts = " or ".join(str(c) for c in sorted(out.unnamed))
+        warnings.warn(
+            f"export_tensorboard: {len(out.names)} parameter name(s) given, but the "
+            f"per-parameter values of {', '.join(sorted(out.unnamed_keys))} hold "
+            f"{counts} entries, so their tags use param_<i>. Fix: pass one name per "
+            "parameter tensor the cockpit tracked, in its order.",
+            CockpitWarning,
+            stacklevel=2,
+        )
     return ExportSummary(
         logdir=os.fspath(logdir) if own else None,
         scalars=out.scalars,
@@ -202,14 +214,21 @@ class _Exporter:
         self.histograms = 0
         self.steps = 0
         self.skipped: set[str] = set()
+        #: Per-parameter list lengths that did not match the names given, by key.
+        self.unnamed: set[int] = set()
+        self.unnamed_keys: set[str] = set()
 
     def tag(self, *parts: str) -> str:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
-    def name(self, index: int, count: int) -> str:
+    def name(self, index: int, count: int, key: str) -> str:
         """The tag part of parameter ``index`` of ``count`` parameters."""
-        if count == len(self.names) and self.names[index]:
-            return str(self.names[index])
+        if count == len(self.names):
+            if self.names[index]:
+                return str(self.names[index])
+        elif self.names:
+            self.unnamed.add(count)
+            self.unnamed_keys.add(key)
         return f"param_{index}"
 
     def write(self, key: str, value: Any, step: int) -> None:
@@ -231,7 +250,7 @@ class _Exporter:
 
     def per_parameter(self, key: str, values: list, step: int) -> None:
         for i, value in enumerate(values):
-            self.scalar(self.tag(key, self.name(i, len(values))), value, step)
+            self.scalar(self.tag(key, self.name(i, len(values), key)), value, step)
         total = TOTALS.get(key)
         if total == "norm":
             self.scalar(self.tag(key), math.sqrt(sum(v * v for v in values)), step)
@@ -246,7 +265,7 @@ class _Exporter:
             return
         for i, array in enumerate(arrays):
             if array.size and np.isfinite(array).all():
-                name = self.name(i, len(arrays))
+                name = self.name(i, len(arrays), key)
                 self.writer.add_histogram(self.tag(key, name), array, global_step=step)
                 self.histograms += 1
 
@@ -262,7 +281,7 @@ class _Exporter:
             for index in range(int(value.get("param_groups", 0) or 0)):
                 single = value.get(f"param_{index}")
                 if isinstance(single, Mapping) and "hist" in single:
-                    name = self.name(index, int(value["param_groups"]))
+                    name = self.name(index, int(value["param_groups"]), key)
                     self.marginals(
                         self.tag(key), _numeric_array(single["hist"]),
                         single["edges"], step, name,

@@ -7,6 +7,7 @@ import os
 import re
 from typing import Any
 
+import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure, SubFigure
 
@@ -330,7 +331,8 @@ class CockpitPlotter:
             **savefig_kwargs: Passed to ``Figure.savefig`` (e.g. ``dpi``).
 
         Returns:
-            The paths written.
+            The paths written (a path without a suffix gets the default format's,
+            ``.png``, as ``savefig`` adds it).
 
         Raises:
             RuntimeError: If nothing was plotted yet, or a secondary path is given
@@ -349,6 +351,9 @@ class CockpitPlotter:
                 if target is None:
                     continue
                 target = os.fspath(target)
+                if not os.path.splitext(target)[1] and "format" not in savefig_kwargs:
+                    # what savefig writes: the default format's suffix is added
+                    target += "." + matplotlib.rcParams["savefig.format"]
                 parent = os.path.dirname(target)
                 if parent:
                     os.makedirs(parent, exist_ok=True)
