@@ -1,10 +1,16 @@
 """Cockpit's warning category and the messages of file errors.
 
 Nothing here imports torch or BackPACK, so the history, the log readers and the CLI
-can use it without loading either.
+can use it without loading either. :func:`quiet_warnings` keeps known noise out of
+cockpit's steps without making Python repeat the user's warnings.
 """
 
 from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from typing import Iterator
 
 
 class CockpitWarning(UserWarning):
@@ -12,6 +18,37 @@ class CockpitWarning(UserWarning):
 
     Filter them with ``warnings.filterwarnings("ignore", category=CockpitWarning)``.
     """
+
+
+@contextlib.contextmanager
+def quiet_warnings(*messages: str, category: type[Warning] = Warning) -> Iterator[None]:
+    """Ignore warnings whose message starts with one of ``messages`` while inside.
+
+    Unlike ``warnings.catch_warnings()`` with ``filterwarnings``, this leaves
+    Python's record of warnings already shown intact: any change of the filters
+    through the ``warnings`` functions (``catch_warnings`` included) makes every
+    "shown once per location" warning show again, so quieting cockpit's own noise
+    at each step made the user's warnings repeat at every step. Here the ignore
+    entries go in front of ``warnings.filters`` in place and are taken out again
+    (an ignored warning leaves no record, so nothing is stale afterwards); they
+    take precedence over an ``"error"`` filter, as ``filterwarnings`` would.
+
+    Args:
+        *messages: Regular expressions matched at the start of the message (case
+            insensitive, like ``filterwarnings``).
+        category: Only warnings of this category (and its subclasses).
+    """
+    entries = [("ignore", re.compile(m, re.I), category, None, 0) for m in messages]
+    filters = warnings.filters
+    filters[:0] = entries
+    try:
+        yield
+    finally:
+        for entry in entries:  # by identity: a user's equal filter stays
+            for index, present in enumerate(filters):
+                if present is entry:
+                    del filters[index]
+                    break
 
 
 def unwritable_message(path: str, error: OSError) -> str:

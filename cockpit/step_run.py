@@ -11,7 +11,6 @@ values to the recorder. Buffers are freed whatever happens.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -43,6 +42,7 @@ from cockpit.engines.routing import (
     Route,
     Router,
 )
+from cockpit.errors import quiet_warnings
 from cockpit.log_format import ESTIMATE_SUFFIX
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
@@ -418,15 +418,12 @@ class StepRun:
         stack = self._stack
         # BackPACK's and PyTorch's per-step hook warnings are noise here (see
         # _ENGINE_MESSAGES); every other warning of the backward pass is left alone
-        stack.enter_context(warnings.catch_warnings())
-        for message in _ENGINE_MESSAGES:
-            warnings.filterwarnings("ignore", message=message)
+        stack.enter_context(quiet_warnings(*_ENGINE_MESSAGES))
         if self.plan.create_graph:
             # PyTorch warns that create_graph makes a parameter <-> .grad cycle;
             # the step breaks it when it closes (_release_graph).
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings(
-                "ignore", message=_CREATE_GRAPH_WARNING, category=UserWarning
+            stack.enter_context(
+                quiet_warnings(_CREATE_GRAPH_WARNING, category=UserWarning)
             )
         stack.enter_context(
             engine.backward_context(
@@ -800,11 +797,8 @@ class StepRun:
         self._free(self.setup.free_after)
         last = [q for q in self.plan.last if id(q) not in dropped]
         if last:
-            with engine.disabled(), warnings.catch_warnings():
-                # the extra backward passes (HVPs) fire BackPACK's module hooks too
-                warnings.filterwarnings(
-                    "ignore", message="Full backward hook is firing"
-                )
+            # the extra backward passes (HVPs) fire BackPACK's module hooks too
+            with engine.disabled(), quiet_warnings("Full backward hook is firing"):
                 for q in last:
                     self._track(q, ctx, tolerant)
 

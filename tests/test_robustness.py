@@ -541,3 +541,74 @@ def test_old_style_needs_method_is_refused_with_the_fix():
 
             def _compute(self, global_step, ctx):
                 return 0.0
+
+
+def _steps_with_a_user_warning(config: str, steps: int = 3) -> None:
+    """Tracked steps of an MLP whose loop warns from the same line every step."""
+    from cockpit.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+        )
+    )
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cockpit = Cockpit(model.parameters(), quantities=configuration(config))
+    for step in range(steps):
+        warnings.warn("the loop's own warning", UserWarning, stacklevel=1)  # here
+        x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+        outputs = model(x)
+        loss = loss_fn(outputs, y)
+        losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+        info = {"batch_size": 6, "individual_losses": losses, "loss": loss}
+        with cockpit(step, info={**info, "optimizer": optimizer}):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("config", ["economy", "full"])
+def test_a_warning_shown_once_per_location_stays_once_across_tracked_steps(config):
+    """Python shows a warning once per code location by default; changing the
+    warning filters (``catch_warnings``) forgets what was shown. Cockpit keeps its
+    engines' noise out without that, so the loop's warning shows once, not at
+    every step, and the filters are as before."""
+    with warnings.catch_warnings():  # imports on first use may add filters of
+        warnings.simplefilter("ignore")  # their own (sympy's): done before
+        _steps_with_a_user_warning(config, steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        before = list(warnings.filters)
+        _steps_with_a_user_warning(config)
+        after = list(warnings.filters)
+    ours = [w for w in caught if str(w.message) == "the loop's own warning"]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert after == before
+    assert not [w for w in caught if "Full backward hook" in str(w.message)]
+
+
+def test_the_engines_noise_stays_quiet_under_an_error_filter():
+    """A user (or test suite) turning warnings into errors still gets tracked
+    steps: the messages cockpit keeps quiet are ignored before that filter."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="the loop's own warning")
+        _steps_with_a_user_warning("full", steps=2)
+
+
+def test_quiet_warnings_takes_out_only_its_own_entries_even_on_error():
+    from cockpit.errors import quiet_warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="noise")  # the user's own, equal
+        before = list(warnings.filters)
+        with pytest.raises(RuntimeError), quiet_warnings("noise"):
+            assert len(warnings.filters) == len(before) + 1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.warn("noise, ignored", stacklevel=1)
+                warnings.warn("signal, shown", stacklevel=1)
+            raise RuntimeError
+        assert warnings.filters == before and warnings.filters[0] is before[0]
+    assert [str(w.message) for w in caught] == ["signal, shown"]

@@ -16,12 +16,12 @@ Nothing here knows BackPACK: the results are handed to the quantities as
 
 from __future__ import annotations
 
-import warnings
 from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from cockpit.errors import quiet_warnings
 from cockpit.precision import compute_dtype, upcast
 
 #: Samples per batched backward pass (the memory of one chunk's backward grows with
@@ -70,8 +70,7 @@ def _chunk(losses: Tensor, params: Sequence[Tensor], start: int, stop: int):
     selector = torch.zeros(stop - start, n, dtype=losses.dtype, device=losses.device)
     selector[torch.arange(stop - start, device=losses.device), rows] = 1
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_VMAP_FALLBACK_WARNING)
+        with quiet_warnings(_VMAP_FALLBACK_WARNING):
             return torch.autograd.grad(
                 losses,
                 params,

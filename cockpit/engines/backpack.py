@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import warnings
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -38,6 +37,7 @@ from cockpit.engines.backpack_rules import (
     lean_sum_grad_squared,
     module_extension_table,
 )
+from cockpit.errors import quiet_warnings
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import (
@@ -302,8 +302,7 @@ def quiet_backward() -> contextlib.AbstractContextManager:
     gradient (expected and harmless with BackPACK) is kept quiet.
     """
     stack = contextlib.ExitStack()
-    stack.enter_context(warnings.catch_warnings())
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    stack.enter_context(quiet_warnings("Full backward hook is firing"))
     stack.enter_context(backpack(retain_graph=True))
     return stack
 

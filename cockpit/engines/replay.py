@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -53,6 +52,7 @@ from cockpit.engines.autograd import (
     parameter_groups,
     sample_losses,
 )
+from cockpit.errors import quiet_warnings
 
 _LOG = logging.getLogger(__name__)
 
@@ -751,8 +751,7 @@ def _vmap(function, in_dims):
     mapped = vmap(function, in_dims=in_dims, randomness="error")
 
     def run(*args):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_VMAP_FALLBACK_WARNING)
+        with quiet_warnings(_VMAP_FALLBACK_WARNING):
             return mapped(*args)
 
     return run

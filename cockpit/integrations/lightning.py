@@ -94,10 +94,10 @@ with a ``TypeError`` naming the right import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
-import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -106,7 +106,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from cockpit.cockpit import LOG_KEYS, Cockpit
-from cockpit.errors import CockpitWarning
+from cockpit.errors import CockpitWarning, quiet_warnings
 from cockpit.integrations._common import (
     LossCapture,
     default_logpath,
@@ -544,9 +544,10 @@ class _CockpitCallback:
         """
         if not quantities:
             return
-        with warnings.catch_warnings():
-            if not self._speaks:
-                warnings.simplefilter("ignore", CockpitWarning)
+        quiet = contextlib.nullcontext()
+        if not self._speaks:
+            quiet = quiet_warnings("", category=CockpitWarning)
+        with quiet:
             self.cockpit.missing(step, quantities, reason, cause=cause)
 
     def _log(self, where: tuple[int, int, float | None], values: dict) -> None:
