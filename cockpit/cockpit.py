@@ -229,6 +229,7 @@ class Cockpit:
         self._router = Router(
             self.params, backpack_engine.rule_problem, backpack_engine.quiet_backward
         )
+        self._turn_off_in_place()
         #: Per-sample gradients of layers without a BackPACK rule, by re-running
         #: the module that uses them (the autograd engine where that cannot work).
         self._replayer = Replayer(self._router.chain)
@@ -437,6 +438,33 @@ class Cockpit:
             raise
         self._merge_coverage(run)  # after open: it says how autograd ran
         self._open = run
+
+    def _turn_off_in_place(self) -> None:
+        """Set ``inplace=False`` on the in-place modules of an extended model.
+
+        With BackPACK's hooks their forward pass would stop (see
+        :meth:`Router.in_place_modules`); out of place they compute the same
+        values, with a little more memory. Said once, with a warning.
+        """
+        found = self._router.in_place_modules()
+        if not found:
+            return
+        for _, module in found:
+            module.inplace = False
+        labels = ", ".join(label for label, _ in found[:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        warnings.warn(
+            f"Cockpit set inplace=False on {len(found)} module(s) of the extended "
+            f"model ({labels}{more}): BackPACK's backward hooks make module outputs "
+            "views that PyTorch forbids changing in place (the forward pass would "
+            "stop with 'Output 0 of BackwardHookFunction is a view and is being "
+            "modified inplace'). The values are the same; memory use grows a "
+            "little. In-place calls in your own forward code (x.relu_(), "
+            "F.relu(x, inplace=True)) on outputs of extended modules still need "
+            "changing by hand.",
+            CockpitWarning,
+            stacklevel=3,
+        )
 
     def _merge_coverage(self, run: StepRun) -> None:
         if run.coverage is None:

@@ -34,7 +34,12 @@ SCALARS = ["NormTest", "InnerTest", "OrthoTest", "MeanGSNR"]
 PER_PARAMETER = ["GradNorm", "Variance"]
 BINS, RANGE = 30, (-0.3, 0.3)
 #: Models whose layers all have rules (cockpit's own for the normalisation layers).
-BACKPACK_ONLY = {"resnet-bn-eval", "rmsnorm-mlp", "lstm-batch-first"}
+BACKPACK_ONLY = {
+    "resnet-bn-eval",
+    "rmsnorm-mlp",
+    "lstm-batch-first",
+    "cnn-inplace-relu",
+}
 
 
 def close(actual, expected, what):
@@ -81,6 +86,7 @@ def test_first_order_quantities_match_brute_force(arch):
     problem = make_any_problem(arch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CockpitWarning)  # nothing to warn about
+        warnings.filterwarnings("ignore", "Cockpit set inplace=False")  # but this
         result = run(problem, first_order_quantities(), steps=STEPS)
     coverage = result.cockpit.coverage()
     assert coverage.problems() == []
@@ -409,3 +415,40 @@ def test_coverage_of_a_step_like_the_one_before_is_reused_and_the_same(monkeypat
     assert "HessTrace" not in cached[0][1] and "HessTrace" in cached[1][1]
     assert all(count > 0 for count, _ in fresh)
     assert [count > 0 for count, _ in cached] == [True, True, True, False]
+
+
+def test_in_place_activations_are_turned_off_once_and_curvature_is_exact():
+    """An extended CNN with ``ReLU(inplace=True)`` would stop in its forward pass
+    (BackPACK's hooks); the cockpit turns ``inplace`` off with one warning, and
+    the curvature quantities match the dense float64 Hessian."""
+    from tests.test_curvature_instruments import max_ev_twin, tic_twin
+    from tests.utils import brute_force as bf
+
+    problem = make_any_problem("cnn-inplace-relu")
+    x, y = problem.make_batch(0)
+    with pytest.raises(RuntimeError, match="BackwardHookFunction"):
+        problem.model(x)  # what the user's forward pass did before
+    quantities = [
+        Q.HessTrace(linear(1)),
+        Q.TICDiag(linear(1), curvature="diag_ggn_exact"),
+        Q.TICTrace(linear(1), curvature="diag_ggn_exact"),
+        Q.HessMaxEV(linear(1), rtol=1e-10, atol=1e-12),
+    ]
+    with pytest.warns(CockpitWarning) as caught:
+        result = run(problem, quantities, steps=2)
+    said = [str(w.message) for w in caught if "inplace=False" in str(w.message)]
+    assert len(said) == 1 and "ReLU '1', LeakyReLU '3'" in said[0], said
+    assert not any(getattr(m, "inplace", False) for m in problem.model.modules())
+    assert result.cockpit.coverage().problems() == []
+    for step in range(2):
+        out, record = result.output[step], result.records[step]
+        with warnings.catch_warnings():  # torch's note on hooks of frozen inputs
+            warnings.simplefilter("ignore", UserWarning)
+            hessian = bf.hessian(problem, record.params, record.x, record.y)
+            diag, trace = tic_twin(problem, record, "diag_ggn_exact")
+            max_ev = max_ev_twin(problem, record)
+        traces = [d.sum() for d in bf.split_diagonal(hessian, record.params)]
+        close(out["HessTrace"], torch.stack(traces), "HessTrace")
+        close(out["TICDiag"], diag, "TICDiag")
+        close(out["TICTrace"], trace, "TICTrace")
+        close(out["HessMaxEV"], max_ev, "HessMaxEV")

@@ -412,6 +412,31 @@ class Router:
             if self.static_route(i, extensions).engine == AUTOGRAD
         ]
 
+    def in_place_modules(self) -> list[tuple[str, Module]]:
+        """In-place modules of a model with BackPACK's hooks, as ``(label, module)``.
+
+        Modules with ``inplace=True`` (ReLU, Dropout, ...) change their input.
+        BackPACK's backward hooks return a module's output (and take its input) as
+        a view that autograd forbids changing in place, so such a module stops the
+        forward pass with "Output 0 of BackwardHookFunction is a view and is being
+        modified inplace".
+        """
+        roots: dict[int, Module] = {}
+        for owners in self.modules.owners.values():
+            for module, _ in owners:
+                top = self._ancestors(module)[-1]
+                roots[id(top)] = top
+        found = []
+        for root in roots.values():
+            named = list(root.named_modules())
+            if not any(getattr(m, "_backpack_extend", False) for _, m in named):
+                continue
+            for name, module in named:
+                if getattr(module, "inplace", None) is True:
+                    label = type(module).__name__ + (f" '{name}'" if name else "")
+                    found.append((label, module))
+        return found
+
     def _ancestors(self, module: Module) -> list[Module]:
         chain = [module]
         seen = {id(module)}

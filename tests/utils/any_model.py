@@ -129,6 +129,18 @@ def _rmsnorm_mlp():
     )
 
 
+def _inplace_cnn(classes=3):
+    """A CNN whose activations change their input in place (``inplace=True``)."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3, padding=1),
+        torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(3, 3, 3),
+        torch.nn.LeakyReLU(0.1, inplace=True),
+        torch.nn.Flatten(),
+        torch.nn.Linear(27, classes),
+    )
+
+
 def _ce(outputs, targets):
     return torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
 
@@ -168,6 +180,11 @@ ARCHITECTURES = {
     "rmsnorm-mlp": (
         _rmsnorm_mlp,
         lambda gen, n: torch.randn(n, 4, generator=gen, dtype=DTYPE),
+        False,
+    ),
+    "cnn-inplace-relu": (
+        _inplace_cnn,
+        lambda gen, n: torch.randn(n, 2, 5, 5, generator=gen, dtype=DTYPE),
         False,
     ),
     "gru": (
