@@ -803,6 +803,8 @@ class StepRun:
                     self._track(q, ctx, tolerant)
 
     def _track(self, quantity: Quantity, ctx: TrackContext, tolerant: bool) -> None:
+        is_end = getattr(quantity, "is_end", None)  # a two-step value finished here
+        ends = bool(is_end(ctx.global_step)) if callable(is_end) else False
         try:
             if id(quantity) in self._early:  # computed before the backward pass
                 results, error = self._early.pop(id(quantity))
@@ -816,7 +818,7 @@ class StepRun:
                 return
             if not tolerant:
                 raise
-            self._drop(quantity, error)  # a non-finite step must not crash
+            self._drop(quantity, error, ends)  # a non-finite step must not crash
             return
         for save_step, value in results:
             if isinstance(value, Missing):
@@ -857,15 +859,22 @@ class StepRun:
             raise CoverageError(f"strict=True: {message}") from error
         self.diagnostics.missing(self.recorder, [step], quantity.key, message)
 
-    def _drop(self, quantity: Quantity, error: Exception) -> None:
-        """Skip a quantity that failed on a non-finite step (warned once per key)."""
+    def _drop(self, quantity: Quantity, error: Exception, ended: bool = False) -> None:
+        """Record a quantity that failed on a non-finite step as missing there.
+
+        A two-step value that this step was to finish (``ended``: Alpha of the step
+        before) is missing at its own step too. Warned once per key.
+        """
         step = self.plan.global_step
         quantity.abort_step(step)
-        self.diagnostics.warn_once(
-            ("dropped", quantity.key),
-            f"{quantity.key} failed on the non-finite step {step} "
-            f"({type(error).__name__}: {error}) and has no value there; training "
-            "goes on. Fix: see the warning about non-finite values. (Warned once.)",
+        reason = (
+            f"it failed on the non-finite step {step} ({type(error).__name__}: "
+            f"{error}); training goes on. Fix: see the warning about non-finite "
+            "values"
+        )
+        steps = [step - 1, step] if ended else [step]
+        self.diagnostics.missing(
+            self.recorder, steps, quantity.key, reason, once=("dropped", quantity.key)
         )
 
     # --- cleanup -------------------------------------------------------------------

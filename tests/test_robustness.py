@@ -408,6 +408,41 @@ def test_infinite_gradients_only_and_every_later_step_nonfinite():
     assert output[2][NONFINITE_KEY] == ["loss", "gradients"]
 
 
+def test_values_a_nonfinite_step_takes_away_are_missing_with_a_reason():
+    """Alpha of the step before (finished by the bad step), Alpha and HessMaxEV of
+    the bad step: recorded as missing with why, not just absent; the steps
+    around them keep their values."""
+    problem = make_problem("mlp", "ce", "sgd")
+    quantities = [Q.Alpha(EVERY), Q.HessMaxEV(EVERY), Q.Loss(EVERY)]
+    cockpit = Cockpit(problem.params, quantities)
+    opt = problem.optimizer()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(5):
+            opt.zero_grad()
+            x, y = problem.make_batch(step)
+            if step == 2:
+                x = x.clone()
+                x[0, 0] = math.nan
+            _step(cockpit, problem, step, x, y, info_update={"optimizer": opt})
+            if step != 2:  # the user skips the update of a bad step
+                opt.step()
+    output = cockpit.get_output()
+    assert [s for s in output if NONFINITE_KEY in output[s]] == [2]
+    for step in (0, 3):
+        assert isinstance(output[step]["Alpha"], float)
+    for step in (0, 1, 3, 4):
+        assert math.isfinite(output[step]["HessMaxEV"])
+    for step in (1, 2):
+        assert "Alpha" not in output[step]
+        assert "not finite" in output[step]["missing"]["Alpha"]
+    assert "HessMaxEV" not in output[2]
+    assert "non-finite step 2" in output[2]["missing"]["HessMaxEV"]
+    ours = [str(w.message) for w in record if issubclass(w.category, CockpitWarning)]
+    assert len([m for m in ours if m.startswith("Alpha has no value")]) == 1
+    assert len([m for m in ours if m.startswith("HessMaxEV has no value")]) == 1
+
+
 def test_finite_step_errors_of_quantities_still_surface():
     class _Broken(_FragileOnNaN):
         def accumulate(self, global_step, view):

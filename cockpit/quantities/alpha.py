@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.precision import compute_dtype
 from cockpit.quantities import functional as F
-from cockpit.quantities.base import TrackContext, TwoStepQuantity
+from cockpit.quantities.base import Missing, TrackContext, TwoStepQuantity
 from cockpit.quantities.optim import (
     ReplayError,
     is_plain_sgd,
@@ -260,7 +261,19 @@ class Alpha(TwoStepQuantity):
         coefficients = F.fit_quadratic(
             tau, (state["value"], value), (state["slope"], slope), variances
         )
-        return F.alpha_from_fit(tau, coefficients)
+        alpha = F.alpha_from_fit(tau, coefficients)
+        if alpha is None:
+            observed = (state["value"], value, state["slope"], slope, *variances)
+            finite = all(math.isfinite(v) for v in observed)
+            return Missing(
+                "the quadratic fit of the loss along the step has no minimiser to "
+                "report (a singular fit, or zero slope at the end)"
+                if finite
+                else f"the loss or its slope at step {global_step - 1} or "
+                f"{global_step} is not finite, so the fit along the step is "
+                "undefined. Fix: see the warning about non-finite values"
+            )
+        return alpha
 
     def _loss_observation(self, ctx: TrackContext, n: int) -> tuple[float, float]:
         loss = ctx.info.require("loss", self.key)
