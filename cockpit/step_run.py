@@ -215,9 +215,11 @@ class StepRouting:
         if self.routes is None:
             return None
         step = plan.global_step
+        mixing = self._router.batch_mixing()
         # the same routes, statuses and labels as at the step before: the same
         # rows (built once, not per parameter and quantity at every step)
         key = (
+            mixing,
             tuple(self.routes),
             tuple(
                 (
@@ -247,7 +249,7 @@ class StepRouting:
                     )
                 else:
                     statuses[q.key] = status_for(
-                        q.needs_at(step), route, self.curvature_problem
+                        q.needs_at(step), route, self.curvature_problem, mixing
                     )
             rows.append(ParamCoverage(index, labels[index], route, statuses))
         coverage = Coverage(step, tuple(rows))
@@ -363,7 +365,8 @@ class StepRun:
                 f"be exact: {'; '.join(problems[:3])}"
                 f"{' ...' if len(problems) > 3 else ''}. Fix: see "
                 "cockpit.coverage() for who computes what, drop these quantities, "
-                "or use Cockpit(..., strict=False) to record them as missing."
+                "or use Cockpit(..., strict=False) (estimates are then recorded "
+                "with their standard error, values not covered as missing)."
             )
         for quantity, reason, fix in routing.dropped.values():
             self.diagnostics.missing(

@@ -10,6 +10,7 @@ from backpack import extend
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.cockpit import NONFINITE_KEY
+from cockpit.engines.coverage import CoverageError
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import SingleStepQuantity
@@ -274,6 +275,16 @@ def test_batchnorm_in_train_mode():
     assert "train mode" in str(ours[0].message) and "model.eval()" in str(
         ours[0].message
     )
+    # the coverage does not call those values exact, and strict=True refuses them
+    statuses = {
+        str(row.quantities["_NeedsIndividual"]) for row in cockpit.coverage().params
+    }
+    assert len(statuses) == 1 and statuses.pop().startswith(
+        "not per-sample (BatchNorm1d is in train mode"
+    )
+    strict = Cockpit(model.parameters(), [_NeedsIndividual(EVERY)], strict=True)
+    with pytest.raises(CoverageError, match=r"_NeedsIndividual.*not per-sample"):
+        _mse_step(model, strict)
     # in eval mode all is well
     model.eval()
     model, cockpit = _mse_setup(model, [Q.Variance(EVERY), _NeedsIndividual(EVERY)])

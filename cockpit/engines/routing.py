@@ -305,6 +305,24 @@ class Router:
                 )
         return None
 
+    def batch_mixing(self) -> str | None:
+        """Why BackPACK's per-sample results mix samples now (``None``: they don't).
+
+        A BatchNorm layer in train mode normalises with statistics of the whole
+        mini-batch; BackPACK treats those as constants, so the per-sample
+        gradients of the layers before it are not ``d l_i / d theta``.
+        """
+        for owners in self.modules.owners.values():
+            for module, _ in owners:
+                if _is_training_batchnorm(module):
+                    return (
+                        f"{describe(module)} is in train mode: it normalises with "
+                        "statistics of the whole mini-batch, which BackPACK's "
+                        "per-sample results treat as constants (values recorded "
+                        "anyway; call model.eval() for tracked steps)"
+                    )
+        return None
+
     def _can_probe(self, n: int) -> bool:
         """Whether the probe can tell the sample axis (no BatchNorm mixes samples)."""
         return not any(
