@@ -458,10 +458,12 @@ class Cockpit:
             f"model ({labels}{more}): BackPACK's backward hooks make module outputs "
             "views that PyTorch forbids changing in place (the forward pass would "
             "stop with 'Output 0 of BackwardHookFunction is a view and is being "
-            "modified inplace'). The values are the same; memory use grows a "
-            "little. In-place calls in your own forward code (x.relu_(), "
-            "F.relu(x, inplace=True)) on outputs of extended modules still need "
-            "changing by hand.",
+            "modified inplace'). The values are the same unless forward code "
+            "reads a module's input again after such a module changed it (it now "
+            "reads the unchanged input); memory use grows a little. In-place calls "
+            "in your own forward code cannot be seen from here. Fix for those: "
+            "torch.relu(x) instead of x.relu_() or F.relu(x, inplace=True) on "
+            "outputs of extended modules.",
             CockpitWarning,
             stacklevel=3,
         )
