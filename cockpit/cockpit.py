@@ -502,6 +502,8 @@ class Cockpit:
                     raise clearer from error
                 return
             run.close()
+            if run.coverage_changed:  # e.g. no double backward: now missing
+                self._merge_coverage(run)
         finally:
             self._replayer.forget()  # the step's recorded module calls
         self.last_step = run.plan.global_step

@@ -318,6 +318,8 @@ class StepRun:
             StepRouting(plan, info, router, extensions) if router is not None else None
         )
         self.coverage: Coverage | None = None
+        #: Whether the report changed after the step opened (a quantity fell out).
+        self.coverage_changed = False
         if self.routing is not None:
             plan = self._apply_routing(plan, strict)
             self.plan = plan
@@ -861,6 +863,17 @@ class StepRun:
         if self._strict:
             raise CoverageError(f"strict=True: {message}") from error
         self.diagnostics.missing(self.recorder, [step], quantity.key, message)
+        if self.coverage is not None:  # the report said it would be computed
+            self.coverage = self.coverage.with_status(
+                quantity.key,
+                Status(
+                    MISSING,
+                    "PyTorch has no double backward for an operation of the model "
+                    "(fused attention: run tracked forward passes inside "
+                    "sdpa_kernel(SDPBackend.MATH))",
+                ),
+            )
+            self.coverage_changed = True
 
     def _drop(self, quantity: Quantity, error: Exception, ended: bool = False) -> None:
         """Record a quantity that failed on a non-finite step as missing there.

@@ -290,6 +290,19 @@ def test_fused_attention_without_double_backward_says_what_to_do():
     cockpit = Cockpit(problem.params, [Q.HessMaxEV(linear(1))])
     step(cockpit, problem, math=True)
     assert cockpit.get_output()[0]["HessMaxEV"] > 0
+    # the coverage report, built before the backward pass, follows the log after it
+    cockpit = Cockpit(problem.params, [Q.HessMaxEV(linear(1)), Q.Variance(linear(1))])
+    with pytest.warns(CockpitWarning, match=r"no double backward"):
+        step(cockpit, problem, math=False)
+    rows = cockpit.coverage().params
+    assert {str(row.quantities["Variance"]) for row in rows} <= {
+        "exact (backpack)",
+        "exact (autograd)",
+    }
+    (status,) = {str(row.quantities["HessMaxEV"]) for row in rows}
+    assert status.startswith("not covered (PyTorch has no double backward")
+    assert "sdpa_kernel(SDPBackend.MATH)" in status
+    assert "HessMaxEV" in cockpit.get_output()[0]["missing"]
 
 
 def test_an_extra_batch_grad_of_the_user_keeps_its_results_and_routing_follows():

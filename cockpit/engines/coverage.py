@@ -111,6 +111,16 @@ class Coverage:
         ]
         return Coverage(self.step, rows)
 
+    def with_status(self, key: str, status: Status) -> Coverage:
+        """Return the report with quantity ``key``'s status replaced everywhere."""
+        rows = [
+            replace(row, quantities={**dict(row.quantities), key: status})
+            if key in row.quantities
+            else row
+            for row in self.params
+        ]
+        return Coverage(self.step, rows)
+
     def problems(self) -> list[str]:
         """Everything not exact: ``"<quantity> for <parameter>: <status>"``."""
         found = []
