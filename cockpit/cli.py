@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import warnings
 from typing import TYPE_CHECKING, Iterator
@@ -143,7 +144,10 @@ def load_log(path: str | os.PathLike, read=None) -> History:
             "or Cockpit(..., logpath=path).",
         ) from None
     try:
-        loaded = History.from_json(found) if read is None else read(found)
+        # a warning about a skipped record belongs in the error if nothing is left
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            loaded = History.from_json(found) if read is None else read(found)
     except LogFileError:
         raise
     except OSError as error:
@@ -152,21 +156,35 @@ def load_log(path: str | os.PathLike, read=None) -> History:
             f"cannot be read ({error.strerror or error}). Fix: check that the file "
             "is readable by you.",
         ) from None
-    if not getattr(loaded, "history", loaded).steps:
-        if os.path.getsize(found) == 0:
-            problem = (
-                "is empty (0 bytes), so there is nothing to show. A streamed log "
-                "stays empty until the first tracked step ends. Fix: pass a log "
-                "of a run that tracked at least one step."
+    if getattr(loaded, "history", loaded).steps:
+        for warning in said:  # as they would have been shown
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
             )
-        else:
-            problem = (
-                "holds no tracked step, so there is nothing to show (a run stopped "
-                "before its first tracked step ended, or nothing was scheduled). "
-                "Fix: pass a log of a run that tracked at least one step."
-            )
-        raise LogFileError(found, problem)
-    return loaded
+        return loaded
+    skipped = [str(w.message) for w in said if str(w.message).startswith("Skipped")]
+    if skipped:  # one line: what was skipped is why nothing is left
+        first = re.sub(r" of the cockpit log '.*?'", "", skipped[0])
+        more = f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""
+        raise LogFileError(
+            found,
+            f"holds no readable tracked step: {first[0].lower()}{first[1:]}{more} "
+            "Fix: pass a log that Cockpit.write(path) or Cockpit(..., "
+            "logpath=path) wrote for a run that tracked at least one step.",
+        )
+    if os.path.getsize(found) == 0:
+        problem = (
+            "is empty (0 bytes), so there is nothing to show. A streamed log "
+            "stays empty until the first tracked step ends. Fix: pass a log "
+            "of a run that tracked at least one step."
+        )
+    else:
+        problem = (
+            "holds no tracked step, so there is nothing to show (a run stopped "
+            "before its first tracked step ended, or nothing was scheduled). "
+            "Fix: pass a log of a run that tracked at least one step."
+        )
+    raise LogFileError(found, problem)
 
 
 def _log_title(args: argparse.Namespace) -> str:

@@ -362,6 +362,9 @@ def stream_records(
                     f"uses stream format version {record['version']}, newer than "
                     f"this cockpit reads ({STREAM_VERSION}). Fix: upgrade cockpit.",
                 )
+        elif "step" in record and "values" in record:
+            kind = type(record["values"]).__name__
+            _skip(path, number, f"its values are a JSON {kind}, not an object")
         else:
             _skip(path, number, f"unknown record {sorted(record)}")
 

@@ -171,6 +171,16 @@ def _write_bad_log(tmp_path, kind):
         path = tmp_path / "logs"
         path.mkdir()
         return path, "is a folder"
+    if kind == "values-not-an-object":
+        path = tmp_path / "run.jsonl"
+        path.write_text(
+            '{"format":"cockpit-log-stream","version":1}\n{"step":0,"values":[1,2]}\n'
+        )
+        return path, "skipped line 2: its values are a JSON list, not an object"
+    if kind == "torn-header":
+        path = tmp_path / "run.jsonl"
+        path.write_text('{"format":"cockpit-log-str')
+        return path, "holds no readable tracked step: skipped the torn last record"
     if kind == "odd-values":  # valid JSON, step numbers, but not what cockpit writes
         path.write_text(json.dumps({"0": {"GradHist1d": {"hist": [1, 2]}}}))
         return path, "unexpected"
@@ -181,7 +191,7 @@ BAD_KINDS = [
     "missing", "missing-bare", "empty", "whitespace", "truncated",
     "truncated-in-string", "png", "json-list", "unrelated-json", "step-not-an-object",
     "json-lines", "no-steps", "stream-without-steps", "newer-stream", "folder",
-    "odd-values",
+    "values-not-an-object", "torn-header", "odd-values",
 ]  # fmt: skip
 
 
@@ -227,6 +237,19 @@ def test_python_dash_m_reports_a_bad_log_without_traceback(tmp_path):
     assert done.stderr.splitlines() == [done.stderr.strip()]  # one line
     assert done.stderr.startswith(f"cockpit plot: error: {path}: is a PNG image")
     assert "Traceback" not in done.stderr
+
+
+def test_python_dash_m_folds_the_skipped_records_of_an_empty_log_into_one_line(
+    tmp_path,
+):
+    path, problem = _write_bad_log(tmp_path, "values-not-an-object")
+    done = subprocess.run(
+        [sys.executable, "-m", "cockpit", "plot", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr  # one line
+    assert problem in done.stderr and "Fix:" in done.stderr
 
 
 def test_python_dash_m_prints_a_warning_in_one_line(tmp_path):
