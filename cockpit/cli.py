@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import sys
@@ -54,6 +55,8 @@ def _number(kind, least: float, strict: bool):
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
             ) from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < least or (strict and value == least):
             bound = "above" if strict else "at least"
             raise argparse.ArgumentTypeError(f"must be {bound} {least:g}, got {text}")
@@ -67,18 +70,30 @@ _NON_NEGATIVE_INT = _number(int, 0, strict=False)
 _POSITIVE = _number(float, 0, strict=True)
 
 
-def _image_path(path: str, option: str) -> str:
-    """``path`` with ``.png`` added if it has no suffix; a format matplotlib writes.
+def _image_path(path: str, option: str, formats=None, default: str = "png") -> str:
+    """``path`` with ``.<default>`` added if it has no suffix, in a known format.
+
+    Args:
+        path: The output path given.
+        option: The option's name, for the message.
+        formats: The suffixes allowed (default: what matplotlib writes).
+        default: The suffix added to a bare name.
 
     Raises:
-        _UserError: For a suffix matplotlib cannot write.
+        _UserError: For a folder, or a suffix that cannot be written.
     """
+    if not os.path.basename(path) or os.path.isdir(path):
+        raise _UserError(
+            f"{path}: is a folder. Fix: give {option} a file name, e.g. "
+            f"{os.path.join(path, 'dashboard.' + default)}."
+        )
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
     if not suffix:
-        return path + ".png"
-    from matplotlib.backend_bases import FigureCanvasBase
+        return path.rstrip(".") + "." + default
+    if formats is None:
+        from matplotlib.backend_bases import FigureCanvasBase
 
-    formats = FigureCanvasBase.get_supported_filetypes()
+        formats = FigureCanvasBase.get_supported_filetypes()
     if suffix not in formats:
         raise _UserError(
             f"{path}: matplotlib cannot write .{suffix} images. Fix: give {option} "
@@ -225,7 +240,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _timelapse(args: argparse.Namespace) -> int:
-    out = args.output or _default_output(args.log, ".gif")
+    out = _image_path(
+        args.output or _default_output(args.log, ".gif"), "-o", ("gif",), "gif"
+    )
     history = load_log(args.log)  # before importing matplotlib: bad files fail fast
     from cockpit.plotting import make_timelapse
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -251,6 +252,8 @@ class StepRouting:
                     statuses[q.key] = status_for(
                         q.needs_at(step), route, self.curvature_problem, mixing
                     )
+            # read-only: the rows are handed out again at later steps
+            statuses = MappingProxyType(statuses)
             rows.append(ParamCoverage(index, labels[index], route, statuses))
         coverage = Coverage(step, tuple(rows))
         self._router.coverage_cache = (key, coverage)

@@ -20,6 +20,7 @@ from cockpit.errors import CockpitWarning
 from cockpit.utils.schedules import linear
 from tests.utils.any_model import (
     ARCHITECTURES,
+    _inplace_cnn,
     alpha_reference,
     first_order_reference,
     make_any_problem,
@@ -465,3 +466,23 @@ def test_in_place_activations_are_turned_off_once_and_curvature_is_exact():
         close(out["TICDiag"], diag, "TICDiag")
         close(out["TICTrace"], trace, "TICTrace")
         close(out["HessMaxEV"], max_ev, "HessMaxEV")
+
+
+def test_in_place_modules_outside_the_extended_model_are_left_alone():
+    """Only extended modules are switched: a teacher network next to the tracked,
+    extended student keeps its in-place activations."""
+    from backpack import extend
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.student = extend(_inplace_cnn())
+            self.teacher = torch.nn.Sequential(
+                torch.nn.Linear(3, 3), torch.nn.ReLU(inplace=True)
+            )
+
+    wrap = Wrap()
+    with pytest.warns(CockpitWarning, match=r"inplace=False on 2 module\(s\)"):
+        Cockpit(wrap.student.parameters(), [Q.GradNorm(linear(1))])
+    assert not any(getattr(m, "inplace", False) for m in wrap.student.modules())
+    assert wrap.teacher[1].inplace

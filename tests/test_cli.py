@@ -286,6 +286,9 @@ def test_python_dash_m_prints_a_warning_in_one_line(tmp_path):
         (["demo", "--interval", "0"], "--interval"),
         (["demo", "--live", "-1"], "--live"),
         (["demo", "--steps", "ten"], "--steps"),
+        (["plot", "LOG", "--dpi", "nan"], "--dpi"),
+        (["plot", "LOG", "--dpi", "inf"], "--dpi"),
+        (["timelapse", "LOG", "--fps", "nan"], "--fps"),
     ],
 )
 def test_a_bad_option_value_is_blamed_on_the_option_not_the_log(
@@ -313,6 +316,21 @@ def test_plot_output_format_is_checked_and_a_bare_name_gets_png(tmp_path, capsys
     out = capsys.readouterr().out
     assert out.strip() == f"dashboard written to {tmp_path / 'bare.png'}"
     assert (tmp_path / "bare.png").is_file() and not (tmp_path / "bare").exists()
+
+
+def test_timelapse_and_folder_outputs_are_checked_before_drawing(tmp_path, capsys):
+    log = synthetic_history(3).write_json(tmp_path / "run.json")
+    assert main(["timelapse", log, "--frames", "1", "-o", str(tmp_path / "anim")]) == 0
+    assert capsys.readouterr().out.strip().endswith("anim.gif")
+    assert (tmp_path / "anim.gif").is_file()
+    for argv, problem in (
+        (["timelapse", log, "-o", str(tmp_path / "a.xyz")], "cannot write .xyz"),
+        (["plot", log, "-o", str(tmp_path) + "/"], "is a folder"),
+        (["plot", log, "-o", str(tmp_path)], "is a folder"),
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and problem in err[0] and "Fix:" in err[0], err
 
 
 def test_an_output_folder_that_is_a_file_gives_one_line_with_a_fix(tmp_path, capsys):

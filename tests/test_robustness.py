@@ -13,7 +13,7 @@ from cockpit.cockpit import NONFINITE_KEY
 from cockpit.engines.coverage import CoverageError
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
-from cockpit.quantities.base import SingleStepQuantity
+from cockpit.quantities.base import SingleStepQuantity, TwoStepQuantity
 from cockpit.utils.schedules import linear
 from tests.utils.harness import run
 from tests.utils.problems import make_problem
@@ -454,6 +454,43 @@ def test_values_a_nonfinite_step_takes_away_are_missing_with_a_reason():
     assert len([m for m in ours if m.startswith("HessMaxEV has no value")]) == 1
 
 
+class _EndsOnFiniteValues(TwoStepQuantity):
+    """Starts at a step, finishes at the next: raises on a non-finite loss there."""
+
+    needs = frozenset()
+
+    def _compute_start(self, global_step, ctx):
+        return float(ctx.info.get("loss"))
+
+    def _compute_end(self, global_step, ctx, state):
+        loss = float(ctx.info.get("loss"))
+        if not math.isfinite(loss):
+            raise ValueError("cannot finish on a non-finite loss")
+        return loss - state
+
+
+def test_a_two_step_value_the_bad_step_was_to_finish_is_missing_at_its_step():
+    problem = make_problem("mlp", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [_EndsOnFiniteValues(EVERY)])
+    opt = problem.optimizer()
+    with pytest.warns(CockpitWarning, match=r"_EndsOnFiniteValues has no value"):
+        for step in range(4):
+            opt.zero_grad()
+            x, y = problem.make_batch(step)
+            if step == 2:
+                x = x.clone()
+                x[0, 0] = math.nan
+            _step(cockpit, problem, step, x, y)
+            if step != 2:
+                opt.step()
+    output = cockpit.get_output()
+    assert isinstance(output[0]["_EndsOnFiniteValues"], float)
+    for step in (1, 2):  # 1: finished by the bad step; 2: started there
+        assert "_EndsOnFiniteValues" not in output[step]
+        reason = output[step]["missing"]["_EndsOnFiniteValues"]
+        assert "non-finite step 2" in reason and "Fix:" in reason
+
+
 def test_finite_step_errors_of_quantities_still_surface():
     class _Broken(_FragileOnNaN):
         def accumulate(self, global_step, view):
@@ -648,13 +685,16 @@ def test_quiet_warnings_takes_out_only_its_own_entries_even_on_error():
     from cockpit.errors import quiet_warnings
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="noise")  # the user's own, equal
         before = list(warnings.filters)
         with pytest.raises(RuntimeError), quiet_warnings("noise"):
             assert len(warnings.filters) == len(before) + 1
+            # the user's own equal filter, added in front of ours, stays
+            warnings.filterwarnings("ignore", message="noise")
+            users = warnings.filters[0]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.warn("noise, ignored", stacklevel=1)
                 warnings.warn("signal, shown", stacklevel=1)
             raise RuntimeError
-        assert warnings.filters == before and warnings.filters[0] is before[0]
+        assert warnings.filters == [users, *before]
+        assert warnings.filters[0] is users
     assert [str(w.message) for w in caught] == ["signal, shown"]

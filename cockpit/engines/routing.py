@@ -431,7 +431,7 @@ class Router:
         ]
 
     def in_place_modules(self) -> list[tuple[str, Module]]:
-        """In-place modules of a model with BackPACK's hooks, as ``(label, module)``.
+        """Extended in-place modules of the cockpit's models, as ``(label, module)``.
 
         Modules with ``inplace=True`` (ReLU, Dropout, ...) change their input.
         BackPACK's backward hooks return a module's output (and take its input) as
@@ -446,11 +446,9 @@ class Router:
                 roots[id(top)] = top
         found = []
         for root in roots.values():
-            named = list(root.named_modules())
-            if not any(getattr(m, "_backpack_extend", False) for _, m in named):
-                continue
-            for name, module in named:
-                if getattr(module, "inplace", None) is True:
+            for name, module in root.named_modules():
+                extended = getattr(module, "_backpack_extend", False)
+                if extended and getattr(module, "inplace", None) is True:
                     label = type(module).__name__ + (f" '{name}'" if name else "")
                     found.append((label, module))
         return found

@@ -267,7 +267,9 @@ class Alpha(TwoStepQuantity):
             finite = all(math.isfinite(v) for v in observed)
             return Missing(
                 "the quadratic fit of the loss along the step has no minimiser to "
-                "report (a singular fit, or zero slope at the end)"
+                "report (a singular fit, or a zero slope at the start of the step). "
+                "Fix: none if rare; if it repeats, check that the updates and the "
+                "gradients are not zero"
                 if finite
                 else f"the loss or its slope at step {global_step - 1} or "
                 f"{global_step} is not finite, so the fit along the step is "
