@@ -180,7 +180,8 @@ def test_export_of_a_live_cockpit_uses_its_parameter_names(tmp_path):
 def test_unnamed_parameters_and_skipped_values(tmp_path):
     log = {0: {"GradNorm": [3.0, 4.0], "nonfinite": ["loss"], "Loss": None}}
     summary = export_tensorboard(log, tmp_path / "tb")
-    assert summary.skipped == ["Loss", "nonfinite"] and summary.scalars == 3
+    # None is no value (not measured), so it is not a skipped one
+    assert summary.skipped == ["nonfinite"] and summary.scalars == 3
     tb = _read(tmp_path / "tb")
     assert _scalars(tb, "cockpit/GradNorm") == {0: 5.0}
     assert _scalars(tb, "cockpit/GradNorm/param_1") == {0: 4.0}
@@ -213,3 +214,14 @@ def test_param_names_of_another_length_are_not_used_and_say_so(tmp_path):
         warnings.simplefilter("error", CockpitWarning)  # the right count: silent
         export_tensorboard(log, tmp_path / "named", param_names=["a", "b", "c"])
     assert "cockpit/GradNorm/c" in _read(tmp_path / "named").Tags()["scalars"]
+
+
+def test_values_not_measured_are_not_reported_as_skipped(tmp_path):
+    """``Cockpit.log`` records ``None`` for a metric a run does not measure (the
+    demo has no test split): nothing to export, and nothing to complain about."""
+    log = {
+        0: {"Loss": 1.0, "test_loss": None, "GradHist1d": {"hist": "?", "edges": []}},
+        1: {"Loss": 0.5, "test_loss": None},
+    }
+    summary = export_tensorboard(log, tmp_path / "run")
+    assert summary.skipped == ["GradHist1d"] and summary.scalars == 2

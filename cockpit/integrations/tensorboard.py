@@ -24,8 +24,10 @@ Then ``tensorboard --logdir runs``. Tags start with ``prefix`` (default
   (``cockpit/<key>/gradient/<name>``, ...);
 * ``Parameters`` (raw values): one histogram of the values per parameter tensor.
 
-Values the export cannot show (``None``, text such as the ``nonfinite`` markers) are
-skipped and listed in the returned :class:`ExportSummary`.
+Values the export cannot show (text such as the ``nonfinite`` markers) are skipped
+and listed in the returned :class:`ExportSummary`; ``None`` (a metric
+:meth:`Cockpit.log <cockpit.Cockpit.log>` was given as not measured) is no value and
+is left out without being listed.
 
 TensorBoard stores a histogram as bucket counts with right edges plus the data's
 minimum and maximum; the export writes the log's right edges and counts unchanged
@@ -232,6 +234,8 @@ class _Exporter:
         return f"param_{index}"
 
     def write(self, key: str, value: Any, step: int) -> None:
+        if value is None:  # not measured at this step (Cockpit.log's None)
+            return
         is_list = isinstance(value, list) and len(value) > 0
         if _is_number(value):
             self.scalar(self.tag(key), value, step)
