@@ -486,3 +486,16 @@ def test_in_place_modules_outside_the_extended_model_are_left_alone():
         Cockpit(wrap.student.parameters(), [Q.GradNorm(linear(1))])
     assert not any(getattr(m, "inplace", False) for m in wrap.student.modules())
     assert wrap.teacher[1].inplace
+    # only the layers extended (as the Hugging Face integration does): an in-place
+    # activation beside them changes their hooked outputs, so it is switched too
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        extend(torch.nn.Linear(3, 4)), torch.nn.ReLU(inplace=True),
+        extend(torch.nn.Linear(4, 2)),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="BackwardHookFunction"):
+        model(torch.randn(5, 3))
+    with pytest.warns(CockpitWarning, match=r"inplace=False on 1 module\(s\).*'1'"):
+        Cockpit(model.parameters(), [Q.GradNorm(linear(1))])
+    assert not model[1].inplace
+    model(torch.randn(5, 3)).sum().backward()  # runs now

@@ -431,9 +431,11 @@ class Router:
         ]
 
     def in_place_modules(self) -> list[tuple[str, Module]]:
-        """Extended in-place modules of the cockpit's models, as ``(label, module)``.
+        """In-place modules among extended layers, as ``(label, module)``.
 
-        Modules with ``inplace=True`` (ReLU, Dropout, ...) change their input.
+        Modules with ``inplace=True`` (ReLU, Dropout, ...) change their input; those
+        that are extended or sit beside an extended layer are returned (a model
+        without extended layers, e.g. a teacher network, is left alone).
         BackPACK's backward hooks return a module's output (and take its input) as
         a view that autograd forbids changing in place, so such a module stops the
         forward pass with "Output 0 of BackwardHookFunction is a view and is being
@@ -444,13 +446,25 @@ class Router:
             for module, _ in owners:
                 top = self._ancestors(module)[-1]
                 roots[id(top)] = top
-        found = []
+        found, seen = [], set()
+
+        def extended(module: Module) -> bool:
+            return bool(getattr(module, "_backpack_extend", False))
+
         for root in roots.values():
-            for name, module in root.named_modules():
-                extended = getattr(module, "_backpack_extend", False)
-                if extended and getattr(module, "inplace", None) is True:
-                    label = type(module).__name__ + (f" '{name}'" if name else "")
-                    found.append((label, module))
+            if extended(root) and getattr(root, "inplace", None) is True:
+                found.append((type(root).__name__, root))
+            for name, parent in root.named_modules():
+                children = list(parent.named_children())
+                # beside an extended layer it changes that layer's hooked output
+                near = any(extended(child) for _, child in children)
+                for child_name, child in children:
+                    if id(child) in seen or getattr(child, "inplace", None) is not True:
+                        continue
+                    if extended(child) or near:
+                        seen.add(id(child))
+                        where = f"{name}.{child_name}" if name else child_name
+                        found.append((f"{type(child).__name__} '{where}'", child))
         return found
 
     def _ancestors(self, module: Module) -> list[Module]:
