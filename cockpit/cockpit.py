@@ -440,11 +440,12 @@ class Cockpit:
         self._open = run
 
     def _turn_off_in_place(self) -> None:
-        """Set ``inplace=False`` on the in-place modules of an extended model.
+        """Set ``inplace=False`` on the in-place modules among extended layers.
 
         With BackPACK's hooks their forward pass would stop (see
         :meth:`Router.in_place_modules`); out of place they compute the same
-        values, with a little more memory. Said once, with a warning.
+        values (unless forward code reads their input again afterwards), with a
+        little more memory. Said once, with a warning.
         """
         found = self._router.in_place_modules()
         if not found:
