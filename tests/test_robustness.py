@@ -660,7 +660,7 @@ def test_a_warning_shown_once_per_location_stays_once_across_tracked_steps(confi
     every step, and the filters are as before."""
     with warnings.catch_warnings():  # imports on first use may add filters of
         warnings.simplefilter("ignore")  # their own (sympy's): done before
-        _steps_with_a_user_warning(config, steps=1)
+        _steps_with_a_user_warning(config, steps=3)  # every code path once
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         before = list(warnings.filters)
