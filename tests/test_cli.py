@@ -103,12 +103,17 @@ def test_demo_rejects_an_unknown_configuration(tmp_path, capsys):
     assert "luxury" in capsys.readouterr().err
 
 
-def test_python_dash_m_runs_the_command_line(tmp_path):
-    missing = str(tmp_path / "missing.json")
-    done = subprocess.run(
-        [sys.executable, "-m", "cockpit", "plot", missing],
+def _python_dash_m(*args: str) -> subprocess.CompletedProcess:
+    """``python -m cockpit ARGS`` in a fresh process, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "cockpit", *args],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def test_python_dash_m_runs_the_command_line(tmp_path):
+    missing = str(tmp_path / "missing.json")
+    done = _python_dash_m("plot", missing)
     assert done.returncode == 1
     assert done.stderr.startswith("cockpit plot: error:")
 
@@ -229,10 +234,7 @@ def test_load_log_returns_the_history_or_raises_log_file_error(tmp_path):
 
 def test_python_dash_m_reports_a_bad_log_without_traceback(tmp_path):
     path, _ = _write_bad_log(tmp_path, "png")
-    done = subprocess.run(
-        [sys.executable, "-m", "cockpit", "plot", str(path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = _python_dash_m("plot", str(path))
     assert done.returncode == 1
     assert done.stderr.splitlines() == [done.stderr.strip()]  # one line
     assert done.stderr.startswith(f"cockpit plot: error: {path}: is a PNG image")
@@ -243,10 +245,7 @@ def test_python_dash_m_folds_the_skipped_records_of_an_empty_log_into_one_line(
     tmp_path,
 ):
     path, problem = _write_bad_log(tmp_path, "values-not-an-object")
-    done = subprocess.run(
-        [sys.executable, "-m", "cockpit", "plot", str(path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = _python_dash_m("plot", str(path))
     assert done.returncode == 1
     assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr  # one line
     assert problem in done.stderr and "Fix:" in done.stderr
@@ -260,10 +259,7 @@ def test_python_dash_m_prints_a_warning_in_one_line(tmp_path):
         '{"step":2,"values":{"Lo'
     )
     out = str(tmp_path / "a.png")
-    done = subprocess.run(
-        [sys.executable, "-m", "cockpit", "plot", str(log), "-o", out],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = _python_dash_m("plot", str(log), "-o", out)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [
         f"cockpit plot: warning: Skipped the torn last record (line 4) of the cockpit "
@@ -349,10 +345,7 @@ def test_report_warns_in_one_line_about_a_damaged_line_like_plot(tmp_path):
         '{"step":0,"values":{"Loss":1.0}}\n{"step":1,"values":{"Loss":0.5}}\n'
         '{"step":2,"values":{"Lo'
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "cockpit", "report", str(log), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = _python_dash_m("report", str(log), "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["log"] == str(log)  # one JSON object on stdout
     warning = done.stderr.splitlines()

@@ -365,6 +365,20 @@ def test_invalid_schedule():
 
 
 # --- non-finite values ----------------------------------------------------------------
+def _steps_with_nan_at_step_2(cockpit, problem, opt, steps, optimizer=False):
+    """Tracked steps whose input holds a NaN at step 2; that update is skipped."""
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = problem.make_batch(step)
+        if step == 2:
+            x = x.clone()
+            x[0, 0] = math.nan
+        info = {"optimizer": opt} if optimizer else None
+        _step(cockpit, problem, step, x, y, info_update=info)
+        if step != 2:  # the user skips the update of a bad step
+            opt.step()
+
+
 def test_nonfinite_steps_are_recorded_and_training_goes_on():
     problem = make_problem("mlp", "mse", "sgd")
     quantities = [
@@ -378,15 +392,7 @@ def test_nonfinite_steps_are_recorded_and_training_goes_on():
     opt = problem.optimizer()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        for step in range(5):
-            opt.zero_grad()
-            x, y = problem.make_batch(step)
-            if step == 2:
-                x = x.clone()
-                x[0, 0] = math.nan
-            _step(cockpit, problem, step, x, y)
-            if step != 2:  # the user skips the update of a bad step
-                opt.step()
+        _steps_with_nan_at_step_2(cockpit, problem, opt, steps=5)
     output = cockpit.get_output()
     assert sorted(output) == [0, 1, 2, 3, 4]
     assert [s for s in output if NONFINITE_KEY in output[s]] == [2]
@@ -429,15 +435,7 @@ def test_values_a_nonfinite_step_takes_away_are_missing_with_a_reason():
     opt = problem.optimizer()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        for step in range(5):
-            opt.zero_grad()
-            x, y = problem.make_batch(step)
-            if step == 2:
-                x = x.clone()
-                x[0, 0] = math.nan
-            _step(cockpit, problem, step, x, y, info_update={"optimizer": opt})
-            if step != 2:  # the user skips the update of a bad step
-                opt.step()
+        _steps_with_nan_at_step_2(cockpit, problem, opt, steps=5, optimizer=True)
     output = cockpit.get_output()
     assert [s for s in output if NONFINITE_KEY in output[s]] == [2]
     for step in (0, 3):
@@ -474,15 +472,7 @@ def test_a_two_step_value_the_bad_step_was_to_finish_is_missing_at_its_step():
     cockpit = Cockpit(problem.params, [_EndsOnFiniteValues(EVERY)])
     opt = problem.optimizer()
     with pytest.warns(CockpitWarning, match=r"_EndsOnFiniteValues has no value"):
-        for step in range(4):
-            opt.zero_grad()
-            x, y = problem.make_batch(step)
-            if step == 2:
-                x = x.clone()
-                x[0, 0] = math.nan
-            _step(cockpit, problem, step, x, y)
-            if step != 2:
-                opt.step()
+        _steps_with_nan_at_step_2(cockpit, problem, opt, steps=4)
     output = cockpit.get_output()
     assert isinstance(output[0]["_EndsOnFiniteValues"], float)
     for step in (1, 2):  # 1: finished by the bad step; 2: started there

@@ -325,11 +325,7 @@ class Router:
 
     def _can_probe(self, n: int) -> bool:
         """Whether the probe can tell the sample axis (no BatchNorm mixes samples)."""
-        return not any(
-            _is_training_batchnorm(m)
-            for owners in self.modules.owners.values()
-            for m, _ in owners
-        )
+        return self.batch_mixing() is None
 
     def _probe(self, losses: Tensor, modules: list[Module]) -> set[int]:
         """Return ids of modules whose output's first axis is not the sample axis.
