@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import operator
+import sys
 import warnings
 from typing import Any, Iterable, Mapping
 
@@ -40,6 +41,47 @@ from cockpit.step_run import StepRun, as_info
 __all__ = ["Cockpit", "LOG_KEYS", "NONFINITE_KEY", "STATE_VERSION"]
 
 _LOG = logging.getLogger("cockpit")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler writing to whatever ``sys.stderr`` is when a line comes."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it
+        pass
+
+
+def _shown_by_default(record: logging.LogRecord) -> bool:
+    """Whether cockpit's own stderr handler prints ``record``.
+
+    Only while the program has configured no logging: a root handler prints it then.
+    """
+    return not logging.getLogger().handlers
+
+
+def announce(message: str, *args) -> None:
+    """Log an INFO line of the ``cockpit`` logger that users see without set-up.
+
+    A program that configured no logging would never see INFO lines, so the first
+    call gives the ``cockpit`` logger a stderr handler of its own (as Lightning does
+    for its set-up lines) that prints only while the root logger has no handler;
+    the logger's level becomes INFO unless the user set one. Configured logging
+    (``logging.basicConfig``, pytest, ...) receives the line as usual, once.
+    Silence it with ``logging.getLogger("cockpit").setLevel(logging.WARNING)``.
+    """
+    if not any(getattr(h, "_cockpit_default", False) for h in _LOG.handlers):
+        handler = _StderrHandler()
+        handler._cockpit_default = True
+        handler.addFilter(_shown_by_default)
+        _LOG.addHandler(handler)
+        if _LOG.level == logging.NOTSET:
+            _LOG.setLevel(logging.INFO)
+    _LOG.info(message, *args)
+
 
 #: The keys written by :meth:`Cockpit.log`, in argument order.
 LOG_KEYS = (
@@ -473,7 +515,8 @@ class Cockpit:
         if run.coverage is None:
             return
         if self._coverage is None:
-            _LOG.info(run.coverage.summary())
+            if self.is_writer:  # one line per run, not one per process
+                announce(run.coverage.summary())
             self._coverage = run.coverage
         else:
             self._coverage = self._coverage.merged(run.coverage)
@@ -703,7 +746,7 @@ class Cockpit:
         if not self.is_writer:
             return None
         path = self.history.write_json(json_path(logpath), legacy=legacy, packed=packed)
-        _LOG.info("Cockpit log written to %s", path)
+        _LOG.debug("Cockpit log written to %s", path)
         return path
 
     @property
