@@ -282,18 +282,24 @@ def module_label(module: Module, owned: Sequence[tuple[int, str | None]]) -> str
     return f"{cls} ({module!r})"
 
 
+_RECORDED_ANYWAY = (
+    " (values are recorded anyway; cockpit.coverage() marks the parameters)"
+)
+
+
 def batchnorm_message(label: str, who: str, global_step: int, error: bool) -> str:
     """The message for a BatchNorm layer in train mode during a tracked step."""
     consequence = (
         "BackPACK refuses to compute"
         if error
-        else "BackPACK computes them, but they are not meaningful:"
+        else "BackPACK computes them, but for the layers before it they split the "
+        "mini-batch gradient by input sample instead of giving d l_i / d theta:"
     )
     return (
         f"{label} is in train mode at step {global_step}. It normalises with "
         "statistics of the whole mini-batch, so per-sample gradients and curvature "
         f"mix samples; {consequence} the results needed by {who}"
-        f"{'' if error else ' (values are recorded anyway)'}. Fix: call "
+        f"{'' if error else _RECORDED_ANYWAY}. Fix: call "
         "model.eval() before the forward pass of tracked steps (and model.train() "
         "after), replace BatchNorm (e.g. by GroupNorm), or drop these quantities."
     )

@@ -216,11 +216,11 @@ class StepRouting:
         if self.routes is None:
             return None
         step = plan.global_step
-        mixing = self._router.batch_mixing()
+        mixing = self._router.mixed
         # the same routes, statuses and labels as at the step before: the same
         # rows (built once, not per parameter and quantity at every step)
         key = (
-            mixing,
+            tuple(sorted(mixing.items())),
             tuple(self.routes),
             tuple(
                 (
@@ -250,7 +250,10 @@ class StepRouting:
                     )
                 else:
                     statuses[q.key] = status_for(
-                        q.needs_at(step), route, self.curvature_problem, mixing
+                        q.needs_at(step),
+                        route,
+                        self.curvature_problem,
+                        mixing.get(index),
                     )
             # read-only: the rows are handed out again at later steps
             statuses = MappingProxyType(statuses)

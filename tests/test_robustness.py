@@ -260,6 +260,91 @@ def _batchnorm_net():
     )
 
 
+class _KeepsIndividual(SingleStepQuantity):
+    """Keeps the per-sample gradients it is shown (to compare with brute force)."""
+
+    needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+    Accumulator = Q.PerParameter
+
+    def accumulate(self, global_step, view):
+        self.acc.entries[view.index] = view.individual_gradients().clone()
+        self.kept = getattr(self, "kept", {})
+        self.kept[view.index] = self.acc.entries[view.index]
+
+    def _compute(self, global_step, ctx):
+        return [float(e.norm()) for e in self.acc.ordered(len(ctx.params))]
+
+
+def _bn(affine=True, train=True):
+    layer = torch.nn.BatchNorm1d(4, affine=affine)
+    return layer.train(train)
+
+
+#: name -> (model, the parameter indices whose per-sample results mix samples)
+BATCHNORM_CASES = {
+    "linear-bn-linear": (lambda: _batchnorm_net(), {0, 1}),
+    "bn-without-affine": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(3, 4), _bn(affine=False), torch.nn.Tanh(),
+            torch.nn.Linear(4, 2),
+        ),
+        {0, 1},
+    ),
+    "bn-on-the-data": (
+        lambda: torch.nn.Sequential(
+            torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 4), torch.nn.Tanh(),
+            torch.nn.Linear(4, 2),
+        ),
+        set(),
+    ),
+    "eval-bn-then-train-bn": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(3, 4), _bn(train=False), torch.nn.Tanh(),
+            torch.nn.Linear(4, 4), _bn(), torch.nn.Tanh(), torch.nn.Linear(4, 2),
+        ),
+        {0, 1, 2, 3, 4, 5},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BATCHNORM_CASES))
+def test_batchnorm_in_train_mode_marks_exactly_the_layers_before_it(case):
+    """Per-sample results are ``d l_i / d theta`` of the batch's forward pass (each
+    sample's loss differentiated through the whole batch's graph, float64) where
+    the coverage says exact, and differ where it says "not per-sample"."""
+    build, mixed = BATCHNORM_CASES[case]
+    torch.manual_seed(0)
+    model, cockpit = _mse_setup(build(), [_KeepsIndividual(EVERY)])
+    quantity = cockpit.quantities[0]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _mse_step(model, cockpit)
+    ours = [w for w in record if issubclass(w.category, CockpitWarning)]
+    assert len(ours) == (1 if mixed else 0), [str(w.message) for w in ours]
+    # brute force: the same step's forward pass (same seed and batch statistics)
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    params = list(model.parameters())
+    losses = ((model(x) - y) ** 2).mean(1)
+    statuses = [row.quantities["_KeepsIndividual"] for row in cockpit.coverage().params]
+    assert len(statuses) == len(params) == len(quantity.kept)
+    for index, param in enumerate(params):
+        want = torch.stack(
+            [torch.autograd.grad(loss, param, retain_graph=True)[0] for loss in losses]
+        )
+        got = quantity.kept[index]
+        if index in mixed:
+            assert statuses[index].kind == "not per-sample", (index, statuses[index])
+            assert "train mode after it" in statuses[index].how
+            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-8), index
+            # what they are instead: the mini-batch gradient split by input sample
+            torch.testing.assert_close(got.sum(0), want.sum(0), rtol=1e-10, atol=1e-12)
+        else:
+            assert statuses[index].kind == "exact", (index, statuses[index])
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_batchnorm_in_train_mode():
     model, cockpit = _mse_setup(_batchnorm_net(), [Q.Variance(EVERY)])
     with pytest.raises(NotImplementedError, match=r"BatchNorm1d '1' is in train mode"):
@@ -275,13 +360,16 @@ def test_batchnorm_in_train_mode():
     assert "train mode" in str(ours[0].message) and "model.eval()" in str(
         ours[0].message
     )
-    # the coverage does not call those values exact, and strict=True refuses them
-    statuses = {
+    # the coverage does not call the first layer's values exact (those after the
+    # BatchNorm, and its own, are: see the brute-force test above), and strict=True
+    # refuses them
+    statuses = [
         str(row.quantities["_NeedsIndividual"]) for row in cockpit.coverage().params
-    }
-    assert len(statuses) == 1 and statuses.pop().startswith(
-        "not per-sample (BatchNorm1d is in train mode"
-    )
+    ]
+    assert [s.split(" (")[0] for s in statuses] == ["not per-sample"] * 2 + [
+        "exact"
+    ] * 4
+    assert statuses[0].startswith("not per-sample (BatchNorm1d is in train mode")
     strict = Cockpit(model.parameters(), [_NeedsIndividual(EVERY)], strict=True)
     with pytest.raises(CoverageError, match=r"_NeedsIndividual.*not per-sample"):
         _mse_step(model, strict)

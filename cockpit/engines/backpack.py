@@ -453,6 +453,16 @@ def is_training_batchnorm(module: Module) -> bool:
     return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
 
 
+def _has_layers_before(module: Module) -> bool:
+    """Whether the input of ``module`` has an autograd graph (unknown: ``True``).
+
+    Samples mixed by a BatchNorm in train mode change the per-sample results of
+    the layers before it only; one on the data has none.
+    """
+    source = getattr(module, "input0", None)
+    return not isinstance(source, Tensor) or source.grad_fn is not None
+
+
 @dataclass
 class Unsupported:
     """A module whose parameters lack results the quantities need.
@@ -515,11 +525,11 @@ class ExtensionHook:
                 free_buffers(p, self.free)
             else:
                 mine.append((index, p))
+        if self.needed and is_training_batchnorm(module) and _has_layers_before(module):
+            self.batchnorms.append(module)  # affine=False too
         if not mine:
             return
         if self.needed:
-            if is_training_batchnorm(module):
-                self.batchnorms.append(module)
             missing = [
                 f for f in self.needed if not all(hasattr(p, f) for _, p in mine)
             ]

@@ -164,6 +164,10 @@ class Router:
         self.generator = torch.Generator().manual_seed(0)
         #: ``(key, report)`` of the latest step's coverage (rebuilt when it changes).
         self.coverage_cache: tuple | None = None
+        #: Parameter index -> why BackPACK's per-sample results of it mix samples
+        #: at the latest routed step (see :meth:`batch_mixing`).
+        self.mixed: dict[int, str] = {}
+        self._batchnorms: list[Module] | None = None
 
     @property
     def modules(self) -> ModuleMap:
@@ -236,8 +240,10 @@ class Router:
         elif isinstance(loss, Tensor) and loss.grad_fn is not None:
             root, n = loss, 0
         else:
+            self.mixed = self.batch_mixing()
             return routes
         nodes, uses = graph_uses([root.grad_fn])
+        self.mixed = self.batch_mixing(nodes)
         candidates: dict[int, Module] = {}
         for index, route in enumerate(routes):
             param = self.params[index]
@@ -257,10 +263,19 @@ class Router:
                 candidates[id(module)] = module
         if not per_sample or n < 2:  # no sample axis to check (a wrong length of
             failed: set[int] = set()  # the per-sample losses fails in the quantities)
-        elif self._can_probe(n):
-            failed = self._probe(individual_losses, list(candidates.values()))
-        else:  # samples mix anyway (BatchNorm in train mode): shapes only
-            failed = {key for key, m in candidates.items() if self._shape_problem(m, n)}
+        else:
+            # before a BatchNorm in train mode samples mix anyway: shapes only
+            mixing = {
+                id(m)
+                for index in self.mixed
+                for m, _ in self.modules.owners[id(self.params[index])]
+                if id(m) in candidates
+            }
+            failed = self._probe(
+                individual_losses,
+                [m for key, m in candidates.items() if key not in mixing],
+            )
+            failed |= {key for key in mixing if self._shape_problem(candidates[key], n)}
         for index, route in enumerate(routes):
             if route.engine != BACKPACK:
                 continue
@@ -305,27 +320,67 @@ class Router:
                 )
         return None
 
-    def batch_mixing(self) -> str | None:
-        """Why BackPACK's per-sample results mix samples now (``None``: they don't).
+    def batchnorms(self) -> list[Module]:
+        """The BatchNorm layers of the model holding the parameters (found once).
+
+        With or without parameters of their own (``affine=False``); where the
+        parameters belong to no one model, those among their owners.
+        """
+        if self._batchnorms is None:
+            owners = [m for found in self.modules.owners.values() for m, _ in found]
+            root = self._common_container(owners)
+            modules = root.modules() if root is not None else owners
+            found: dict[int, Module] = {}
+            for module in modules:
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                    found.setdefault(id(module), module)
+            self._batchnorms = list(found.values())
+        return self._batchnorms
+
+    def batch_mixing(self, nodes: set | None = None) -> dict[int, str]:
+        """Parameters whose BackPACK per-sample results mix samples now, with why.
 
         A BatchNorm layer in train mode normalises with statistics of the whole
-        mini-batch; BackPACK treats those as constants, so the per-sample
-        gradients of the layers before it are not ``d l_i / d theta``.
-        """
-        for owners in self.modules.owners.values():
-            for module, _ in owners:
-                if _is_training_batchnorm(module):
-                    return (
-                        f"{describe(module)} is in train mode: it normalises with "
-                        "statistics of the whole mini-batch, which BackPACK's "
-                        "per-sample results treat as constants (values recorded "
-                        "anyway; call model.eval() for tracked steps)"
-                    )
-        return None
+        mini-batch, so sample ``i``'s loss depends on every sample's input to it.
+        BackPACK forms a layer's per-sample results from its input and the gradient
+        of the mini-batch loss at its output; for the layers before such a
+        BatchNorm these split the mini-batch gradient by input sample (they sum to
+        it) instead of giving ``d l_i / d theta``. The layers after it, and its own
+        weight and bias, are not affected. "Before" means: reached by the autograd
+        graph of its input (every parameter where that is unknown).
 
-    def _can_probe(self, n: int) -> bool:
-        """Whether the probe can tell the sample axis (no BatchNorm mixes samples)."""
-        return self.batch_mixing() is None
+        Args:
+            nodes: The autograd nodes of the step's per-sample losses; a BatchNorm
+                whose output is not among them did not run for them.
+        """
+        roots, labels, unknown = [], [], False
+        for module in self.batchnorms():
+            if not _is_training_batchnorm(module):
+                continue
+            output = getattr(module, "output", None)
+            stored = isinstance(output, Tensor) and output.grad_fn is not None
+            if nodes is not None and stored and output.grad_fn not in nodes:
+                continue  # stored by an earlier forward pass
+            labels.append(describe(module))
+            source = getattr(module, "input0", None)
+            if not stored or not isinstance(source, Tensor):
+                unknown = True  # not extended: which layers come before is unknown
+            elif source.grad_fn is not None:
+                roots.append(source.grad_fn)
+        if not labels:
+            return {}
+        more = len(labels) - 1
+        reason = (
+            f"{labels[0]}{f' (and {more} more BatchNorm layers)' if more else ''} "
+            f"{'are' if more else 'is'} in train mode after it: batch statistics "
+            "mix the samples, so BackPACK's per-sample results split the "
+            "mini-batch gradient by input sample instead of giving d l_i / d theta "
+            "(values recorded anyway; call model.eval() for tracked steps)"
+        )
+        if unknown:
+            return dict.fromkeys(range(len(self.params)), reason)
+        _, reached = graph_uses(roots)
+        return {i: reason for i, p in enumerate(self.params) if id(p) in reached}
 
     def _probe(self, losses: Tensor, modules: list[Module]) -> set[int]:
         """Return ids of modules whose output's first axis is not the sample axis.
