@@ -25,6 +25,7 @@ from torch.nn import Module
 
 from cockpit.context import StepInfo, missing_info_message
 from cockpit.engines import backpack as engine
+from cockpit.engines.routing import is_training_batchnorm
 from cockpit.errors import CockpitWarning
 from cockpit.precision import LOW_PRECISION, compute_dtype
 
@@ -282,26 +283,21 @@ def module_label(module: Module, owned: Sequence[tuple[int, str | None]]) -> str
     return f"{cls} ({module!r})"
 
 
-_RECORDED_ANYWAY = (
-    " (values are recorded anyway; cockpit.coverage() marks the parameters)"
-)
+def batchnorm_message(label: str, who: str, global_step: int) -> str:
+    """The error for a BatchNorm layer in train mode that BackPACK refused.
 
-
-def batchnorm_message(label: str, who: str, global_step: int, error: bool) -> str:
-    """The message for a BatchNorm layer in train mode during a tracked step."""
-    consequence = (
-        "BackPACK refuses to compute"
-        if error
-        else "BackPACK computes them, but for the layers before it they split the "
-        "mini-batch gradient by input sample instead of giving d l_i / d theta:"
-    )
+    (Per-sample quantities are left out before the backward pass where such a
+    layer mixes the samples; this is what remains, e.g. a curvature extension.)
+    """
     return (
         f"{label} is in train mode at step {global_step}. It normalises with "
         "statistics of the whole mini-batch, so per-sample gradients and curvature "
-        f"mix samples; {consequence} the results needed by {who}"
-        f"{'' if error else _RECORDED_ANYWAY}. Fix: call "
-        "model.eval() before the forward pass of tracked steps (and model.train() "
-        "after), replace BatchNorm (e.g. by GroupNorm), or drop these quantities."
+        f"mix samples; BackPACK refuses to compute the results needed by {who}. "
+        "Fix: drop these quantities (on such models HessTrace and TICTrace are "
+        "estimated from Hessian-vector products), replace BatchNorm (e.g. by "
+        "GroupNorm), or call model.eval() before the forward pass of tracked steps "
+        "and model.train() after (those steps then train with the running "
+        "statistics)."
     )
 
 
@@ -400,23 +396,31 @@ class Diagnostics:
         warnings.warn(message, CockpitWarning, stacklevel=4)
 
     def missing(
-        self, recorder, steps: Sequence[int], key: str, reason: str, once=None
+        self,
+        recorder,
+        steps: Sequence[int],
+        key: str | Sequence[str],
+        reason: str,
+        once=None,
     ) -> None:
         """Record quantity ``key`` as missing at ``steps`` with ``reason``; warn once.
 
         Args:
             recorder: Where the reason is noted (under ``missing``).
             steps: The steps without a value (the first is named in the warning).
-            key: The quantity's key.
+            key: The quantity's key, or the keys of several missing for one reason
+                (one warning names them all).
             reason: Why, with the fix where there is one.
             once: What makes the warning new (default: one per quantity).
         """
+        keys = [key] if isinstance(key, str) else list(key)
         for step in steps:
-            recorder.note_missing(step, key, reason)
+            for name in keys:
+                recorder.note_missing(step, name, reason)
         self.warn_once(
-            ("missing", key) if once is None else once,
-            f"{key} has no value at step {steps[0]}: {reason}. (Recorded under "
-            "'missing'; warned once.)",
+            ("missing", *keys) if once is None else once,
+            f"{', '.join(keys)} {'has' if len(keys) == 1 else 'have'} no value at "
+            f"step {steps[0]}: {reason}. (Recorded under 'missing'; warned once.)",
         )
 
     def param_label(self, index: int) -> str:
@@ -479,19 +483,13 @@ class Diagnostics:
             self.warn_once("loss-mismatch", mismatch_message(health, step))
 
     def modules(self, plan, hook) -> None:
-        """Warn about BatchNorm in train mode; fail on layers the engine skipped.
+        """Fail on layers the engine skipped.
 
         Raises:
             NotImplementedError: For a layer without the results the quantities
                 need (named, with the quantities and the fix).
         """
         step = plan.global_step
-        for module in hook.batchnorms:
-            label = self.module_label(module)
-            who = plan.who_needs(engine.FIRST_ORDER_SAVEFIELDS)
-            self.warn_once(
-                ("batchnorm", label), batchnorm_message(label, who, step, error=False)
-            )
         if hook.unsupported:
             first = hook.unsupported[0]
             names = engine.extension_names(
@@ -575,8 +573,8 @@ class Diagnostics:
             )
         module = failure.module
         label = self.module_label(module) if module is not None else "a layer"
-        if module is not None and engine.is_training_batchnorm(module):
-            return NotImplementedError(batchnorm_message(label, who, step, error=True))
+        if module is not None and is_training_batchnorm(module):
+            return NotImplementedError(batchnorm_message(label, who, step))
         return NotImplementedError(
             unsupported_message(
                 label,

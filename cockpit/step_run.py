@@ -38,6 +38,7 @@ from cockpit.engines.replay import Replayer
 from cockpit.engines.routing import (
     AUTOCAST,
     AUTOGRAD,
+    BEFORE_BATCHNORM,
     PER_SAMPLE_BACKWARD,
     REPLAY,
     Route,
@@ -67,6 +68,25 @@ _ENGINE_MESSAGES = (
     "Full backward hook is firing",
     r"Extension saving to \w+ does not have an extension for Module",
 )
+
+
+def _batchnorm_autograd(labels: list[str], n: int | None) -> str:
+    """The warning for parameters sent to autograd by a train-mode BatchNorm."""
+    shown = ", ".join(labels[:4]) + (
+        f" and {len(labels) - 4} more" if len(labels) > 4 else ""
+    )
+    passes = f"about {n} backward passes" if n else "one backward pass per sample"
+    return (
+        f"{len(labels)} parameter tensor(s) ({shown}) sit before BatchNorm layers in "
+        "train mode, whose mini-batch statistics mix the samples, so BackPACK's "
+        "per-sample gradients of them would not be d l_i / d theta: cockpit "
+        "computes them exactly with the autograd engine instead, which costs "
+        f"{passes} per tracked step with per-sample quantities. Fix (for speed): "
+        "track fewer steps (a sparser track_schedule), normalise per sample "
+        "(GroupNorm, LayerNorm) instead, or give the Cockpit only the parameters "
+        "after the last BatchNorm. cockpit.coverage() says who computes what."
+    )
+
 
 _REPEATED = (
     "several backward passes ran inside one tracked step, so the per-sample "
@@ -216,11 +236,9 @@ class StepRouting:
         if self.routes is None:
             return None
         step = plan.global_step
-        mixing = self._router.mixed
         # the same routes, statuses and labels as at the step before: the same
         # rows (built once, not per parameter and quantity at every step)
         key = (
-            tuple(sorted(mixing.items())),
             tuple(self.routes),
             tuple(
                 (
@@ -250,10 +268,7 @@ class StepRouting:
                     )
                 else:
                     statuses[q.key] = status_for(
-                        q.needs_at(step),
-                        route,
-                        self.curvature_problem,
-                        mixing.get(index),
+                        q.needs_at(step), route, self.curvature_problem
                     )
             # read-only: the rows are handed out again at later steps
             statuses = MappingProxyType(statuses)
@@ -376,14 +391,27 @@ class StepRun:
                 "or use Cockpit(..., strict=False) (estimates are then recorded "
                 "with their standard error, values not covered as missing)."
             )
+        slow = [
+            labels[i]
+            for i in routing.autograd
+            if routing.routes[i].reason.startswith(BEFORE_BATCHNORM)
+        ]
+        if slow:
+            n = routing.losses.shape[0] if routing.losses is not None else None
+            self.diagnostics.warn_once(
+                "batchnorm-autograd", _batchnorm_autograd(slow, n)
+            )
+        groups: dict[tuple[str, str], list[str]] = {}
         for quantity, reason, fix in routing.dropped.values():
+            groups.setdefault((reason, fix), []).append(quantity.key)
+        for (reason, fix), keys in groups.items():  # one warning per reason
             self.diagnostics.missing(
                 self.recorder,
                 [step],
-                quantity.key,
+                keys,
                 f"{reason} (also at later steps like it). Fix: {fix}. "
                 "cockpit.coverage() says who computes what",
-                once=("not-covered", quantity.key, reason),
+                once=("not-covered", tuple(keys), reason),
             )
         if routing.dropped:
             plan = plan.without(entry[0] for entry in routing.dropped.values())

@@ -1,15 +1,28 @@
-"""A small ResNet with GroupNorm on scikit-learn's digits, tracked by cockpit.
+"""A small ResNet with BatchNorm or GroupNorm on scikit-learn digits, in a cockpit.
 
-Residual connections live in ``forward()`` code and BackPACK has no GroupNorm rule:
-cockpit computes every per-sample gradient in BackPACK's backward pass (GroupNorm's
-with a rule of its own, from the layer's input and output gradient) and estimates
-the Hessian trace with Hutchinson's method (BackPACK's exact diagonal needs an
-``nn.Sequential`` of layers it knows). ``coverage()`` says who computed what.
-ReLUs are not in-place: an in-place activation on the output of an ``extend``-ed
-layer fails in the forward pass (see ``docs/any_model.md``).
+Residual connections live in ``forward()`` code, so BackPACK's exact curvature
+diagonal (which needs an ``nn.Sequential`` of layers it knows) is out of reach: the
+Hessian trace is estimated with Hutchinson's method, with its standard error.
+Where the per-sample gradients come from depends on the normalisation layer;
+``coverage()`` says who computed what, and how exact it is.
 
-Run: ``python examples/resnet_digits.py [--steps 150] [--out resnet_digits_output]``.
-Writes ``<out>/log.json`` and ``<out>/dashboard.png``; prints the coverage report.
+``--norm batch`` (default): BatchNorm, in train mode as usual. It normalises with
+the statistics of the whole mini-batch, so sample ``i``'s loss depends on every
+sample's input to it. BackPACK's per-sample gradients of the layers *before* a
+BatchNorm would then split the mini-batch gradient by input sample instead of
+being ``d l_i / d theta``: cockpit sends those layers to its autograd engine, which
+differentiates each sample's loss through the whole batch (exact, one backward
+pass per sample, and says so once with a warning); the layers after the last
+BatchNorm and the BatchNorm weights stay with BackPACK.
+
+``--norm group``: GroupNorm instead, which normalises each sample on its own, so
+BackPACK computes every per-sample gradient (GroupNorm with a rule of cockpit's
+own). Measured at batch 32 on one CPU thread, an ``economy`` step costs about 20
+plain steps with BatchNorm and about 6 with GroupNorm.
+
+Run: ``python examples/resnet_digits.py [--steps 150] [--norm batch|group]
+[--out resnet_digits_output]``. Writes ``<out>/log.json`` and
+``<out>/dashboard.png``; prints the coverage report.
 """
 
 from __future__ import annotations
@@ -27,15 +40,24 @@ from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 
 
-class Block(torch.nn.Module):
-    """``relu(x + GN(conv(relu(GN(conv(x))))))``."""
+def make_norm(kind: str, channels: int) -> torch.nn.Module:
+    """``"batch"``: BatchNorm2d; ``"group"``: GroupNorm with four groups."""
+    if kind == "batch":
+        return torch.nn.BatchNorm2d(channels)
+    if kind == "group":
+        return torch.nn.GroupNorm(4, channels)
+    raise ValueError(f"norm must be 'batch' or 'group', got {kind!r}")
 
-    def __init__(self, channels: int):
+
+class Block(torch.nn.Module):
+    """``relu(x + N(conv(relu(N(conv(x))))))`` with the normalisation ``N``."""
+
+    def __init__(self, channels: int, norm: str = "batch"):
         super().__init__()
         self.conv1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.norm1 = torch.nn.GroupNorm(4, channels)
+        self.norm1 = make_norm(norm, channels)
         self.conv2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.norm2 = torch.nn.GroupNorm(4, channels)
+        self.norm2 = make_norm(norm, channels)
 
     def forward(self, x):
         h = torch.relu(self.norm1(self.conv1(x)))
@@ -45,10 +67,10 @@ class Block(torch.nn.Module):
 class ResNet(torch.nn.Module):
     """A stem convolution, two residual blocks, global pooling and a classifier."""
 
-    def __init__(self, channels: int = 16, classes: int = 10):
+    def __init__(self, channels: int = 16, classes: int = 10, norm: str = "batch"):
         super().__init__()
         self.stem = torch.nn.Conv2d(1, channels, 3, padding=1)
-        self.blocks = torch.nn.Sequential(Block(channels), Block(channels))
+        self.blocks = torch.nn.Sequential(Block(channels, norm), Block(channels, norm))
         self.head = torch.nn.Linear(channels, classes)
 
     def forward(self, x):
@@ -66,7 +88,11 @@ def load_digits():
 
 
 def main(
-    steps: int = 150, out: str = "resnet_digits_output", seed: int = 0
+    steps: int = 150,
+    out: str = "resnet_digits_output",
+    seed: int = 0,
+    norm: str = "batch",
+    lr: float = 0.01,
 ) -> dict[str, str]:
     """Train the ResNet, track it, save the log and the dashboard.
 
@@ -74,16 +100,18 @@ def main(
         steps: Training steps (a test runs a handful).
         out: Output folder.
         seed: Random seed.
+        norm: ``"batch"`` (BatchNorm) or ``"group"`` (GroupNorm).
+        lr: Learning rate of SGD with momentum 0.9.
 
     Returns:
         Paths of the log and the dashboard, and the coverage summary.
     """
     torch.manual_seed(seed)
     x, y = load_digits()
-    model = extend(ResNet())
+    model = extend(ResNet(norm=norm))
     loss_fn = extend(torch.nn.CrossEntropyLoss())
     individual_loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     quantities = configuration("economy") + [Q.HessTrace(linear(10))]
     cockpit = Cockpit(model.named_parameters(), quantities=quantities)
     generator = torch.Generator().manual_seed(seed)
@@ -106,13 +134,16 @@ def main(
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
         if step % 10 == 0 or step == steps - 1:
+            model.eval()  # BatchNorm: the running statistics, as at test time
             with torch.no_grad():
                 accuracy = (model(x).argmax(1) == y).float().mean().item()
-            cockpit.log(step, 0, loss.item(), None, None, accuracy, None, None, 0.1)
+            model.train()
+            cockpit.log(step, 0, loss.item(), None, None, accuracy, None, None, lr)
 
     logpath = cockpit.write(os.path.join(out, "log"))
     plotter = CockpitPlotter()
-    plotter.plot(logpath, show_plot=False, plot_title="ResNet (GroupNorm) on digits")
+    title = f"ResNet ({'BatchNorm' if norm == 'batch' else 'GroupNorm'}) on digits"
+    plotter.plot(logpath, show_plot=False, plot_title=title)
     (dashboard,) = plotter.save(os.path.join(out, "dashboard.png"))
     return {
         "log": logpath,
@@ -126,6 +157,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", default="resnet_digits_output")
+    parser.add_argument("--norm", choices=("batch", "group"), default="batch")
     args = parser.parse_args()
-    for name, value in main(args.steps, args.out).items():
+    for name, value in main(args.steps, args.out, norm=args.norm).items():
         print(f"{name}: {value}")

@@ -9,18 +9,27 @@ import pytest
 from cockpit.history import History
 from tests.test_examples import assert_png, load_example
 
+CASES = {
+    "char_transformer": ("char_transformer", {}, "6 from autograd, 11 from backpack"),
+    # BatchNorm in train mode: the convolutions before one go to autograd
+    "resnet_digits": ("resnet_digits", {}, "12 from autograd, 4 from backpack"),
+    "resnet_digits-group": ("resnet_digits", {"norm": "group"}, "16 from backpack"),
+}
 
-@pytest.mark.parametrize("name", ["char_transformer", "resnet_digits"])
-def test_any_model_example_writes_log_dashboard_and_coverage(name, tmp_path):
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_any_model_example_writes_log_dashboard_and_coverage(case, tmp_path):
+    name, kwargs, engines = CASES[case]
     module = load_example(name)
     assert f"python examples/{name}.py" in module.__doc__
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Full backward hook is firing")
-        paths = module.main(steps=2, out=str(tmp_path / name))
+        warnings.filterwarnings("ignore", ".*sit before BatchNorm layers")
+        paths = module.main(steps=2, out=str(tmp_path / case), **kwargs)
     assert_png(paths["dashboard"])
     history = History.from_json(paths["log"])
     assert history.steps == [0, 1]
     assert {"Alpha", "GradNorm", "HessTrace", "HessTrace_estimate"} <= set(history.keys)
-    engine = "autograd" if name == "char_transformer" else "backpack"
-    assert f"from {engine}" in paths["coverage"]
+    assert "missing" not in history.keys
+    assert f"({engines})" in paths["coverage"]
     assert "HessTrace estimated" in paths["coverage"]

@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
-from backpack import extend
+from backpack import backpack, extend
+from backpack.extensions import BatchGrad
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.cockpit import NONFINITE_KEY
-from cockpit.engines.coverage import CoverageError
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import SingleStepQuantity, TwoStepQuantity
@@ -275,12 +275,12 @@ class _KeepsIndividual(SingleStepQuantity):
         return [float(e.norm()) for e in self.acc.ordered(len(ctx.params))]
 
 
-def _bn(affine=True, train=True):
-    layer = torch.nn.BatchNorm1d(4, affine=affine)
+def _bn(affine=True, train=True, running=True):
+    layer = torch.nn.BatchNorm1d(4, affine=affine, track_running_stats=running)
     return layer.train(train)
 
 
-#: name -> (model, the parameter indices whose per-sample results mix samples)
+#: name -> (model, the parameter indices before a BatchNorm that mixes the samples)
 BATCHNORM_CASES = {
     "linear-bn-linear": (lambda: _batchnorm_net(), {0, 1}),
     "bn-without-affine": (
@@ -304,82 +304,109 @@ BATCHNORM_CASES = {
         ),
         {0, 1, 2, 3, 4, 5},
     ),
+    "eval-bn-without-running-statistics": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(3, 4), _bn(train=False, running=False), torch.nn.Tanh(),
+            torch.nn.Linear(4, 2),
+        ),
+        {0, 1},
+    ),
+    "eval-bn": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(3, 4), _bn(train=False), torch.nn.Tanh(),
+            torch.nn.Linear(4, 2),
+        ),
+        set(),
+    ),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(BATCHNORM_CASES))
-def test_batchnorm_in_train_mode_marks_exactly_the_layers_before_it(case):
-    """Per-sample results are ``d l_i / d theta`` of the batch's forward pass (each
-    sample's loss differentiated through the whole batch's graph, float64) where
-    the coverage says exact, and differ where it says "not per-sample"."""
-    build, mixed = BATCHNORM_CASES[case]
-    torch.manual_seed(0)
-    model, cockpit = _mse_setup(build(), [_KeepsIndividual(EVERY)])
-    quantity = cockpit.quantities[0]
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _mse_step(model, cockpit)
-    ours = [w for w in record if issubclass(w.category, CockpitWarning)]
-    assert len(ours) == (1 if mixed else 0), [str(w.message) for w in ours]
-    # brute force: the same step's forward pass (same seed and batch statistics)
+def _brute_force_and_backpack(model):
+    """Per-sample gradients of ``_mse_step``'s batch at step 0: by definition (each
+    sample's loss through the batch's graph, float64) and BackPACK's BatchGrad."""
     torch.manual_seed(0)
     x = torch.randn(6, 3, dtype=torch.float64)
     y = torch.randn(6, 2, dtype=torch.float64)
     params = list(model.parameters())
     losses = ((model(x) - y) ** 2).mean(1)
-    statuses = [row.quantities["_KeepsIndividual"] for row in cockpit.coverage().params]
-    assert len(statuses) == len(params) == len(quantity.kept)
-    for index, param in enumerate(params):
-        want = torch.stack(
-            [torch.autograd.grad(loss, param, retain_graph=True)[0] for loss in losses]
+    want = [
+        torch.stack(
+            [torch.autograd.grad(loss, p, retain_graph=True)[0] for loss in losses]
         )
-        got = quantity.kept[index]
+        for p in params
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BackPACK's own BatchNorm warning
+        try:
+            with backpack(BatchGrad()):  # (BackPACK stores inputs in its context)
+                extend(torch.nn.MSELoss())(model(x), y).backward()
+        except AttributeError:  # BackPACK's BatchNorm rule reads running_var,
+            return want, None  # which track_running_stats=False leaves None
+    got = [p.grad_batch * 6 for p in params]  # BackPACK's are those of the mean
+    model.zero_grad()
+    return want, got
+
+
+@pytest.mark.parametrize("case", sorted(BATCHNORM_CASES))
+def test_batchnorm_mixing_the_samples_sends_the_layers_before_it_to_autograd(case):
+    """BackPACK's per-sample results are ``d l_i / d theta`` (float64, brute force)
+    for every parameter except those before a BatchNorm that normalises with the
+    mini-batch's statistics (the table's sets, proven here); cockpit computes those
+    with the autograd engine, so every recorded per-sample gradient is exact."""
+    build, mixed = BATCHNORM_CASES[case]
+    torch.manual_seed(0)
+    model = extend(build().double())
+    want, got = _brute_force_and_backpack(model)
+    for index, (w, g) in enumerate(zip(want, got or want, strict=True)):
+        if got is None:  # BackPACK cannot run it: the set is that of train mode
+            break
         if index in mixed:
-            assert statuses[index].kind == "not per-sample", (index, statuses[index])
-            assert "train mode after it" in statuses[index].how
-            assert not torch.allclose(got, want, rtol=1e-3, atol=1e-8), index
+            assert not torch.allclose(g, w, rtol=1e-3, atol=1e-8), index
             # what they are instead: the mini-batch gradient split by input sample
-            torch.testing.assert_close(got.sum(0), want.sum(0), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g.sum(0), w.sum(0), rtol=1e-10, atol=1e-12)
         else:
-            assert statuses[index].kind == "exact", (index, statuses[index])
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    quantities = [_KeepsIndividual(EVERY), Q.Variance(EVERY)]
+    cockpit = Cockpit(list(model.parameters()), quantities, strict=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _mse_step(model, cockpit)
+    ours = [str(w.message) for w in record if issubclass(w.category, CockpitWarning)]
+    if mixed:
+        assert len(ours) == 1, ours
+        assert f"{len(mixed)} parameter tensor(s)" in ours[0]
+        assert "sit before BatchNorm layers" in ours[0] and "Fix" in ours[0]
+    else:
+        assert ours == []
+    rows = cockpit.coverage().params
+    engines = {row.index: row.route.engine for row in rows}
+    assert {i for i, e in engines.items() if e == "autograd"} == mixed
+    for row in rows:
+        if row.index in mixed:
+            assert row.route.reason.startswith("samples mix through BatchNorm1d")
+    kept = cockpit.quantities[0].kept
+    for index, w in enumerate(want):
+        torch.testing.assert_close(kept[index], w, rtol=1e-10, atol=1e-12)
+    output = cockpit.get_output()[0]
+    assert "missing" not in output and len(output["Variance"]) == len(want)
 
 
 def test_batchnorm_in_train_mode():
+    # Variance's BackPACK extensions refuse BatchNorm in train mode; cockpit's rule
+    # for its weight and bias and the autograd engine before it give every value
     model, cockpit = _mse_setup(_batchnorm_net(), [Q.Variance(EVERY)])
-    with pytest.raises(NotImplementedError, match=r"BatchNorm1d '1' is in train mode"):
+    with pytest.warns(CockpitWarning, match=r"2 parameter tensor\(s\) \('0.weight'"):
         _mse_step(model, cockpit)
-    # where BackPACK computes anyway (per-sample gradients), a warning says so
-    model, cockpit = _mse_setup(_batchnorm_net(), [_NeedsIndividual(EVERY)])
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _mse_step(model, cockpit, step=0)
-        _mse_step(model, cockpit, step=1)
-    ours = [w for w in record if issubclass(w.category, CockpitWarning)]
-    assert len(ours) == 1
-    assert "train mode" in str(ours[0].message) and "model.eval()" in str(
-        ours[0].message
-    )
-    # the coverage does not call the first layer's values exact (those after the
-    # BatchNorm, and its own, are: see the brute-force test above), and strict=True
-    # refuses them
-    statuses = [
-        str(row.quantities["_NeedsIndividual"]) for row in cockpit.coverage().params
-    ]
-    assert [s.split(" (")[0] for s in statuses] == ["not per-sample"] * 2 + [
-        "exact"
-    ] * 4
-    assert statuses[0].startswith("not per-sample (BatchNorm1d is in train mode")
-    strict = Cockpit(model.parameters(), [_NeedsIndividual(EVERY)], strict=True)
-    with pytest.raises(CoverageError, match=r"_NeedsIndividual.*not per-sample"):
-        _mse_step(model, strict)
-    # in eval mode all is well
+    assert "missing" not in cockpit.get_output()[0]
+    assert len(cockpit.get_output()[0]["Variance"]) == 6
+    # in eval mode BackPACK's engine does it all, without a warning
     model.eval()
     model, cockpit = _mse_setup(model, [Q.Variance(EVERY), _NeedsIndividual(EVERY)])
     with warnings.catch_warnings():
         warnings.simplefilter("error", CockpitWarning)
         _mse_step(model, cockpit)
     assert set(cockpit.get_output()[0]) == {"Variance", "_NeedsIndividual"}
+    assert {row.route.engine for row in cockpit.coverage().params} == {"backpack"}
 
 
 class _WithUnusedLayer(torch.nn.Module):

@@ -448,21 +448,6 @@ def free_buffers(param: Tensor, fields: Iterable[str]) -> None:
             delattr(param, name)
 
 
-def is_training_batchnorm(module: Module) -> bool:
-    """Return whether ``module`` is a BatchNorm layer in train mode."""
-    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
-
-
-def _has_layers_before(module: Module) -> bool:
-    """Whether the input of ``module`` has an autograd graph (unknown: ``True``).
-
-    Samples mixed by a BatchNorm in train mode change the per-sample results of
-    the layers before it only; one on the data has none.
-    """
-    source = getattr(module, "input0", None)
-    return not isinstance(source, Tensor) or source.grad_fn is not None
-
-
 @dataclass
 class Unsupported:
     """A module whose parameters lack results the quantities need.
@@ -486,8 +471,9 @@ class ExtensionHook:
     module's cockpit parameters to every consumer (``accumulate(step, view)``) and
     deletes the savefields in ``free``, so large per-sample or curvature tensors
     exist for one module at a time. It also notes modules whose parameters lack a
-    needed savefield (BackPACK skips modules it has no rule for) and BatchNorm
-    layers in train mode; their parameters are not shown to the quantities.
+    needed savefield (BackPACK skips modules it has no rule for); their parameters
+    are not shown to the quantities. (BatchNorm layers in train mode are found
+    before the backward pass: :meth:`cockpit.engines.routing.Router.batch_mixing`.)
 
     Attributes:
         index: ``id(param)`` -> cockpit index.
@@ -505,7 +491,6 @@ class ExtensionHook:
     visited: set[int] = field(default_factory=set)
     repeated: bool = False
     unsupported: list[Unsupported] = field(default_factory=list)
-    batchnorms: list[Module] = field(default_factory=list)
     batch_size: int | None = None
     #: Indices whose results another engine shows (BackPACK's are dropped).
     elsewhere: frozenset[int] = frozenset()
@@ -525,8 +510,6 @@ class ExtensionHook:
                 free_buffers(p, self.free)
             else:
                 mine.append((index, p))
-        if self.needed and is_training_batchnorm(module) and _has_layers_before(module):
-            self.batchnorms.append(module)  # affine=False too
         if not mine:
             return
         if self.needed:

@@ -24,7 +24,8 @@ per-sample tensor is built only if a quantity asks for it (e.g. a histogram of i
 elements). ``Conv2d`` weights (zero padding, one group) get their per-sample gradients
 from one batched product of the output gradient with the unfolded input, which on
 CPUs is faster than BackPACK's convolution-based rule. Every other layer (other
-convolutions, batch norm, ...) uses BackPACK's own rule.
+convolutions, ...) uses BackPACK's own rule; normalisation layers (LayerNorm,
+GroupNorm, RMSNorm, BatchNorm) get per-sample rules of cockpit's own.
 The savefield is ``grad_batch`` as for ``BatchGrad``; the cockpit deletes it in its
 extension hook, so users never see a factor object. Read the results through
 :mod:`cockpit.engines.backpack`, which wraps both forms in the
@@ -62,8 +63,18 @@ from backpack.extensions.secondorder.diag_ggn.conv2d import DiagGGNConv2d
 from backpack.extensions.secondorder.diag_hessian.conv2d import DiagHConv2d
 from backpack.utils import conv as conv_utils
 from torch import Tensor
-from torch.nn import Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RMSNorm
-from torch.nn.functional import group_norm, layer_norm, rms_norm, unfold
+from torch.nn import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    Conv2d,
+    Embedding,
+    GroupNorm,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+)
+from torch.nn.functional import batch_norm, group_norm, layer_norm, rms_norm, unfold
 
 from cockpit.per_sample import LinearFactors
 
@@ -264,14 +275,27 @@ class _EmbeddingSumGradSquared(FirstOrderModuleExtension):
 
 
 # --- normalisation layers ------------------------------------------------------------
-#: Normalisation layers with cockpit rules (BackPACK has none).
-NORM_LAYERS = (LayerNorm, GroupNorm, RMSNorm)
+#: Normalisation layers with cockpit rules (BackPACK has none for the first three;
+#: its BatchNorm rules refuse ``BatchL2Grad`` and ``SumGradSquared`` in train mode).
+BATCH_NORMS = (BatchNorm1d, BatchNorm2d, BatchNorm3d)
+NORM_LAYERS = (LayerNorm, GroupNorm, RMSNorm, *BATCH_NORMS)
 
 
 def _normalised(module, x: Tensor) -> Tensor:
     """The layer's input, normalised, before the affine weight and bias."""
     if isinstance(module, GroupNorm):
         return group_norm(x, module.num_groups, None, None, module.eps)
+    if isinstance(module, BATCH_NORMS):
+        # as the layer's forward: the mini-batch's statistics in train mode (or
+        # without running statistics), the running ones otherwise; nothing updated
+        running = module.running_mean is not None and not module.training
+        return batch_norm(
+            x,
+            module.running_mean if running else None,
+            module.running_var if running else None,
+            training=not running,
+            eps=module.eps,
+        )
     if isinstance(module, LayerNorm):
         return layer_norm(x, module.normalized_shape, None, None, module.eps)
     return rms_norm(x, module.normalized_shape, None, module.eps)
@@ -288,7 +312,7 @@ def norm_per_sample(module, g_out, name: str) -> Tensor:
     delta = g_out[0].detach()
     if name == "weight":
         delta = delta * _normalised(module, module.input0.detach())
-    if isinstance(module, GroupNorm):  # [N, C, *spatial] -> [N, C]
+    if isinstance(module, (GroupNorm, *BATCH_NORMS)):  # [N, C, *spatial] -> [N, C]
         return delta.sum(dim=tuple(range(2, delta.dim()))) if delta.dim() > 2 else delta
     kept = len(module.normalized_shape)  # trailing axes, after the batch and others
     axes = tuple(range(1, delta.dim() - kept))
@@ -296,7 +320,12 @@ def norm_per_sample(module, g_out, name: str) -> Tensor:
 
 
 class _NormRule(FirstOrderModuleExtension):
-    """LayerNorm, GroupNorm, RMSNorm: per-sample results from input and ``delta``.
+    """Normalisation layers: per-sample results from the input and ``delta``.
+
+    For a BatchNorm layer in train mode these are ``d l_i / d theta`` of its weight
+    and bias where no later layer mixes the samples (``x_hat`` depends on the
+    weight and bias of no layer before: ``delta_i`` is ``d l_i / d y_i`` then); the
+    routing sends the parameters before any train-mode BatchNorm to autograd.
 
     Args:
         reduce: What to save: ``"batch"`` (``b_i``), ``"l2"`` (``||b_i||^2``) or

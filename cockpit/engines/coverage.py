@@ -16,9 +16,6 @@ from cockpit.needs import Need
 
 EXACT = "exact"
 ESTIMATED = "estimated"
-#: Recorded, but not the definition's value: BackPACK's per-sample results of a
-#: model whose BatchNorm layers are in train mode (they mix the samples).
-MIXED = "not per-sample"
 MISSING = "not covered"
 
 #: Needs served by per-sample gradients (from either engine).
@@ -28,7 +25,7 @@ PER_SAMPLE_NEEDS = frozenset(
 #: Needs served by BackPACK's curvature diagonals.
 CURVATURE_NEEDS = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
 
-_RANK = {EXACT: 0, ESTIMATED: 1, MIXED: 2, MISSING: 3}
+_RANK = {EXACT: 0, ESTIMATED: 1, MISSING: 2}
 
 
 class CoverageError(RuntimeError):
@@ -40,7 +37,7 @@ class Status:
     """How one quantity's value for one parameter is obtained.
 
     Attributes:
-        kind: :data:`EXACT`, :data:`ESTIMATED`, :data:`MIXED` or :data:`MISSING`.
+        kind: :data:`EXACT`, :data:`ESTIMATED` or :data:`MISSING`.
         how: The engine or method (``"backpack"``, ``"autograd"``, ...), or why
             it is missing.
     """
@@ -168,7 +165,6 @@ def status_for(
     needs: frozenset[Need],
     route: Route,
     curvature: str | None,
-    mixing: str | None = None,
 ) -> Status:
     """The status of a quantity with ``needs`` for a parameter routed by ``route``.
 
@@ -176,16 +172,11 @@ def status_for(
         needs: What the quantity reads at the step.
         route: The parameter's route.
         curvature: Why BackPACK's curvature is unavailable (``None``: available).
-        mixing: Why BackPACK's per-sample results mix the samples at the step
-            (BatchNorm in train mode; ``None``: they do not).
     """
     statuses = [Status(EXACT, "gradient")]
     if needs & PER_SAMPLE_NEEDS:
         how = {BACKPACK: "backpack", AUTOGRAD: "autograd", UNUSED: "zero: unused"}
-        if mixing is not None and route.engine == BACKPACK:
-            statuses.append(Status(MIXED, mixing))
-        else:
-            statuses.append(Status(EXACT, how.get(route.engine, route.engine)))
+        statuses.append(Status(EXACT, how.get(route.engine, route.engine)))
     if needs & CURVATURE_NEEDS:
         if curvature is not None:
             statuses.append(Status(MISSING, curvature))

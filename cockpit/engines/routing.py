@@ -75,6 +75,9 @@ class Route:
 
 #: Method of a parameter replayed within a module (``"replay of <class>"``).
 REPLAY = "replay of"
+#: Start of the reason of a parameter sent to autograd because a BatchNorm layer
+#: in train mode after it mixes the samples.
+BEFORE_BATCHNORM = "samples mix through"
 #: Method of a parameter differentiated through the whole graph, sample by sample.
 PER_SAMPLE_BACKWARD = "one batched backward pass per sample"
 
@@ -139,8 +142,15 @@ def describe(module: Module, attribute: str = "") -> str:
     return type(module).__name__ + (f".{attribute}" if attribute else "")
 
 
-def _is_training_batchnorm(module: Module) -> bool:
-    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+def is_training_batchnorm(module: Module) -> bool:
+    """Whether ``module`` is a BatchNorm layer normalising with mini-batch statistics.
+
+    In train mode, or in eval mode without running statistics
+    (``track_running_stats=False``), as its forward pass does.
+    """
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and (
+        module.training or module.running_mean is None
+    )
 
 
 class Router:
@@ -167,7 +177,7 @@ class Router:
         #: Parameter index -> why BackPACK's per-sample results of it mix samples
         #: at the latest routed step (see :meth:`batch_mixing`).
         self.mixed: dict[int, str] = {}
-        self._batchnorms: list[Module] | None = None
+        self._batchnorms: list[tuple[str, Module]] | None = None
 
     @property
     def modules(self) -> ModuleMap:
@@ -257,25 +267,21 @@ class Router:
                 continue
             module, _ = self.modules.owners[id(param)][0]
             problem = self._use_problem(module, count, nodes, n)
+            if problem is None and index in self.mixed:
+                problem = (
+                    f"{BEFORE_BATCHNORM} {self.mixed[index]} in train mode after it "
+                    "(mini-batch statistics), so BackPACK's per-sample results "
+                    "would split the mini-batch gradient by input sample instead of "
+                    "giving d l_i / d theta"
+                )
             if problem is not None:
                 routes[index] = Route(AUTOGRAD, problem, route.module)
-            elif not _is_training_batchnorm(module):
+            elif not is_training_batchnorm(module):
                 candidates[id(module)] = module
         if not per_sample or n < 2:  # no sample axis to check (a wrong length of
             failed: set[int] = set()  # the per-sample losses fails in the quantities)
         else:
-            # before a BatchNorm in train mode samples mix anyway: shapes only
-            mixing = {
-                id(m)
-                for index in self.mixed
-                for m, _ in self.modules.owners[id(self.params[index])]
-                if id(m) in candidates
-            }
-            failed = self._probe(
-                individual_losses,
-                [m for key, m in candidates.items() if key not in mixing],
-            )
-            failed |= {key for key in mixing if self._shape_problem(candidates[key], n)}
+            failed = self._probe(individual_losses, list(candidates.values()))
         for index, route in enumerate(routes):
             if route.engine != BACKPACK:
                 continue
@@ -320,21 +326,31 @@ class Router:
                 )
         return None
 
-    def batchnorms(self) -> list[Module]:
-        """The BatchNorm layers of the model holding the parameters (found once).
+    def batchnorms(self) -> list[tuple[str, Module]]:
+        """``(label, layer)`` of the BatchNorm layers around the parameters.
 
-        With or without parameters of their own (``affine=False``); where the
-        parameters belong to no one model, those among their owners.
+        Found once, in the outermost modules holding the parameters' owners (a
+        cockpit given part of a model still sees the BatchNorm layers of the
+        rest), with or without parameters of their own (``affine=False``). The
+        label is the class and the qualified name, e.g. ``BatchNorm2d 'b.0.bn'``.
         """
         if self._batchnorms is None:
-            owners = [m for found in self.modules.owners.values() for m, _ in found]
-            root = self._common_container(owners)
-            modules = root.modules() if root is not None else owners
-            found: dict[int, Module] = {}
-            for module in modules:
-                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                    found.setdefault(id(module), module)
-            self._batchnorms = list(found.values())
+            roots: dict[int, Module] = {}
+            for found in self.modules.owners.values():
+                for module, _ in found:
+                    root = self._ancestors(module)[-1]
+                    roots.setdefault(id(root), root)
+            layers: dict[int, tuple[str, Module]] = {}
+            for root in roots.values():
+                for name, module in root.named_modules():
+                    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                        label = (
+                            f"{type(module).__name__} {name!r}"
+                            if name
+                            else (type(module).__name__)
+                        )
+                        layers.setdefault(id(module), (label, module))
+            self._batchnorms = list(layers.values())
         return self._batchnorms
 
     def batch_mixing(self, nodes: set | None = None) -> dict[int, str]:
@@ -347,40 +363,46 @@ class Router:
         BatchNorm these split the mini-batch gradient by input sample (they sum to
         it) instead of giving ``d l_i / d theta``. The layers after it, and its own
         weight and bias, are not affected. "Before" means: reached by the autograd
-        graph of its input (every parameter where that is unknown).
+        graph of its input (every parameter for a BatchNorm that is not
+        ``backpack.extend``-ed: its input is not stored). :meth:`route` sends
+        them to the autograd engine, which is exact for them: it differentiates
+        each sample's loss through the whole batch's graph.
 
         Args:
             nodes: The autograd nodes of the step's per-sample losses; a BatchNorm
                 whose output is not among them did not run for them.
+
+        Returns:
+            Parameter index -> the BatchNorm layers responsible, e.g.
+            ``"BatchNorm2d 'blocks.0.bn' and 3 more BatchNorm layers"``.
         """
         roots, labels, unknown = [], [], False
-        for module in self.batchnorms():
-            if not _is_training_batchnorm(module):
+        for label, module in self.batchnorms():
+            if not is_training_batchnorm(module):
                 continue
+            if not getattr(module, "_backpack_extend", False):
+                labels.append(label)  # its inputs are not stored: which layers
+                unknown = True  # come before it is unknown
+                continue
+            # BackPACK stores an extended layer's input and output in each forward
+            # pass that records a graph (and deletes them after the backward)
             output = getattr(module, "output", None)
-            stored = isinstance(output, Tensor) and output.grad_fn is not None
-            if nodes is not None and stored and output.grad_fn not in nodes:
-                continue  # stored by an earlier forward pass
-            labels.append(describe(module))
             source = getattr(module, "input0", None)
-            if not stored or not isinstance(source, Tensor):
-                unknown = True  # not extended: which layers come before is unknown
-            elif source.grad_fn is not None:
+            if not isinstance(output, Tensor) or output.grad_fn is None:
+                continue  # did not run with a graph: no parameter before it
+            if nodes is not None and output.grad_fn not in nodes:
+                continue  # not for these losses (stored by an earlier pass)
+            labels.append(label)
+            if isinstance(source, Tensor) and source.grad_fn is not None:
                 roots.append(source.grad_fn)
         if not labels:
             return {}
         more = len(labels) - 1
-        reason = (
-            f"{labels[0]}{f' (and {more} more BatchNorm layers)' if more else ''} "
-            f"{'are' if more else 'is'} in train mode after it: batch statistics "
-            "mix the samples, so BackPACK's per-sample results split the "
-            "mini-batch gradient by input sample instead of giving d l_i / d theta "
-            "(values recorded anyway; call model.eval() for tracked steps)"
-        )
+        who = f"{labels[0]}{f' and {more} more BatchNorm layers' if more else ''}"
         if unknown:
-            return dict.fromkeys(range(len(self.params)), reason)
+            return dict.fromkeys(range(len(self.params)), who)
         _, reached = graph_uses(roots)
-        return {i: reason for i, p in enumerate(self.params) if id(p) in reached}
+        return {i: who for i, p in enumerate(self.params) if id(p) in reached}
 
     def _probe(self, losses: Tensor, modules: list[Module]) -> set[int]:
         """Return ids of modules whose output's first axis is not the sample axis.
