@@ -51,6 +51,7 @@ def test_ddp_example_under_torchrun_two_processes(tmp_path):
     assert "2 process(es) on cpu" in done.stdout
     assert "data-parallel cockpit: True" in done.stdout
     assert done.stdout.count("log: ") == 1
+    assert done.stderr.count("cockpit coverage at step 0:") == 1  # rank 0's line
     assert sorted(os.listdir(tmp_path)) == ["run"]
     assert sorted(os.listdir(out)) == ["dashboard.png", "log.json"]
     assert_png(out / "dashboard.png")
