@@ -73,14 +73,26 @@ def announce(message: str, *args) -> None:
     (``logging.basicConfig``, pytest, ...) receives the line as usual, once.
     Silence it with ``logging.getLogger("cockpit").setLevel(logging.WARNING)``.
     """
-    if not any(getattr(h, "_cockpit_default", False) for h in _LOG.handlers):
-        handler = _StderrHandler()
-        handler._cockpit_default = True
-        handler.addFilter(_shown_by_default)
-        _LOG.addHandler(handler)
+    default_handler()
+    _LOG.info(message, *args)
+
+
+_DEFAULT_HANDLER: logging.Handler | None = None
+
+
+def default_handler() -> None:
+    """Give the ``cockpit`` logger its stderr handler (once; see :func:`announce`).
+
+    A cockpit that writes the log calls it when it is made, so that a progress bar
+    can redirect the handler (``tqdm.contrib.logging.logging_redirect_tqdm``).
+    """
+    global _DEFAULT_HANDLER
+    if _DEFAULT_HANDLER is None:  # once per process: a progress bar may swap it
+        _DEFAULT_HANDLER = _StderrHandler()  # for a handler of its own meanwhile
+        _DEFAULT_HANDLER.addFilter(_shown_by_default)
+        _LOG.addHandler(_DEFAULT_HANDLER)
         if _LOG.level == logging.NOTSET:
             _LOG.setLevel(logging.INFO)
-    _LOG.info(message, *args)
 
 
 #: The keys written by :meth:`Cockpit.log`, in argument order.
@@ -208,6 +220,8 @@ class Cockpit:
                 )
         #: Whether this process writes the log and shows diagnoses.
         self.is_writer = not self.data_parallel or self.rank == log_rank
+        if self.is_writer:
+            default_handler()  # where the coverage line goes (see announce)
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []

@@ -7,6 +7,7 @@ writes the cockpit log and renders the dashboard to a PNG.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def run_demo(
         The cockpit, the log path and the dashboard path.
     """
     from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     x, y = load_digits_tensors()
     (x_train, y_train), (x_valid, y_valid) = _split(x, y, seed)
@@ -124,7 +126,9 @@ def run_demo(
         plotter = CockpitPlotter(secondary_screen=secondary is not None)
 
     bar = tqdm(range(steps), desc="cockpit demo", disable=not progress)
-    with warnings.catch_warnings():
+    # cockpit's coverage line above the bar, not in it
+    redirect = logging_redirect_tqdm([logging.getLogger("cockpit")], type(bar))
+    with warnings.catch_warnings(), redirect:
         # Expected and harmless here: BackPACK's full backward hooks fire on the
         # first layer, whose input needs no gradient; and HessMaxEV's create_graph
         # backward (the cockpit detaches .grad afterwards, breaking the cycle).

@@ -85,3 +85,17 @@ def test_configured_logging_gets_the_line_once_in_its_own_format(tmp_path):
 def test_a_level_above_info_silences_it(tmp_path, setup):
     done = _run(tmp_path, setup)
     assert _coverage_lines(done.stderr) == [], done.stderr
+
+
+def test_the_demo_prints_it_once_above_its_progress_bar(tmp_path):
+    """The demo's progress bar takes the line over (tqdm's logging redirect), and
+    the cockpit logger's own handler must not come back beside it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cockpit", "demo", "--steps", "3", "--out",
+         str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = _coverage_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("cockpit coverage at step 0:")
