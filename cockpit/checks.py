@@ -284,20 +284,21 @@ def module_label(module: Module, owned: Sequence[tuple[int, str | None]]) -> str
 
 
 def batchnorm_message(label: str, who: str, global_step: int) -> str:
-    """The error for a BatchNorm layer in train mode that BackPACK refused.
+    """The error for a mini-batch-statistics BatchNorm layer BackPACK refused.
 
-    (Per-sample quantities are left out before the backward pass where such a
-    layer mixes the samples; this is what remains, e.g. a curvature extension.)
+    (Routing sends the layers before such a layer to autograd, and cockpit's rule
+    covers its weight and bias; this is what remains, e.g. a user's extension.)
     """
     return (
-        f"{label} is in train mode at step {global_step}. It normalises with "
-        "statistics of the whole mini-batch, so per-sample gradients and curvature "
+        f"{label} normalises with statistics of the whole mini-batch at step "
+        f"{global_step} (train mode, or no running statistics), so per-sample "
+        "gradients and curvature "
         f"mix samples; BackPACK refuses to compute the results needed by {who}. "
         "Fix: drop these quantities (on such models HessTrace and TICTrace are "
         "estimated from Hessian-vector products), replace BatchNorm (e.g. by "
-        "GroupNorm), or call model.eval() before the forward pass of tracked steps "
-        "and model.train() after (those steps then train with the running "
-        "statistics)."
+        "GroupNorm), or, for a layer with running statistics, call model.eval() "
+        "before the forward pass of tracked steps and model.train() after (those "
+        "steps then train with the running statistics)."
     )
 
 
@@ -408,18 +409,27 @@ class Diagnostics:
         Args:
             recorder: Where the reason is noted (under ``missing``).
             steps: The steps without a value (the first is named in the warning).
-            key: The quantity's key, or the keys of several missing for one reason
-                (one warning names them all).
+            key: The quantity's key, or the keys of several missing for one reason:
+                one warning names those not warned about before.
             reason: Why, with the fix where there is one.
-            once: What makes the warning new (default: one per quantity).
+            once: What makes the warning new (default: one per quantity); for
+                several keys, a prefix that each key completes.
         """
         keys = [key] if isinstance(key, str) else list(key)
         for step in steps:
             for name in keys:
                 recorder.note_missing(step, name, reason)
+        if isinstance(key, str):
+            marks = {key: ("missing", key) if once is None else once}
+        else:
+            marks = {name: (*(once or ("missing",)), name) for name in keys}
+        fresh = [name for name in keys if marks[name] not in self._warned]
+        if not fresh:
+            return
+        self._warned.update(marks[name] for name in fresh[1:])
         self.warn_once(
-            ("missing", *keys) if once is None else once,
-            f"{', '.join(keys)} {'has' if len(keys) == 1 else 'have'} no value at "
+            marks[fresh[0]],
+            f"{', '.join(fresh)} {'has' if len(fresh) == 1 else 'have'} no value at "
             f"step {steps[0]}: {reason}. (Recorded under 'missing'; warned once.)",
         )
 

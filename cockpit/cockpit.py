@@ -58,9 +58,17 @@ class _StderrHandler(logging.StreamHandler):
 def _shown_by_default(record: logging.LogRecord) -> bool:
     """Whether cockpit's own stderr handler prints ``record``.
 
-    Only while the program has configured no logging: a root handler prints it then.
+    Only while no other handler would receive it: none on the ``cockpit`` logger or
+    on the loggers it propagates to (a handler that took this filter over, such as
+    a progress bar's redirect, counts as cockpit's own).
     """
-    return not logging.getLogger().handlers
+    logger: logging.Logger | None = _LOG
+    while logger is not None:
+        for handler in logger.handlers:
+            if _shown_by_default not in handler.filters:
+                return False
+        logger = logger.parent if logger.propagate else None
+    return True
 
 
 def announce(message: str, *args) -> None:

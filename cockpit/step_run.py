@@ -71,14 +71,15 @@ _ENGINE_MESSAGES = (
 
 
 def _batchnorm_autograd(labels: list[str], n: int | None) -> str:
-    """The warning for parameters sent to autograd by a train-mode BatchNorm."""
+    """The warning for parameters sent to autograd by a batch norm after them."""
     shown = ", ".join(labels[:4]) + (
         f" and {len(labels) - 4} more" if len(labels) > 4 else ""
     )
     passes = f"about {n} backward passes" if n else "one backward pass per sample"
     return (
-        f"{len(labels)} parameter tensor(s) ({shown}) sit before BatchNorm layers in "
-        "train mode, whose mini-batch statistics mix the samples, so BackPACK's "
+        f"{len(labels)} parameter tensor(s) ({shown}) sit before batch norms that "
+        "normalise with mini-batch statistics (BatchNorm in train mode), which mix "
+        "the samples, so BackPACK's "
         "per-sample gradients of them would not be d l_i / d theta: cockpit "
         "computes them exactly with the autograd engine instead, which costs "
         f"{passes} per tracked step with per-sample quantities. Fix (for speed): "
@@ -126,7 +127,8 @@ class _Guarded:
 
 _MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
-    "for the parameters BackPACK has no rule for",
+    "for the parameters it computes (those BackPACK has no rule for, or whose "
+    "BackPACK results would not be per-sample)",
     "pass the per-sample losses of this forward pass, computed with "
     "reduction='none' and not detached",
 )
@@ -404,14 +406,14 @@ class StepRun:
         groups: dict[tuple[str, str], list[str]] = {}
         for quantity, reason, fix in routing.dropped.values():
             groups.setdefault((reason, fix), []).append(quantity.key)
-        for (reason, fix), keys in groups.items():  # one warning per reason
+        for (reason, fix), keys in groups.items():  # one warning per reason and step
             self.diagnostics.missing(
                 self.recorder,
                 [step],
                 keys,
                 f"{reason} (also at later steps like it). Fix: {fix}. "
                 "cockpit.coverage() says who computes what",
-                once=("not-covered", tuple(keys), reason),
+                once=("not-covered", reason),
             )
         if routing.dropped:
             plan = plan.without(entry[0] for entry in routing.dropped.values())

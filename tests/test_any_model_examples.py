@@ -24,7 +24,7 @@ def test_any_model_example_writes_log_dashboard_and_coverage(case, tmp_path):
     assert f"python examples/{name}.py" in module.__doc__
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Full backward hook is firing")
-        warnings.filterwarnings("ignore", ".*sit before BatchNorm layers")
+        warnings.filterwarnings("ignore", ".*sit before batch norms")
         paths = module.main(steps=2, out=str(tmp_path / case), **kwargs)
     assert_png(paths["dashboard"])
     history = History.from_json(paths["log"])

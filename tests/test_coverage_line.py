@@ -99,3 +99,24 @@ def test_the_demo_prints_it_once_above_its_progress_bar(tmp_path):
     lines = _coverage_lines(done.stderr)
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("cockpit coverage at step 0:")
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        # a handler of the user's own on the cockpit logger, none on the root
+        "handler = logging.StreamHandler(); "
+        "handler.setFormatter(logging.Formatter('LOGGED %(name)s | %(message)s')); "
+        "logging.getLogger('cockpit').addHandler(handler)",
+        # the root has a handler, but cockpit's records do not propagate to it
+        "logging.basicConfig(format='ROOT %(message)s'); "
+        "logging.getLogger('cockpit').propagate = False",
+    ],
+)
+def test_other_handlers_on_the_way_are_respected(tmp_path, setup):
+    done = _run(tmp_path, setup)
+    lines = _coverage_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert not lines[0].startswith("ROOT")
+    if "LOGGED" in setup:
+        assert lines[0].startswith("LOGGED cockpit | cockpit coverage at step 0:")

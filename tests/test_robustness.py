@@ -275,58 +275,151 @@ class _KeepsIndividual(SingleStepQuantity):
         return [float(e.norm()) for e in self.acc.ordered(len(ctx.params))]
 
 
-def _bn(affine=True, train=True, running=True):
-    layer = torch.nn.BatchNorm1d(4, affine=affine, track_running_stats=running)
+def _bn(affine=True, train=True, running=True, channels=4, cls=None):
+    """A BatchNorm layer; in eval mode with running statistics that are not 0, 1."""
+    cls = cls or torch.nn.BatchNorm1d
+    layer = cls(channels, affine=affine, track_running_stats=running)
+    if running:
+        gen = torch.Generator().manual_seed(channels)
+        layer.running_mean.copy_(torch.randn(channels, generator=gen))
+        layer.running_var.copy_(0.5 + torch.rand(channels, generator=gen))
     return layer.train(train)
 
 
-#: name -> (model, the parameter indices before a BatchNorm that mixes the samples)
+class _FunctionalBatchNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.nn.functional.batch_norm(self.inp(x), None, None, training=True)
+        return self.head(torch.tanh(h))
+
+
+class _SharedBatchNorm(torch.nn.Module):
+    """One BatchNorm layer on two branches (two calls, two sets of statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.a(x)) + self.bn(self.b(x))))
+
+
+class _Centre(torch.nn.Module):
+    """Subtracts the mini-batch mean: mixes the samples without being a BatchNorm."""
+
+    def forward(self, x):
+        return x - x.mean(0)
+
+
+def _features(*shape):
+    return lambda: torch.randn(6, *shape, dtype=torch.float64)
+
+
+#: name -> (model, input, the parameters before a batch norm that mixes the samples,
+#: other parameters that go to autograd: used twice, or mixed by other code)
 BATCHNORM_CASES = {
-    "linear-bn-linear": (lambda: _batchnorm_net(), {0, 1}),
+    "linear-bn-linear": (_batchnorm_net, _features(3), {0, 1}, set()),
     "bn-without-affine": (
         lambda: torch.nn.Sequential(
             torch.nn.Linear(3, 4), _bn(affine=False), torch.nn.Tanh(),
             torch.nn.Linear(4, 2),
         ),
-        {0, 1},
+        _features(3), {0, 1}, set(),
     ),
     "bn-on-the-data": (
         lambda: torch.nn.Sequential(
-            torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 4), torch.nn.Tanh(),
+            _bn(channels=3), torch.nn.Linear(3, 4), torch.nn.Tanh(),
             torch.nn.Linear(4, 2),
         ),
-        set(),
+        _features(3), set(), set(),
     ),
     "eval-bn-then-train-bn": (
         lambda: torch.nn.Sequential(
             torch.nn.Linear(3, 4), _bn(train=False), torch.nn.Tanh(),
             torch.nn.Linear(4, 4), _bn(), torch.nn.Tanh(), torch.nn.Linear(4, 2),
         ),
-        {0, 1, 2, 3, 4, 5},
+        _features(3), {0, 1, 2, 3, 4, 5}, set(),
     ),
     "eval-bn-without-running-statistics": (
         lambda: torch.nn.Sequential(
             torch.nn.Linear(3, 4), _bn(train=False, running=False), torch.nn.Tanh(),
             torch.nn.Linear(4, 2),
         ),
-        {0, 1},
+        _features(3), {0, 1}, set(),
     ),
     "eval-bn": (
         lambda: torch.nn.Sequential(
             torch.nn.Linear(3, 4), _bn(train=False), torch.nn.Tanh(),
             torch.nn.Linear(4, 2),
         ),
-        set(),
+        _features(3), set(), set(),
+    ),
+    "bn1d-on-sequences": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Conv1d(3, 4, 2), _bn(), torch.nn.Tanh(), torch.nn.Flatten(),
+            torch.nn.Linear(16, 2),
+        ),
+        _features(3, 5), {0, 1}, set(),
+    ),
+    "bn2d": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Conv2d(1, 3, 3), _bn(channels=3, cls=torch.nn.BatchNorm2d),
+            torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(27, 2),
+        ),
+        _features(1, 5, 5), {0, 1}, set(),
+    ),
+    "bn3d-eval": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Conv3d(1, 2, 2),
+            _bn(channels=2, train=False, cls=torch.nn.BatchNorm3d),
+            torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(16, 2),
+        ),
+        _features(1, 3, 3, 3), set(), set(),
+    ),
+    "bn3d": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Conv3d(1, 2, 2), _bn(channels=2, cls=torch.nn.BatchNorm3d),
+            torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(16, 2),
+        ),
+        _features(1, 3, 3, 3), {0, 1}, set(),
+    ),
+    "functional-batch-norm": (_FunctionalBatchNorm, _features(3), {0, 1}, set()),
+    # the layer's weight and bias are used twice: autograd for that reason
+    "shared-bn": (_SharedBatchNorm, _features(3), {0, 1, 2, 3}, {4, 5}),
+    # samples mixed by code after the BatchNorm: its weight and bias too (probe)
+    "bn-then-centring": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(3, 4), _bn(), _Centre(), torch.nn.Tanh(),
+            torch.nn.Linear(4, 2),
+        ),
+        _features(3), {0, 1}, {2, 3},
     ),
 }  # fmt: skip
 
 
-def _brute_force_and_backpack(model):
-    """Per-sample gradients of ``_mse_step``'s batch at step 0: by definition (each
-    sample's loss through the batch's graph, float64) and BackPACK's BatchGrad."""
-    torch.manual_seed(0)
-    x = torch.randn(6, 3, dtype=torch.float64)
-    y = torch.randn(6, 2, dtype=torch.float64)
+def _mse_batch(features, seed=0):
+    torch.manual_seed(seed)
+    return features(), torch.randn(6, 2, dtype=torch.float64)
+
+
+def _tracked_mse_step(model, cockpit, x, y, step=0):
+    model.zero_grad()
+    out = model(x)
+    loss = extend(torch.nn.MSELoss())(out, y)
+    losses = ((out - y) ** 2).mean(1)
+    info = {"loss": loss, "individual_losses": losses, "batch_size": 6}
+    with cockpit(step, info=info):
+        loss.backward()
+
+
+def _brute_force_and_backpack(model, x, y):
+    """Per-sample gradients of the batch: by definition (each sample's loss through
+    the batch's graph, float64) and BackPACK's BatchGrad."""
     params = list(model.parameters())
     losses = ((model(x) - y) ** 2).mean(1)
     want = [
@@ -342,53 +435,94 @@ def _brute_force_and_backpack(model):
                 extend(torch.nn.MSELoss())(model(x), y).backward()
         except AttributeError:  # BackPACK's BatchNorm rule reads running_var,
             return want, None  # which track_running_stats=False leaves None
-    got = [p.grad_batch * 6 for p in params]  # BackPACK's are those of the mean
+    got = [getattr(p, "grad_batch", None) for p in params]
     model.zero_grad()
-    return want, got
+    return want, [None if g is None else g * 6 for g in got]  # BackPACK's: the mean's
 
 
 @pytest.mark.parametrize("case", sorted(BATCHNORM_CASES))
 def test_batchnorm_mixing_the_samples_sends_the_layers_before_it_to_autograd(case):
     """BackPACK's per-sample results are ``d l_i / d theta`` (float64, brute force)
-    for every parameter except those before a BatchNorm that normalises with the
-    mini-batch's statistics (the table's sets, proven here); cockpit computes those
-    with the autograd engine, so every recorded per-sample gradient is exact."""
-    build, mixed = BATCHNORM_CASES[case]
+    for every parameter except those before a batch norm that normalises with the
+    mini-batch's statistics (the table's sets, proven here where BackPACK runs);
+    cockpit computes those with the autograd engine, so every recorded per-sample
+    gradient is exact."""
+    build, features, mixed, extra = BATCHNORM_CASES[case]
     torch.manual_seed(0)
     model = extend(build().double())
-    want, got = _brute_force_and_backpack(model)
-    for index, (w, g) in enumerate(zip(want, got or want, strict=True)):
-        if got is None:  # BackPACK cannot run it: the set is that of train mode
-            break
+    x, y = _mse_batch(features)
+    want, got = _brute_force_and_backpack(model, x, y)
+    for index, w in enumerate(want):
+        if got is None or index in extra:
+            continue  # BackPACK cannot run it, or it is wrong for another reason
         if index in mixed:
-            assert not torch.allclose(g, w, rtol=1e-3, atol=1e-8), index
+            assert not torch.allclose(got[index], w, rtol=1e-3, atol=1e-8), index
             # what they are instead: the mini-batch gradient split by input sample
-            torch.testing.assert_close(g.sum(0), w.sum(0), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(
+                got[index].sum(0), w.sum(0), rtol=1e-10, atol=1e-12
+            )
         else:
-            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(got[index], w, rtol=1e-10, atol=1e-12)
     quantities = [_KeepsIndividual(EVERY), Q.Variance(EVERY)]
     cockpit = Cockpit(list(model.parameters()), quantities, strict=True)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _mse_step(model, cockpit)
+        _tracked_mse_step(model, cockpit, x, y)
     ours = [str(w.message) for w in record if issubclass(w.category, CockpitWarning)]
     if mixed:
         assert len(ours) == 1, ours
         assert f"{len(mixed)} parameter tensor(s)" in ours[0]
-        assert "sit before BatchNorm layers" in ours[0] and "Fix" in ours[0]
+        assert "sit before batch norms" in ours[0] and "Fix" in ours[0]
     else:
         assert ours == []
     rows = cockpit.coverage().params
     engines = {row.index: row.route.engine for row in rows}
-    assert {i for i, e in engines.items() if e == "autograd"} == mixed
+    assert {i for i, e in engines.items() if e == "autograd"} == mixed | extra
     for row in rows:
         if row.index in mixed:
-            assert row.route.reason.startswith("samples mix through BatchNorm1d")
+            assert row.route.reason.startswith("samples mix through "), row.route
     kept = cockpit.quantities[0].kept
     for index, w in enumerate(want):
         torch.testing.assert_close(kept[index], w, rtol=1e-10, atol=1e-12)
     output = cockpit.get_output()[0]
     assert "missing" not in output and len(output["Variance"]) == len(want)
+
+
+def test_a_shared_batchnorm_in_eval_then_train_mode_is_exact_at_both_steps():
+    """The probe's memory of a module (from an eval-mode step) does not stand in
+    for the batch norm check of a later train-mode step."""
+    torch.manual_seed(0)
+    model = extend(_SharedBatchNorm().double())
+    cockpit = Cockpit(list(model.parameters()), [_KeepsIndividual(EVERY)])
+    for step, train in enumerate((False, True, False, True)):
+        model.train(train)
+        x, y = _mse_batch(_features(3), seed=step)
+        want, _ = _brute_force_and_backpack(model, x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CockpitWarning)
+            _tracked_mse_step(model, cockpit, x, y, step)
+        kept = cockpit.quantities[0].kept
+        for index, w in enumerate(want):
+            torch.testing.assert_close(kept[index], w, rtol=1e-10, atol=1e-12)
+
+
+def test_a_batchnorm_outside_the_losses_graph_changes_nothing():
+    """A teacher with a train-mode BatchNorm, not extended, run without a graph."""
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    student = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+        ).double()
+    )
+    x = torch.randn(6, 3, dtype=torch.float64)
+    with torch.no_grad():
+        y = teacher.double()(x)
+    cockpit = Cockpit(list(student.parameters()), [_KeepsIndividual(EVERY)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)
+        _tracked_mse_step(student, cockpit, x, y)
+    assert {row.route.engine for row in cockpit.coverage().params} == {"backpack"}
 
 
 def test_batchnorm_in_train_mode():

@@ -17,12 +17,16 @@ autograd engine (:mod:`cockpit.engines.autograd`). A parameter goes to BackPACK 
    rules need one dtype) and the first axis of its output is the sample axis: the
    gradient of sample ``a``'s loss reaches only slice ``a`` of it (checked for the
    first and the last sample with two backward passes, the first time a module is
-   seen with given shapes; while a BatchNorm layer is in train mode, where samples
-   mix anyway, only the sizes are compared with ``N``).
+   seen with given shapes),
+5. no batch norm that normalises with mini-batch statistics (train mode, or no
+   running statistics) comes after it in the graph: that mixes the samples, and
+   BackPACK's results would split the mini-batch gradient by input sample
+   (:meth:`Router.batch_mixing`).
 
-Everything else (LayerNorm, RMSNorm, GroupNorm, MultiheadAttention, GRU, raw
-``nn.Parameter`` s used in forward code, custom modules, ...) goes to autograd, with
-the reason recorded for :meth:`Cockpit.coverage <cockpit.Cockpit.coverage>`.
+Everything else (MultiheadAttention, GRU, raw ``nn.Parameter`` s used in forward
+code, custom modules, the layers before a train-mode BatchNorm, ...) goes to
+autograd, with the reason recorded for :meth:`Cockpit.coverage
+<cockpit.Cockpit.coverage>`.
 
 BackPACK's curvature diagonals backpropagate through every layer, so they are used
 only when every parameter goes to BackPACK, the modules between them form an
@@ -174,9 +178,6 @@ class Router:
         self.generator = torch.Generator().manual_seed(0)
         #: ``(key, report)`` of the latest step's coverage (rebuilt when it changes).
         self.coverage_cache: tuple | None = None
-        #: Parameter index -> why BackPACK's per-sample results of it mix samples
-        #: at the latest routed step (see :meth:`batch_mixing`).
-        self.mixed: dict[int, str] = {}
         self._batchnorms: list[tuple[str, Module]] | None = None
 
     @property
@@ -250,10 +251,9 @@ class Router:
         elif isinstance(loss, Tensor) and loss.grad_fn is not None:
             root, n = loss, 0
         else:
-            self.mixed = self.batch_mixing()
             return routes
         nodes, uses = graph_uses([root.grad_fn])
-        self.mixed = self.batch_mixing(nodes)
+        mixed = self.batch_mixing(nodes)
         candidates: dict[int, Module] = {}
         for index, route in enumerate(routes):
             param = self.params[index]
@@ -267,16 +267,16 @@ class Router:
                 continue
             module, _ = self.modules.owners[id(param)][0]
             problem = self._use_problem(module, count, nodes, n)
-            if problem is None and index in self.mixed:
+            if problem is None and index in mixed:
                 problem = (
-                    f"{BEFORE_BATCHNORM} {self.mixed[index]} in train mode after it "
-                    "(mini-batch statistics), so BackPACK's per-sample results "
+                    f"{BEFORE_BATCHNORM} {mixed[index]} after it (normalised with "
+                    "mini-batch statistics), so BackPACK's per-sample results "
                     "would split the mini-batch gradient by input sample instead of "
                     "giving d l_i / d theta"
                 )
             if problem is not None:
                 routes[index] = Route(AUTOGRAD, problem, route.module)
-            elif not is_training_batchnorm(module):
+            else:
                 candidates[id(module)] = module
         if not per_sample or n < 2:  # no sample axis to check (a wrong length of
             failed: set[int] = set()  # the per-sample losses fails in the quantities)
@@ -312,7 +312,7 @@ class Router:
 
     @staticmethod
     def _shape_problem(module: Module, n: int) -> str | None:
-        """A first axis of another size than ``n`` (used where no probe can run)."""
+        """A first axis of another size than ``n`` (the reason for a failed probe)."""
         for what in ("input0", "output"):
             tensor = getattr(module, what, None)
             if isinstance(tensor, Tensor) and (
@@ -353,54 +353,52 @@ class Router:
             self._batchnorms = list(layers.values())
         return self._batchnorms
 
-    def batch_mixing(self, nodes: set | None = None) -> dict[int, str]:
-        """Parameters whose BackPACK per-sample results mix samples now, with why.
+    def batch_mixing(self, nodes: set) -> dict[int, str]:
+        """Parameters whose BackPACK per-sample results mix samples, with why.
 
-        A BatchNorm layer in train mode normalises with statistics of the whole
-        mini-batch, so sample ``i``'s loss depends on every sample's input to it.
-        BackPACK forms a layer's per-sample results from its input and the gradient
-        of the mini-batch loss at its output; for the layers before such a
-        BatchNorm these split the mini-batch gradient by input sample (they sum to
+        A batch norm that normalises with mini-batch statistics (a BatchNorm layer
+        in train mode, or without running statistics; ``F.batch_norm`` with
+        ``training=True``) makes sample ``i``'s loss depend on every sample's input
+        to it. BackPACK forms a layer's per-sample results from its input and the
+        gradient of the mini-batch loss at its output; for the layers before such a
+        batch norm these split the mini-batch gradient by input sample (they sum to
         it) instead of giving ``d l_i / d theta``. The layers after it, and its own
-        weight and bias, are not affected. "Before" means: reached by the autograd
-        graph of its input (every parameter for a BatchNorm that is not
-        ``backpack.extend``-ed: its input is not stored). :meth:`route` sends
-        them to the autograd engine, which is exact for them: it differentiates
-        each sample's loss through the whole batch's graph.
+        weight and bias, are not affected. The batch norms are found among the
+        autograd nodes of the step's losses (every call, also of a shared layer or
+        a functional one); "before" means reached by the graph of a node's input.
+        :meth:`route` sends those parameters to the autograd engine, which is exact
+        for them: it differentiates each sample's loss through the whole batch.
 
         Args:
-            nodes: The autograd nodes of the step's per-sample losses; a BatchNorm
-                whose output is not among them did not run for them.
+            nodes: The autograd nodes of the step's (per-sample) losses.
 
         Returns:
-            Parameter index -> the BatchNorm layers responsible, e.g.
-            ``"BatchNorm2d 'blocks.0.bn' and 3 more BatchNorm layers"``.
+            Parameter index -> the batch norms responsible, e.g.
+            ``"BatchNorm2d 'blocks.0.bn' and 3 more batch norm calls"``.
         """
-        roots, labels, unknown = [], [], False
+        layers = {}  # node -> (label, layer) of the extended layers' last calls
         for label, module in self.batchnorms():
-            if not is_training_batchnorm(module):
-                continue
-            if not getattr(module, "_backpack_extend", False):
-                labels.append(label)  # its inputs are not stored: which layers
-                unknown = True  # come before it is unknown
-                continue
-            # BackPACK stores an extended layer's input and output in each forward
-            # pass that records a graph (and deletes them after the backward)
             output = getattr(module, "output", None)
-            source = getattr(module, "input0", None)
-            if not isinstance(output, Tensor) or output.grad_fn is None:
-                continue  # did not run with a graph: no parameter before it
-            if nodes is not None and output.grad_fn not in nodes:
-                continue  # not for these losses (stored by an earlier pass)
-            labels.append(label)
-            if isinstance(source, Tensor) and source.grad_fn is not None:
-                roots.append(source.grad_fn)
-        if not labels:
+            if isinstance(output, Tensor) and output.grad_fn is not None:
+                layers.setdefault(output.grad_fn, (label, module))
+        roots, labels = [], set()
+        for node in nodes:
+            if "BatchNormBackward" not in type(node).__name__:
+                continue
+            known = layers.get(node)
+            training = getattr(node, "_saved_training", None)
+            if training is None:  # a kernel that does not save it: ask the layer
+                training = is_training_batchnorm(known[1]) if known else True
+            if not training:
+                continue
+            labels.add(known[0] if known else "a batch_norm call")
+            source = node.next_functions[0][0] if node.next_functions else None
+            if source is not None:
+                roots.append(source)
+        if not roots:
             return {}
-        more = len(labels) - 1
-        who = f"{labels[0]}{f' and {more} more BatchNorm layers' if more else ''}"
-        if unknown:
-            return dict.fromkeys(range(len(self.params)), who)
+        first, *others = sorted(labels)
+        who = f"{first} and {len(others)} more batch norm calls" if others else first
         _, reached = graph_uses(roots)
         return {i: who for i, p in enumerate(self.params) if id(p) in reached}
 
