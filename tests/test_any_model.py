@@ -242,6 +242,31 @@ def test_per_sample_losses_without_graph_leave_the_quantity_missing():
     assert set(out) == {"GradNorm", "missing"} and set(out["missing"]) == {"Variance"}
 
 
+def test_quantities_missing_for_one_reason_warn_once_each_in_one_warning():
+    """Two quantities left out together: one warning names both; a later step
+    with only one of them, or both again, warns no more."""
+    problem = make_any_problem("gru")
+    every_other = linear(2)
+    cockpit = Cockpit(problem.params, [Q.Variance(linear(1)), Q.NormTest(every_other)])
+    messages = []
+    for step in range(4):
+        problem.model.zero_grad()
+        x, y = problem.make_batch(step)
+        out = problem.model(x)
+        loss = problem.loss_fn(out, y)
+        losses = problem.individual_loss_fn(out, y).detach()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with cockpit(step, info={"loss": loss, "individual_losses": losses}):
+                loss.backward()
+        messages += [str(w.message) for w in record if w.category is CockpitWarning]
+        assert set(cockpit.get_output()[step]["missing"]) == (
+            {"Variance", "NormTest"} if step % 2 == 0 else {"Variance"}
+        )
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("Variance, NormTest have no value at step 0:")
+
+
 def test_strict_passes_when_everything_is_exact():
     result = run(make_any_problem("gru"), first_order_quantities(), 2, **_strict())
     assert "NormTest" in result.output[0]
