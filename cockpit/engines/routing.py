@@ -374,7 +374,7 @@ class Router:
 
         Returns:
             Parameter index -> the batch norms responsible, e.g.
-            ``"BatchNorm2d 'blocks.0.bn' and 3 more batch norm calls"``.
+            ``"BatchNorm2d 'blocks.0.bn' and 3 more batch norms"``.
         """
         layers = {}  # node -> (label, layer) of the extended layers' last calls
         for label, module in self.batchnorms():
@@ -398,8 +398,11 @@ class Router:
         if not roots:
             return {}
         first, *others = sorted(labels)
-        who = f"{first} and {len(others)} more batch norm calls" if others else first
+        who = f"{first} and {len(others)} more batch norms" if others else first
         _, reached = graph_uses(roots)
+        for root in roots:  # a parameter normalised directly
+            if getattr(root, "variable", None) is not None:
+                reached[id(root.variable)] += 1
         return {i: who for i, p in enumerate(self.params) if id(p) in reached}
 
     def _probe(self, losses: Tensor, modules: list[Module]) -> set[int]:
