@@ -507,7 +507,8 @@ def test_a_shared_batchnorm_in_eval_then_train_mode_is_exact_at_both_steps():
 
 
 def test_a_batchnorm_outside_the_losses_graph_changes_nothing():
-    """A teacher with a train-mode BatchNorm, not extended, run without a graph."""
+    """A teacher with a train-mode BatchNorm, not extended, run without a graph, in
+    one container with the student."""
     torch.manual_seed(0)
     teacher = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     student = extend(
@@ -515,6 +516,8 @@ def test_a_batchnorm_outside_the_losses_graph_changes_nothing():
             torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
         ).double()
     )
+    # one container, alive (the module map finds containers among live objects)
+    both = torch.nn.ModuleDict({"teacher": teacher, "student": student})
     x = torch.randn(6, 3, dtype=torch.float64)
     with torch.no_grad():
         y = teacher.double()(x)
@@ -523,6 +526,7 @@ def test_a_batchnorm_outside_the_losses_graph_changes_nothing():
         warnings.simplefilter("error", CockpitWarning)
         _tracked_mse_step(student, cockpit, x, y)
     assert {row.route.engine for row in cockpit.coverage().params} == {"backpack"}
+    assert both["student"] is student
 
 
 def test_batchnorm_in_train_mode():
