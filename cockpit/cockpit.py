@@ -71,27 +71,19 @@ def _shown_by_default(record: logging.LogRecord) -> bool:
     return True
 
 
-def announce(message: str, *args) -> None:
-    """Log an INFO line of the ``cockpit`` logger that users see without set-up.
-
-    A program that configured no logging would never see INFO lines, so the first
-    call gives the ``cockpit`` logger a stderr handler of its own (as Lightning does
-    for its set-up lines) that prints only while the root logger has no handler;
-    the logger's level becomes INFO unless the user set one. Configured logging
-    (``logging.basicConfig``, pytest, ...) receives the line as usual, once.
-    Silence it with ``logging.getLogger("cockpit").setLevel(logging.WARNING)``.
-    """
-    default_handler()
-    _LOG.info(message, *args)
-
-
 _DEFAULT_HANDLER: logging.Handler | None = None
 
 
 def default_handler() -> None:
-    """Give the ``cockpit`` logger its stderr handler (once; see :func:`announce`).
+    """Give the ``cockpit`` logger a stderr handler of its own, once per process.
 
-    A cockpit that writes the log calls it when it is made, so that a progress bar
+    The coverage line is an INFO record, which a program that configured no logging
+    would never show; like Lightning's set-up lines, cockpit's handler prints it,
+    but only while no other handler would (:func:`_shown_by_default`), and the
+    logger's level becomes INFO unless the user set one. Configured logging
+    (``logging.basicConfig``, pytest, ...) receives the line as usual, once.
+    Silence it with ``logging.getLogger("cockpit").setLevel(logging.WARNING)``. A
+    cockpit that writes the log calls this when it is made, so that a progress bar
     can redirect the handler (``tqdm.contrib.logging.logging_redirect_tqdm``).
     """
     global _DEFAULT_HANDLER
@@ -229,7 +221,7 @@ class Cockpit:
         #: Whether this process writes the log and shows diagnoses.
         self.is_writer = not self.data_parallel or self.rank == log_rank
         if self.is_writer:
-            default_handler()  # where the coverage line goes (see announce)
+            default_handler()  # where the coverage line goes
         self.params: list[Tensor] = []
         #: Parameter names where known (``named_parameters()``), else ``None``.
         self.param_names: list[str | None] = []
@@ -538,7 +530,7 @@ class Cockpit:
             return
         if self._coverage is None:
             if self.is_writer:  # one line per run, not one per process
-                announce(run.coverage.summary())
+                _LOG.info(run.coverage.summary())
             self._coverage = run.coverage
         else:
             self._coverage = self._coverage.merged(run.coverage)
