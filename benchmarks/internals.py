@@ -137,11 +137,10 @@ def engine_settings() -> dict[str, int]:
 
 def make_replayer(params):
     """cockpit's replay engine watching the modules of ``params`` (as a cockpit)."""
-    from cockpit.engines.backpack import quiet_backward, rule_problem
     from cockpit.engines.replay import Replayer
     from cockpit.engines.routing import Router
 
-    replayer = Replayer(Router(params, rule_problem, quiet_backward).chain)
+    replayer = Replayer(Router(params).chain)
     replayer.watch_chains(params)
     return replayer
 

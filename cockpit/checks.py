@@ -24,8 +24,6 @@ from torch import Tensor
 from torch.nn import Module
 
 from cockpit.context import StepInfo, missing_info_message
-from cockpit.engines import backpack as engine
-from cockpit.engines.routing import is_training_batchnorm
 from cockpit.errors import CockpitWarning
 from cockpit.precision import LOW_PRECISION, compute_dtype
 
@@ -375,6 +373,57 @@ def no_gradient_message(labels: Sequence[str]) -> str:
 NONFINITE_KEY = "nonfinite"
 
 
+def unreached_message(shapes: str, names: str) -> str:
+    """A parameter whose gradient was computed but that no engine reached."""
+    return (
+        f"BackPACK produced no results for parameter(s) {shapes}, which "
+        f"{names} need, although the backward pass computed their "
+        "gradients. Fix: call backpack.extend() on the model and on the "
+        "loss function before the forward pass, and use every parameter "
+        "through the nn.Module that owns it (BackPACK cannot see parameters "
+        "used in functional code, e.g. x @ layer.weight)."
+    )
+
+
+def in_place_message(labels: Sequence[str]) -> str:
+    """In-place modules of the extended model, switched off by the cockpit."""
+    more = f" and {len(labels) - 4} more" if len(labels) > 4 else ""
+    return (
+        f"Cockpit set inplace=False on {len(labels)} module(s) of the extended "
+        f"model ({', '.join(labels[:4])}{more}): BackPACK's backward hooks make "
+        "module outputs views that PyTorch forbids changing in place (the forward "
+        "pass would stop with 'Output 0 of BackwardHookFunction is a view and is "
+        "being modified inplace'). The values are the same unless forward code "
+        "reads a module's input again after such a module changed it (it now "
+        "reads the unchanged input); memory use grows a little. In-place calls "
+        "in your own forward code cannot be seen from here. Fix for those: "
+        "torch.relu(x) instead of x.relu_() or F.relu(x, inplace=True) on "
+        "outputs of extended modules."
+    )
+
+
+def no_results_message(shapes: str, names: str) -> str:
+    """Unextended modules and no per-sample losses for the autograd engine."""
+    return (
+        f"BackPACK produced no results for parameter(s) {shapes}, which {names} "
+        "need: their modules are not extended. Fix: call backpack.extend() on "
+        "the model and on the loss function before the forward pass, or pass "
+        "info['individual_losses'] (reduction='none', with its graph) so that "
+        "cockpit computes them with autograd."
+    )
+
+
+def repeated_backward_message(step: int, module_class: str) -> str:
+    """A second backward pass through extended modules inside a tracked step."""
+    return (
+        f"Several backward passes ran inside the tracked step {step} "
+        f"(BackPACK had already freed what {module_class} "
+        "stored in the forward pass). Fix: call loss.backward() once inside "
+        "`with cockpit(step, ...)`; accumulate micro-batches outside tracked "
+        "steps, or track one micro-batch per optimizer step."
+    )
+
+
 class Diagnostics:
     """The checks around a tracked step, and the warnings they give (each once).
 
@@ -389,12 +438,12 @@ class Diagnostics:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._warned: set = set()
 
-    def warn_once(self, key, message: str) -> None:
+    def warn_once(self, key, message: str, stacklevel: int = 4) -> None:
         """Warn with ``message`` unless a warning with ``key`` was given already."""
         if key in self._warned:
             return
         self._warned.add(key)
-        warnings.warn(message, CockpitWarning, stacklevel=4)
+        warnings.warn(message, CockpitWarning, stacklevel=stacklevel)
 
     def missing(
         self,
@@ -403,6 +452,7 @@ class Diagnostics:
         key: str | Sequence[str],
         reason: str,
         once=None,
+        stacklevel: int = 4,
     ) -> None:
         """Record quantity ``key`` as missing at ``steps`` with ``reason``; warn once.
 
@@ -414,6 +464,7 @@ class Diagnostics:
             reason: Why, with the fix where there is one.
             once: What makes the warning new (default: one per quantity); for
                 several keys, a prefix that each key completes.
+            stacklevel: Of the warning, counted from ``warn_once``.
         """
         keys = [key] if isinstance(key, str) else list(key)
         for step in steps:
@@ -431,6 +482,7 @@ class Diagnostics:
             marks[fresh[0]],
             f"{', '.join(fresh)} {'has' if len(fresh) == 1 else 'have'} no value at "
             f"step {steps[0]}: {reason}. (Recorded under 'missing'; warned once.)",
+            stacklevel=stacklevel,
         )
 
     def param_label(self, index: int) -> str:
@@ -492,29 +544,6 @@ class Diagnostics:
         if problem == "mismatch":
             self.warn_once("loss-mismatch", mismatch_message(health, step))
 
-    def modules(self, plan, hook) -> None:
-        """Fail on layers the engine skipped.
-
-        Raises:
-            NotImplementedError: For a layer without the results the quantities
-                need (named, with the quantities and the fix).
-        """
-        step = plan.global_step
-        if hook.unsupported:
-            first = hook.unsupported[0]
-            names = engine.extension_names(
-                list(plan.requested) + list(plan.legacy), first.missing
-            )
-            raise NotImplementedError(
-                unsupported_message(
-                    self.module_label(first.module),
-                    names or ", ".join(first.missing),
-                    plan.who_needs(first.missing),
-                    step,
-                    first_order=set(first.missing) <= engine.FIRST_ORDER_SAVEFIELDS,
-                )
-            )
-
     def unreached(self, plan, hook, grads_before) -> list[int]:
         """Sort parameters the engine did not reach into unused and unextended.
 
@@ -553,45 +582,5 @@ class Diagnostics:
         if unextended:
             shapes = ", ".join(self.param_label(i) for i in unextended)
             names = ", ".join(q.key for q in plan.consumers)
-            raise RuntimeError(
-                f"BackPACK produced no results for parameter(s) {shapes}, which "
-                f"{names} need, although the backward pass computed their "
-                "gradients. Fix: call backpack.extend() on the model and on the "
-                "loss function before the forward pass, and use every parameter "
-                "through the nn.Module that owns it (BackPACK cannot see parameters "
-                "used in functional code, e.g. x @ layer.weight)."
-            )
+            raise RuntimeError(unreached_message(shapes, names))
         return missed
-
-    def explain(self, error: BaseException, plan) -> Exception | None:
-        """Return a clearer error for an engine failure inside the backward pass."""
-        failure = engine.explain_failure(error)
-        if failure is None:
-            return None
-        step = plan.global_step
-        fields = {failure.savefield} if failure.savefield else set()
-        who = plan.who_needs(fields)
-        if failure.kind == "loss_not_extended":
-            return RuntimeError(unextended_loss_message(who, step))
-        if failure.kind == "repeated_backward":
-            return RuntimeError(
-                f"Several backward passes ran inside the tracked step {step} "
-                f"(BackPACK had already freed what {type(failure.module).__name__} "
-                "stored in the forward pass). Fix: call loss.backward() once inside "
-                "`with cockpit(step, ...)`; accumulate micro-batches outside tracked "
-                "steps, or track one micro-batch per optimizer step."
-            )
-        module = failure.module
-        label = self.module_label(module) if module is not None else "a layer"
-        if module is not None and is_training_batchnorm(module):
-            return NotImplementedError(batchnorm_message(label, who, step))
-        return NotImplementedError(
-            unsupported_message(
-                label,
-                failure.extension or "an extension",
-                who,
-                step,
-                first_order=failure.savefield in engine.FIRST_ORDER_SAVEFIELDS,
-                container=module is not None and any(True for _ in module.children()),
-            )
-        )

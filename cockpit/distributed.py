@@ -629,3 +629,16 @@ __all__ = [
     "joined_gradients",
     "resolve_group",
 ]
+
+
+def communicator(process_group: Any, timeout: float) -> Communicator | None:
+    """The cockpit's collectives for ``process_group`` (``None``: one process).
+
+    ``None`` as the group under an initialised process group gives each process
+    its shard's values (a local communicator, which still catches the shard's
+    own gradient).
+    """
+    group = resolve_group(process_group)
+    if group is not None:
+        return Communicator(group, timeout)
+    return local_communicator() if process_group is None else None

@@ -180,6 +180,11 @@ class History:
         """
         return MappingProxyType(self._data[int(global_step)])
 
+    def missing_at(self, global_step: int) -> Mapping[str, str] | None:
+        """The ``missing`` entries held for ``global_step`` (``None``: no step)."""
+        entries = self._data.get(int(global_step))
+        return None if entries is None else entries.get("missing")
+
     def items(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Iterate over ``(step, {key: value})`` in step order."""
         for step in sorted(self._data):

@@ -14,10 +14,10 @@ parameter (see :class:`ParamResults`). Per-sample gradients come through the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
-import torch
 from torch import Tensor
 
 from cockpit.per_sample import IndividualGradients
@@ -220,6 +220,41 @@ class ParamView:
         self._results = ParamResults()
 
 
-def empty_like_param(param: Tensor) -> Tensor:
-    """Return a zero scalar on ``param``'s device and dtype (an accumulator seed)."""
-    return torch.zeros((), device=param.device, dtype=param.dtype)
+class Dispatcher:
+    """Shows each parameter's results to the quantities, whichever engine made them.
+
+    Every engine hands results through :meth:`show`: a :class:`ParamView` is made,
+    every consumer reads it (``accumulate(global_step, view)``) and it is released.
+
+    Args:
+        consumers: Objects with ``accumulate(global_step, view)``.
+        global_step: The step.
+        sized: Whether to note the batch size from the first view.
+
+    Attributes:
+        visited: Indices shown so far.
+        repeated: Whether a parameter was shown twice (a second backward pass).
+        batch_size: The batch size read off the first view (``sized``), if any.
+    """
+
+    def __init__(self, consumers, global_step: int, sized: bool = False):
+        self.consumers = consumers
+        self.global_step = global_step
+        self.sized = sized
+        self.visited: set[int] = set()
+        self.repeated = False
+        self.batch_size: int | None = None
+
+    def show(self, index: int, param: Tensor, results: ParamResults) -> None:
+        """Show parameter ``index``'s results to every consumer (once per step)."""
+        if index in self.visited:  # a second backward in the same step
+            self.repeated = True
+            return
+        self.visited.add(index)
+        view = ParamView(param, index, results)
+        if self.batch_size is None and self.sized:
+            with contextlib.suppress(RuntimeError):
+                self.batch_size = view.batch_size
+        for consumer in self.consumers:
+            consumer.accumulate(self.global_step, view)
+        view.release()

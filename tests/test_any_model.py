@@ -412,17 +412,17 @@ def test_without_per_sample_losses_a_shared_layer_is_never_left_to_backpack():
 def test_coverage_of_a_step_like_the_one_before_is_reused_and_the_same(monkeypatch):
     """The per-step report is rebuilt only when routes, plan or statuses change;
     reused, it is the report a fresh build gives (HessTrace only at step 1)."""
-    from cockpit import step_run
+    from cockpit import step_routing
     from cockpit.engines.routing import Router
 
     built = []
-    status_for = step_run.status_for
+    status_for = step_routing.status_for
 
     def counting(*args):
         built.append(1)
         return status_for(*args)
 
-    monkeypatch.setattr(step_run, "status_for", counting)
+    monkeypatch.setattr(step_routing, "status_for", counting)
 
     class Recording(Cockpit):
         def end(self, error=None):

@@ -16,8 +16,8 @@ from backpack import extend
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.engines.backpack import quiet_backward, rule_problem
-from cockpit.engines.replay import Replayer
+from cockpit.engines.backpack import quiet_backward
+from cockpit.engines.replay import ReplayEngine, Replayer
 from cockpit.engines.routing import PER_SAMPLE_BACKWARD, REPLAY, Router
 from cockpit.utils.schedules import linear
 from tests.utils.any_model import ARCHITECTURES, Gate, make_any_problem
@@ -221,7 +221,7 @@ def replay(model, x, y, steps=2):
         ``position -> [N, *shape]`` and ``position -> class of the replayed module``.
     """
     params = list(model.parameters())
-    replayer = Replayer(Router(params, rule_problem, quiet_backward).chain)
+    replayer = Replayer(Router(params).chain)
     replayer.watch_chains(params)
     for _ in range(steps):
         torch.manual_seed(SEED)
@@ -284,7 +284,9 @@ def test_replay_leaves_no_hook_state_behind():
                 if id(m) in stored:
                     assert m.output is stored[id(m)]
             loss.backward()
-        assert not cockpit._replayer.recorder.calls  # nothing held between steps
+        assert not cockpit._router.engine(
+            ReplayEngine
+        ).replayer.recorder.calls  # nothing held between steps
     methods = {row.route.method for row in cockpit.coverage().params}
     assert f"{REPLAY} TransformerBlock" in methods
     cockpit.close()
@@ -425,7 +427,7 @@ def test_an_output_the_losses_stop_using_gets_zero_gradients():
     model = Branches().to(DTYPE)
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
-    replayer = Replayer(Router(params, rule_problem, quiet_backward).chain)
+    replayer = Replayer(Router(params).chain)
     replayer.watch_chains(params)
     gen = torch.Generator().manual_seed(1)
     x, y = features(gen, N), torch.randint(0, 3, (N,), generator=gen)

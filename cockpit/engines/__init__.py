@@ -1,5 +1,10 @@
-"""Engines: what computes per-sample statistics and curvature in the backward pass.
+"""Engines: what computes per-sample results and curvature for the quantities.
 
-:mod:`cockpit.engines.backpack` (with its rules in
-:mod:`cockpit.engines.backpack_rules`) is the one place that knows BackPACK.
+:mod:`cockpit.engines.base` defines the interface and the registry; the built-in
+engines (:mod:`cockpit.engines.builtin`: BackPACK, replay, batched autograd) are
+registered when this package is first imported. :mod:`cockpit.engines.backpack`,
+:mod:`cockpit.engines.backpack_engine`, :mod:`cockpit.engines.backpack_routing` and
+:mod:`cockpit.engines.backpack_rules` are the one place that knows BackPACK.
 """
+
+from cockpit.engines import builtin  # noqa: F401  (registers the built-in engines)

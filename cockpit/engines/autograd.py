@@ -21,7 +21,16 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.engines.base import (
+    AUTOGRAD,
+    PER_SAMPLE_BACKWARD,
+    Engine,
+    EngineStep,
+    register_engine,
+)
 from cockpit.errors import quiet_warnings
+from cockpit.param_view import ParamResults
+from cockpit.per_sample import DenseGradients
 from cockpit.precision import compute_dtype, upcast
 
 #: Samples per batched backward pass (the memory of one chunk's backward grows with
@@ -245,3 +254,28 @@ def sum_error(traces: Tensor) -> Tensor:
     """
     probes = traces.shape[0]
     return traces.sum(dim=1).std() / probes**0.5
+
+
+@register_engine(order=300)
+class AutogradEngine(Engine):
+    """Exact per-sample gradients of any parameter: one batched backward per sample.
+
+    Claims every parameter; it needs the per-sample losses with their graph.
+    """
+
+    name = AUTOGRAD
+    needs_losses = True
+
+    def before_backward(self, step: EngineStep, indices) -> dict[int, str]:
+        """Differentiate each sample's loss through the whole batch."""
+        params = [self.params[i] for i in indices]
+        options = step.options
+        for position, grads in per_sample_gradients(
+            step.losses,
+            params,
+            options.get("chunk", DEFAULT_CHUNK),
+            options.get("max_elements", DEFAULT_MAX_ELEMENTS),
+        ):
+            index = indices[position]
+            step.show(index, ParamResults(DenseGradients(grads, scale=1)))
+        return {i: PER_SAMPLE_BACKWARD for i in indices}

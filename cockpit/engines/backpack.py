@@ -39,7 +39,7 @@ from cockpit.engines.backpack_rules import (
 )
 from cockpit.errors import quiet_warnings
 from cockpit.needs import Need
-from cockpit.param_view import ParamResults, ParamView
+from cockpit.param_view import Dispatcher, ParamResults
 from cockpit.per_sample import (
     DenseGradients,
     FactoredLinearGradients,
@@ -177,11 +177,6 @@ def extensions_for(
         if need in needs:
             extensions.append(make())
     return extensions
-
-
-def is_extension(obj) -> bool:
-    """Return whether ``obj`` is a BackPACK extension instance."""
-    return isinstance(obj, BackpropExtension)
 
 
 def extension_signature(extension: BackpropExtension) -> tuple:
@@ -468,31 +463,29 @@ class ExtensionHook:
     """BackPACK's extension hook for one backward pass.
 
     After BackPACK has run the extensions on a module, the hook shows each of the
-    module's cockpit parameters to every consumer (``accumulate(step, view)``) and
-    deletes the savefields in ``free``, so large per-sample or curvature tensors
-    exist for one module at a time. It also notes modules whose parameters lack a
-    needed savefield (BackPACK skips modules it has no rule for); their parameters
-    are not shown to the quantities. (BatchNorm layers in train mode are found
-    before the backward pass: :meth:`cockpit.engines.routing.Router.batch_mixing`.)
+    module's cockpit parameters to the quantities (through the step's
+    :class:`~cockpit.param_view.Dispatcher`) and deletes the savefields in ``free``,
+    so large per-sample or curvature tensors exist for one module at a time. It
+    also notes modules whose parameters lack a needed savefield (BackPACK skips
+    modules it has no rule for); their parameters are not shown to the quantities.
+    (BatchNorm layers in train mode are found before the backward pass:
+    :func:`cockpit.engines.backpack_routing.batch_mixing`.)
 
     Attributes:
         index: ``id(param)`` -> cockpit index.
-        consumers: Objects with ``accumulate(global_step, view)``.
-        global_step: The step.
+        dispatcher: Shows one parameter's results to the quantities.
         needed: Savefields the quantities read.
         free: Savefields to delete once a parameter is done.
+        unsupported: Modules skipped although the quantities need them.
+        elsewhere: Indices whose results another engine shows (BackPACK's are
+            dropped).
     """
 
     index: Mapping[int, int]
-    consumers: Sequence
-    global_step: int
+    dispatcher: Dispatcher
     needed: Sequence[str]
     free: Sequence[str]
-    visited: set[int] = field(default_factory=set)
-    repeated: bool = False
     unsupported: list[Unsupported] = field(default_factory=list)
-    batch_size: int | None = None
-    #: Indices whose results another engine shows (BackPACK's are dropped).
     elsewhere: frozenset[int] = frozenset()
 
     def __call__(self, module: Module) -> None:
@@ -525,23 +518,8 @@ class ExtensionHook:
                 return
         with torch.no_grad():
             for index, param in mine:
-                if index in self.visited:  # a second backward in the same step
-                    self.repeated = True
-                    free_buffers(param, self.free)
-                    continue
-                self.visited.add(index)
-                self.show(param, index, param_results(param))
+                self.dispatcher.show(index, param, param_results(param))
                 free_buffers(param, self.free)
-
-    def show(self, param: Tensor, index: int, results: ParamResults) -> None:
-        """Show one parameter's results to every consumer."""
-        view = ParamView(param, index, results)
-        if self.batch_size is None and self.needed:
-            with contextlib.suppress(RuntimeError):
-                self.batch_size = view.batch_size
-        for consumer in self.consumers:
-            consumer.accumulate(self.global_step, view)
-        view.release()
 
 
 # --- explaining failures --------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from cockpit.engines.routing import AUTOGRAD, BACKPACK, UNUSED, Route
+from cockpit.engines.base import AUTOGRAD, BACKPACK, UNUSED, Route
 from cockpit.needs import Need
 
 EXACT = "exact"
@@ -200,22 +200,23 @@ def static_coverage(
         labels: A label per parameter.
         probes: Hessian-vector products of a Hutchinson estimate.
     """
-    from cockpit.engines import backpack as engine
-
     needs = {id(q): frozenset(q.needs) for q in quantities}
-    extensions = engine.extensions_for(frozenset().union(*needs.values()))
-    first = engine.first_order(extensions) or engine.reference_first_order()
-    routes = [router.static_route(i, first) for i in range(len(labels))]
-    curvature = engine.curvature(extensions)
-    problem = router.curvature_problem(routes, curvature) if curvature else None
+    backpack = router.engine(BACKPACK)
+    first, requested = (
+        backpack.requested_for(frozenset().union(*needs.values()))
+        if backpack is not None
+        else ((), ())
+    )
+    routes = router.static_routes(first)
+    decline = router.curvature_decline(routes, requested)
+    problem = decline.message if decline is not None else None
     estimate = Status(ESTIMATED, f"Hutchinson, {probes} Hessian-vector products")
     rows = []
     for index, route in enumerate(routes):
         statuses = {}
         for q in quantities:
             wanted = needs[id(q)] & CURVATURE_NEEDS
-            estimable = frozenset(getattr(q, "estimable", frozenset()))
-            if problem is not None and wanted and wanted <= estimable:
+            if problem is not None and wanted and wanted <= q.estimable:
                 statuses[q.key] = estimate
             else:
                 statuses[q.key] = status_for(needs[id(q)], route, problem)

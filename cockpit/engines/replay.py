@@ -52,7 +52,18 @@ from cockpit.engines.autograd import (
     parameter_groups,
     sample_losses,
 )
+from cockpit.engines.base import (
+    AUTOGRAD,
+    REPLAY,
+    Engine,
+    EngineStep,
+    Route,
+    register_engine,
+)
+from cockpit.engines.modules import ancestors
 from cockpit.errors import quiet_warnings
+from cockpit.param_view import ParamResults
+from cockpit.per_sample import DenseGradients
 
 _LOG = logging.getLogger(__name__)
 
@@ -387,7 +398,7 @@ class Replayer:
 
     def _plan(self, losses: Tensor, params: Sequence[Tensor]) -> dict:
         """Choose a module for each parameter: ``id(module) -> (module, positions)``."""
-        from cockpit.engines.routing import graph_uses
+        from cockpit.engines.modules import graph_uses
 
         nodes, uses = graph_uses([losses.grad_fn])
         scopes: dict[int, _Scope | None] = {}
@@ -791,3 +802,57 @@ def _same(values, call: Call, layout: Layout) -> bool:
         if difference > _tolerance(recorded.dtype) * max(1.0, scale):
             return False
     return True
+
+
+@register_engine(order=200)
+class ReplayEngine(Engine):
+    """Per-sample gradients by replaying the module that uses a parameter.
+
+    Claims every parameter; at the step it serves those a watched module covers
+    and hands the rest to the next engine (see the module's docstring). Shown in
+    the coverage report as the autograd engine with the method ``"replay of
+    <module class>"``.
+    """
+
+    name = AUTOGRAD
+    needs_losses = True
+
+    def __init__(self, params, modules):
+        super().__init__(params, modules)
+        self.replayer = Replayer(self._chain)
+
+    def _chain(self, param: Tensor) -> list[Module]:
+        owners = self.modules.owners.get(id(param), [])
+        return ancestors(owners[0][0], self.modules.parents) if owners else []
+
+    def watch(self, routes: Sequence[Route]) -> None:
+        """Watch the modules of parameters no earlier engine claims by structure."""
+        self.replayer.watch_chains(
+            [
+                p
+                for p, r in zip(self.params, routes, strict=True)
+                if r.engine == self.name
+            ]
+        )
+
+    def before_backward(self, step: EngineStep, indices) -> dict[int, str]:
+        """Replay the watched modules that cover ``indices``."""
+        params = [self.params[i] for i in indices]
+        self.replayer.watch_chains(params)  # from the next step on if new
+        served = {}
+        budget = step.options.get("max_elements", 1 << 26)
+        for position, grads in self.replayer.per_sample_gradients(
+            step.losses, params, budget
+        ):
+            who = self.replayer.module_of.get(position, "a module")
+            served[indices[position]] = f"{REPLAY} {who}"
+            step.show(indices[position], ParamResults(DenseGradients(grads, scale=1)))
+        return served
+
+    def forget(self) -> None:
+        """Drop the step's recorded module calls."""
+        self.replayer.forget()
+
+    def close(self) -> None:
+        """Remove the watch hooks."""
+        self.replayer.close()

@@ -128,6 +128,11 @@ class Quantity(abc.ABC):
     info_keys: ClassVar[tuple[str, ...]] = ()
     #: Dataclass of the partial results of one step (``None``: nothing to collect).
     Accumulator: ClassVar[type | None] = None
+    #: Curvature needs for which an unbiased estimate (with its standard error) is
+    #: accepted where no engine forms them exactly (e.g. ``{Need.DIAG_H}``).
+    estimable: frozenset[Need] = frozenset()
+    #: ``(why, fix)``: why no estimate serves a curvature need (``None``: none said).
+    not_estimable: tuple[str, str] | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -172,8 +177,24 @@ class Quantity(abc.ABC):
 
     # --- what the quantity needs at a step (applied by the base class) ------------
     def should_compute(self, global_step: int) -> bool:
-        """Return whether the schedule asks for a value at ``global_step``."""
-        return bool(self.track_schedule(global_step))
+        """Return whether the schedule asks for a value at ``global_step``.
+
+        The schedule is asked once per step (the answer is kept until another
+        step is asked about): the plan, the engines and the tracking share it.
+        """
+        asked = self.__dict__.get("_asked")
+        if (
+            asked is None
+            or asked[0] != global_step
+            or asked[2] is not self.track_schedule
+        ):
+            asked = (
+                global_step,
+                bool(self.track_schedule(global_step)),
+                self.track_schedule,
+            )
+            self.__dict__["_asked"] = asked
+        return asked[1]
 
     def is_active(self, global_step: int) -> bool:
         """Return whether the quantity does any work at ``global_step``."""
@@ -276,6 +297,31 @@ class Quantity(abc.ABC):
         """Forget the partial results of a step that failed."""
         self.acc = None
         self.shared = None
+
+    # --- estimates and two-step values (asked by the cockpit) ---------------------
+    def probe_traces(self, traces: Tensor) -> None:  # noqa: B027
+        """See the per-probe traces ``[probes, params]`` of this step's estimate."""
+
+    def estimate_error(self, global_step: int, errors):
+        """The standard errors of an estimated value stored under ``global_step``.
+
+        Args:
+            global_step: The step the value is stored under.
+            errors: ``(per-parameter standard errors, standard error of the sum)``
+                of the curvature estimate the value was computed from.
+
+        Returns:
+            The errors to record with the value (default: ``errors``), or ``None``.
+        """
+        return errors
+
+    def is_end(self, global_step: int) -> bool:
+        """Whether ``global_step`` finishes a value started earlier (two-step)."""
+        return False
+
+    def discard_start(self, global_step: int) -> bool:
+        """Drop a value started at ``global_step``; return whether there was one."""
+        return False
 
     @abc.abstractmethod
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:

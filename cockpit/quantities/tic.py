@@ -275,8 +275,8 @@ class TICTrace(_TIC):
         """Take the per-probe traces ``[probes, P]`` of this step's estimate."""
         self.acc.probe_traces = traces.detach().to("cpu", torch.float64)
 
-    def estimate_error(self, global_step: int) -> tuple[list[float], float] | None:
-        """The standard error of an estimated value (``None``: exact)."""
+    def estimate_error(self, global_step: int, errors=None):
+        """The standard error of TICTrace's own estimate (``None``: exact)."""
         error = self._errors.pop(global_step, None)
         return None if error is None else ([error], error)
 

@@ -1,0 +1,8 @@
+"""The built-in engines, registered on import: BackPACK, replay, batched autograd."""
+
+from cockpit.engines.autograd import AutogradEngine
+from cockpit.engines.backpack_engine import BackpackEngine
+from cockpit.engines.replay import ReplayEngine
+
+#: The built-in engines, in their order.
+BUILTIN_ENGINES = (BackpackEngine, ReplayEngine, AutogradEngine)

@@ -1,0 +1,102 @@
+"""The modules around the cockpit's parameters and the graph of a step's losses.
+
+The 1.0.2 loop hands the cockpit only ``model.parameters()``; the modules owning
+them are found from the parameters alone (:func:`discover`: one scan of the garbage
+collector's objects, done once). :func:`graph_uses` walks the autograd graph of a
+step's losses. Nothing here knows an engine.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from torch import Tensor
+from torch.nn import Module
+
+
+@dataclass
+class ModuleMap:
+    """The modules owning the cockpit's parameters and their containers.
+
+    Attributes:
+        owners: ``id(param)`` -> ``[(module, attribute name)]``.
+        parents: ``id(module)`` -> the modules holding it as a child.
+    """
+
+    owners: dict[int, list[tuple[Module, str]]]
+    parents: dict[int, list[Module]]
+
+
+def discover(params: Sequence[Tensor]) -> ModuleMap:
+    """Find the modules that own ``params``, and their containers (one gc scan)."""
+    wanted = {id(p) for p in params}
+    owners: dict[int, list[tuple[Module, str]]] = {i: [] for i in wanted}
+    parents: dict[int, list[Module]] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), Module):
+            continue
+        for name, param in vars(obj).get("_parameters", {}).items():
+            if param is not None and id(param) in wanted:
+                owners[id(param)].append((obj, name))
+        for child in vars(obj).get("_modules", {}).values():
+            if child is not None:
+                parents.setdefault(id(child), []).append(obj)
+    return ModuleMap(owners, parents)
+
+
+def graph_uses(roots: Iterable) -> tuple[set, Counter]:
+    """Walk an autograd graph from ``roots``: its nodes and each leaf's use count.
+
+    Returns:
+        The set of nodes reached, and ``id(leaf tensor)`` -> the number of edges into
+        its gradient accumulator (one per use in the forward pass).
+    """
+    seen: set = set()
+    uses: Counter = Counter()
+    stack = [node for node in roots if node is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:
+                uses[id(variable)] += 1
+            stack.append(child)
+    return seen, uses
+
+
+def describe(module: Module, attribute: str = "") -> str:
+    """``"LayerNorm.weight"``-style label of a module (and a parameter of it)."""
+    return type(module).__name__ + (f".{attribute}" if attribute else "")
+
+
+def ancestors(module: Module, parents: dict[int, list[Module]]) -> list[Module]:
+    """``module`` and the modules containing it, innermost first (first parents)."""
+    chain = [module]
+    seen = {id(module)}
+    while True:
+        above = [p for p in parents.get(id(chain[-1]), []) if id(p) not in seen]
+        if not above:
+            return chain
+        chain.append(above[0])
+        seen.add(id(above[0]))
+
+
+def common_container(
+    modules: list[Module], parents: dict[int, list[Module]]
+) -> Module | None:
+    """The smallest module containing all of ``modules``."""
+    if not modules:
+        return None
+    chains = [ancestors(m, parents) for m in modules]
+    common = [
+        m for m in chains[0] if all(any(o is m for o in chain) for chain in chains[1:])
+    ]
+    return common[0] if common else None

@@ -1,0 +1,117 @@
+"""The records side of the :class:`~cockpit.Cockpit`: its output and checkpoints.
+
+What the cockpit has recorded (:attr:`Records.history`, filled through the
+recorder) is read back with :meth:`Records.get_output` (1.0.2's dict), written with
+:meth:`Records.write` (standard JSON, or 1.0.2's layout), extended with evaluation
+metrics by :meth:`Records.log`, and saved and restored with
+:meth:`Records.state_dict` / :meth:`Records.load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Mapping
+
+from cockpit.checkpoint import cockpit_state, load_cockpit_state
+from cockpit.console import LOG
+from cockpit.history import json_path
+
+#: The keys written by :meth:`Records.log`, in argument order.
+LOG_KEYS = (
+    "epoch_count",
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+)
+
+
+class Records:
+    """Output and checkpoints of a cockpit (its base class; see the module).
+
+    Reads the cockpit's ``history``, ``recorder``, ``_stream``, ``_loop``,
+    ``_router`` and ``is_writer``.
+    """
+
+    # --- output --------------------------------------------------------------------
+    def log(
+        self,
+        global_step,
+        epoch_count,
+        train_loss,
+        valid_loss,
+        test_loss,
+        train_accuracy,
+        valid_accuracy,
+        test_accuracy,
+        learning_rate,
+    ) -> None:
+        """Record evaluation metrics (shown in the dashboard's bottom row)."""
+        values = dict(locals())
+        for key in LOG_KEYS:
+            self.recorder.record(global_step, key, values[key])
+        self.recorder.flush()
+
+    def get_output(self) -> collections.defaultdict:
+        """Return everything recorded so far as ``{step: {key: value}}``.
+
+        A ``defaultdict(dict)`` as in cockpit-for-pytorch 1.0.2: histogram counts
+        and edges are numpy arrays, everything else plain Python. ``history``
+        holds the same values as plain Python (``cockpit.history.to_dict()``).
+        """
+        return self.history.to_output()
+
+    @property
+    def output(self) -> collections.defaultdict:
+        """Everything recorded so far (cockpit-for-pytorch 1.0.2's attribute)."""
+        return self.get_output()
+
+    def write(self, logpath, legacy: bool = False, packed: bool = True) -> str:
+        """Write the history to ``logpath + ".json"`` (standard JSON, atomically).
+
+        ``legacy`` writes 1.0.2's json_tricks layout (its plotter reads only
+        that); ``packed=False`` writes histograms as plain arrays. Returns the path
+        written (``None`` on data-parallel processes other than ``log_rank``).
+
+        Raises:
+            OSError: If the path cannot be written (the message names it and the
+                fix); the history stays in memory, so call ``write`` again.
+        """
+        if not self.is_writer:
+            return None
+        path = self.history.write_json(json_path(logpath), legacy=legacy, packed=packed)
+        LOG.debug("Cockpit log written to %s", path)
+        return path
+
+    @property
+    def logpath(self) -> str | None:
+        """The file the history is streamed to, or ``None``."""
+        return self._stream.path if self._stream is not None else None
+
+    def close(self) -> None:
+        """Close the streamed log and other subscribers (all is on disk already)."""
+        self._loop.close()
+        self.recorder.close()
+        self._router.close()
+
+    # --- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a restarted run needs to go on exactly here (after ``opt.step()``).
+
+        See :func:`cockpit.checkpoint.cockpit_state`.
+        """
+        return cockpit_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict`; the run continues after it.
+
+        See :func:`cockpit.checkpoint.load_cockpit_state`.
+        """
+        load_cockpit_state(self, state, strict)
+        self._plan = None
+        self._loop.close()
+        if self._stream is not None:  # records after the checkpoint are superseded
+            self._stream.resume(self.last_step)
