@@ -113,13 +113,11 @@ def test_the_documented_quantity_and_output_run_in_a_loop():
     with cockpit(0, info={"batch_size": x.shape[0], "individual_losses": losses,
                           "loss": loss, "optimizer": optimizer}):  # fmt: skip
         loss.backward()
-    rows = torch.stack(
-        [
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(l, problem.params,
-                                                                   retain_graph=True)])
-            for l in problem.individual_loss_fn(problem.model(x), y)
-        ]
-    )  # fmt: skip
+    rows = []
+    for sample_loss in problem.individual_loss_fn(problem.model(x), y):
+        grads = torch.autograd.grad(sample_loss, problem.params, retain_graph=True)
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    rows = torch.stack(rows)
     out = cockpit.get_output()[0]
     close(out["LargestSampleNorm"], rows.norm(dim=1).max(), "LargestSampleNorm")
     total = torch.stack([torch.as_tensor(v) for v in out["GradNorm"]]).norm()
