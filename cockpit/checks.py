@@ -27,6 +27,7 @@ from cockpit.context import StepInfo, missing_info_message
 from cockpit.engines import backpack as engine
 from cockpit.engines.routing import is_training_batchnorm
 from cockpit.errors import CockpitWarning
+from cockpit.log_keys import NONFINITE_KEY
 from cockpit.precision import LOW_PRECISION, compute_dtype
 
 #: Where BackPACK lists the layers each extension supports.
@@ -370,11 +371,6 @@ def no_gradient_message(labels: Sequence[str]) -> str:
 
 
 # --- the checks of one step -----------------------------------------------------------
-#: History key of tracked steps whose loss or gradients were NaN or infinite; the
-#: value lists what was not finite (``["loss"]``, ``["gradients"]`` or both).
-NONFINITE_KEY = "nonfinite"
-
-
 class Diagnostics:
     """The checks around a tracked step, and the warnings they give (each once).
 

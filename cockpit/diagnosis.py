@@ -48,6 +48,7 @@ import numpy as np
 
 from cockpit.errors import CockpitWarning, LogFileError
 from cockpit.history import to_builtin
+from cockpit.log_keys import NONFINITE_KEY
 
 #: Severities, mildest first.
 SEVERITIES = ("info", "warning", "error")
@@ -227,7 +228,7 @@ _EXTRACT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "inner_test": ("InnerTest", _float),
     "ortho_test": ("OrthoTest", _float),
     "learning_rate": ("learning_rate", _float),
-    "nonfinite": ("nonfinite", lambda v: [str(x) for x in (v or [])] or None),
+    "nonfinite": (NONFINITE_KEY, lambda v: [str(x) for x in (v or [])] or None),
 }
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol
 
-#: History key of quantities without a value at a step: ``{key: reason}``.
-MISSING_KEY = "missing"
+from cockpit.log_keys import MISSING_KEY
 
 
 class Subscriber(Protocol):

@@ -10,7 +10,7 @@ dashboard up to date costs time proportional to the new data. Gauges draw at mos
 extremes), so drawing does not grow with the run either.
 
 Estimated values (a step with ``<key>_estimate``, see
-:data:`cockpit.log_format.ESTIMATE_SUFFIX`) carry their standard error along: a
+:data:`cockpit.log_keys.ESTIMATE_SUFFIX`) carry their standard error along: a
 series holds, next to each value, the standard error of the reduced value (NaN
 where it is exact; :func:`estimate_error`), which :meth:`Series.view_errors` thins
 with the values.
@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import ESTIMATE_SUFFIX, find_log
+from cockpit.log_format import find_log
+from cockpit.log_keys import ESTIMATE_SUFFIX
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
 #: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
