@@ -1069,11 +1069,6 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def findings_to_dicts(findings: Sequence[Finding]) -> list[dict[str, Any]]:
-    """Return the findings as plain data (see :meth:`Finding.to_dict`)."""
-    return [f.to_dict() for f in findings]
-
-
 __all__ = [
     "CHECK_IDS",
     "Finding",

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
-import torch
 from torch import Tensor
 
 from cockpit.per_sample import IndividualGradients
@@ -218,8 +217,3 @@ class ParamView:
         """Drop every cached statistic (called once all quantities have read them)."""
         self._cache.clear()
         self._results = ParamResults()
-
-
-def empty_like_param(param: Tensor) -> Tensor:
-    """Return a zero scalar on ``param``'s device and dtype (an accumulator seed)."""
-    return torch.zeros((), device=param.device, dtype=param.dtype)

@@ -71,10 +71,6 @@ class Recorder:
         """Add a subscriber (order is kept: the history first, then the log, ...)."""
         self._subscribers.append(subscriber)
 
-    def unsubscribe(self, subscriber) -> None:
-        """Remove a subscriber."""
-        self._subscribers.remove(subscriber)
-
     @property
     def subscribers(self) -> tuple:
         """The subscribers, in order."""

@@ -179,11 +179,6 @@ def extensions_for(
     return extensions
 
 
-def is_extension(obj) -> bool:
-    """Return whether ``obj`` is a BackPACK extension instance."""
-    return isinstance(obj, BackpropExtension)
-
-
 def extension_signature(extension: BackpropExtension) -> tuple:
     """Return a hashable description of an extension: its type and hyper-parameters.
 
