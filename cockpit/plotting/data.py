@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import find_log
+from cockpit.log_files import locate_log, open_log
 from cockpit.log_keys import ESTIMATE_SUFFIX
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
@@ -426,29 +426,14 @@ def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
         Refreshed data; :attr:`DashboardData.log` is the file read.
 
     Raises:
-        FileNotFoundError, LogFileError, OSError: As
-            :meth:`~cockpit.history.History.from_json` raises them.
+        LogFileError: As :func:`~cockpit.log_files.open_log` raises it (also for
+            a log without a tracked step up to ``upto``).
     """
-    found = find_log(path)
-    history = History.from_json_latest(found, upto)
-    data = DashboardData(history)
+    found = locate_log(path)
+    data = DashboardData(open_log(found, latest=True, upto=upto))
     data.log = found
     data.refresh()
     return data
-
-
-def log_file(path: str | os.PathLike) -> str:
-    """Return the file of a log path given with or without ``.json``/``.jsonl``.
-
-    The path as given wins if it is a file; otherwise the first of ``path.json``
-    and ``path.jsonl`` that is a file (so a folder ``logs/run`` of saved images,
-    as 1.0.2 names it, does not hide ``logs/run.json``); else the path as given.
-    """
-    path = os.fspath(path)
-    for candidate in (path, path + ".json", path + ".jsonl"):
-        if os.path.isfile(candidate):
-            return candidate
-    return path
 
 
 def as_history(source: Any) -> History:
@@ -463,6 +448,7 @@ def as_history(source: Any) -> History:
         The history (the cockpit's own object for a cockpit, so it stays live).
 
     Raises:
+        LogFileError: For a path, as :func:`~cockpit.log_files.open_log` raises it.
         TypeError: For any other kind of source.
     """
     if isinstance(source, History):
@@ -471,7 +457,7 @@ def as_history(source: Any) -> History:
     if isinstance(history, History):
         return history
     if isinstance(source, (str, os.PathLike)):
-        return History.from_json(log_file(source))
+        return open_log(source)
     if isinstance(source, Mapping):
         return History(source)
     raise TypeError(
