@@ -276,6 +276,17 @@ def _one_line(error: BaseException) -> str:
     return " ".join(message.split())
 
 
+def _unexpected_message(error: Exception, log: str | os.PathLike | None) -> str:
+    """The one line for an error no command expects (``log``: the command's log)."""
+    where = "" if log is None else f"{os.fspath(log)}: "
+    return (
+        f"{where}unexpected {type(error).__name__}: {_one_line(error)} (a log with "
+        "values of a shape cockpit does not write, or a bug in cockpit). Fix: check "
+        "the log; to report a bug, run again with COCKPIT_TRACEBACK=1 and include "
+        "the traceback."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line.
 
@@ -297,16 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # a bug, or a log with values of an odd shape
             if os.environ.get("COCKPIT_TRACEBACK"):
                 raise
-            log = getattr(args, "log", None)
-            where = "" if log is None else f"{os.fspath(log)}: "
-            print(
-                f"cockpit {args.command}: error: {where}unexpected "
-                f"{type(error).__name__}: {_one_line(error)} (a log with values of "
-                "a shape cockpit does not write, or a bug in cockpit). Fix: check "
-                "the log; to report a bug, run again with COCKPIT_TRACEBACK=1 and "
-                "include the traceback.",
-                file=sys.stderr,
-            )
+            message = _unexpected_message(error, getattr(args, "log", None))
+            print(f"cockpit {args.command}: error: {message}", file=sys.stderr)
             return EXIT_ERROR
 
 
