@@ -25,6 +25,7 @@ from torch.nn import Module
 
 from cockpit.context import StepInfo, missing_info_message
 from cockpit.errors import CockpitWarning
+from cockpit.log_keys import NONFINITE_KEY
 from cockpit.precision import LOW_PRECISION, compute_dtype
 
 #: Where BackPACK lists the layers each extension supports.
@@ -368,11 +369,6 @@ def no_gradient_message(labels: Sequence[str]) -> str:
 
 
 # --- the checks of one step -----------------------------------------------------------
-#: History key of tracked steps whose loss or gradients were NaN or infinite; the
-#: value lists what was not finite (``["loss"]``, ``["gradients"]`` or both).
-NONFINITE_KEY = "nonfinite"
-
-
 def unreached_message(shapes: str, names: str) -> str:
     """A parameter whose gradient was computed but that no engine reached."""
     return (

@@ -17,25 +17,23 @@ error is reported in one line too (set ``COCKPIT_TRACEBACK=1`` to see its
 traceback). Warnings are printed as one line each, ``cockpit <command>: warning:
 ...``.
 
-A command that reads a log calls :func:`load_log`; :func:`main` turns its
+A command that reads a log calls :func:`cockpit.log_files.open_log` (also
+importable here as ``load_log``); :func:`main` turns its
 :class:`~cockpit.errors.LogFileError` (and any ``OSError``) into that line.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
-import re
 import sys
-import warnings
-from typing import TYPE_CHECKING, Iterator
 
-from cockpit.errors import LogFileError
+from cockpit.errors import LogFileError, one_line_warnings
+from cockpit.log_files import open_log
 
-if TYPE_CHECKING:
-    from cockpit.history import History
+#: The reader of every command's log (the name it had before it moved).
+load_log = open_log
 
 #: Exit code of a command that failed on its input (argparse exits with 2).
 EXIT_ERROR = 1
@@ -125,83 +123,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_log(path: str | os.PathLike, read=None) -> History:
-    """Read the log a command was given, or say in one line what is wrong with it.
-
-    Args:
-        path: A log path as :meth:`cockpit.history.History.from_json` takes it (with
-            or without ``.json``; written, streamed, or by cockpit-for-pytorch 1.0.2).
-        read: Reads the file found instead of ``History.from_json`` (e.g.
-            ``History.from_json_latest``); what it returns is returned.
-
-    Returns:
-        The history (what ``read`` returned); it holds at least one step.
-
-    Raises:
-        LogFileError: If there is no such file, it cannot be read, it is not a
-            cockpit log (binary, not JSON, truncated, JSON of another shape), or it
-            holds no tracked step. The message names the file, the problem and the
-            fix.
-    """
-    from cockpit.history import History
-    from cockpit.log_format import LOG_SUFFIXES, find_log
-
-    path = os.fspath(path)
-    try:
-        found = find_log(path)
-    except FileNotFoundError:
-        also = ""
-        if not path.endswith(LOG_SUFFIXES):
-            also = f" (nor {os.path.basename(path)}.json or .jsonl)"
-        raise LogFileError(
-            path,
-            f"no such file{also}. Fix: pass the path given to Cockpit.write(path) "
-            "or Cockpit(..., logpath=path).",
-        ) from None
-    try:
-        # a warning about a skipped record belongs in the error if nothing is left
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            loaded = History.from_json(found) if read is None else read(found)
-    except LogFileError:
-        raise
-    except OSError as error:
-        raise LogFileError(
-            found,
-            f"cannot be read ({error.strerror or error}). Fix: check that the file "
-            "is readable by you.",
-        ) from None
-    if getattr(loaded, "history", loaded).steps:
-        for warning in said:  # as they would have been shown
-            warnings.warn_explicit(
-                warning.message, warning.category, warning.filename, warning.lineno
-            )
-        return loaded
-    skipped = [str(w.message) for w in said if str(w.message).startswith("Skipped")]
-    if skipped:  # one line: what was skipped is why nothing is left
-        first = re.sub(r" of the cockpit log '.*?'", "", skipped[0])
-        more = f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""
-        raise LogFileError(
-            found,
-            f"holds no readable tracked step: {first[0].lower()}{first[1:]}{more} "
-            "Fix: pass a log that Cockpit.write(path) or Cockpit(..., "
-            "logpath=path) wrote for a run that tracked at least one step.",
-        )
-    if os.path.getsize(found) == 0:
-        problem = (
-            "is empty (0 bytes), so there is nothing to show. A streamed log "
-            "stays empty until the first tracked step ends. Fix: pass a log "
-            "of a run that tracked at least one step."
-        )
-    else:
-        problem = (
-            "holds no tracked step, so there is nothing to show (a run stopped "
-            "before its first tracked step ended, or nothing was scheduled). "
-            "Fix: pass a log of a run that tracked at least one step."
-        )
-    raise LogFileError(found, problem)
-
-
 def _log_title(args: argparse.Namespace) -> str:
     return args.title or f"Cockpit: {os.path.basename(os.fspath(args.log))}"
 
@@ -212,13 +133,9 @@ def _default_output(log: str, suffix: str) -> str:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from cockpit.history import History
-
     # step by step, keeping only what is drawn; before importing matplotlib: bad
     # files fail fast
-    history = load_log(
-        args.log, read=lambda found: History.from_json_latest(found, args.discard)
-    )
+    history = open_log(args.log, latest=True, upto=args.discard)
     from cockpit.plotting import CockpitPlotter
 
     out = _image_path(args.output or _default_output(args.log, ".png"), "-o")
@@ -243,7 +160,7 @@ def _timelapse(args: argparse.Namespace) -> int:
     out = _image_path(
         args.output or _default_output(args.log, ".gif"), "-o", ("gif",), "gif"
     )
-    history = load_log(args.log)  # before importing matplotlib: bad files fail fast
+    history = open_log(args.log)  # before importing matplotlib: bad files fail fast
     from cockpit.plotting import make_timelapse
 
     path = make_timelapse(
@@ -337,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cockpit.report import add_report_parser
 
     add_report_parser(sub)
-    add_export_command(sub, load_log)
+    add_export_command(sub)
     return parser
 
 
@@ -359,19 +276,15 @@ def _one_line(error: BaseException) -> str:
     return " ".join(message.split())
 
 
-@contextlib.contextmanager
-def one_line_warnings(command: str) -> Iterator[None]:
-    """Print warnings as ``cockpit <command>: warning: <message>`` while inside."""
-    original = warnings.formatwarning
-
-    def formatwarning(message, category, filename, lineno, line=None):
-        return f"cockpit {command}: warning: {' '.join(str(message).split())}\n"
-
-    warnings.formatwarning = formatwarning
-    try:
-        yield
-    finally:
-        warnings.formatwarning = original
+def _unexpected_message(error: Exception, log: str | os.PathLike | None) -> str:
+    """The one line for an error no command expects (``log``: the command's log)."""
+    where = "" if log is None else f"{os.fspath(log)}: "
+    return (
+        f"{where}unexpected {type(error).__name__}: {_one_line(error)} (a log with "
+        "values of a shape cockpit does not write, or a bug in cockpit). Fix: check "
+        "the log; to report a bug, run again with COCKPIT_TRACEBACK=1 and include "
+        "the traceback."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,16 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # a bug, or a log with values of an odd shape
             if os.environ.get("COCKPIT_TRACEBACK"):
                 raise
-            log = getattr(args, "log", None)
-            where = "" if log is None else f"{os.fspath(log)}: "
-            print(
-                f"cockpit {args.command}: error: {where}unexpected "
-                f"{type(error).__name__}: {_one_line(error)} (a log with values of "
-                "a shape cockpit does not write, or a bug in cockpit). Fix: check "
-                "the log; to report a bug, run again with COCKPIT_TRACEBACK=1 and "
-                "include the traceback.",
-                file=sys.stderr,
-            )
+            message = _unexpected_message(error, getattr(args, "log", None))
+            print(f"cockpit {args.command}: error: {message}", file=sys.stderr)
             return EXIT_ERROR
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from cockpit import distributed
 from cockpit.checkpoint import STATE_VERSION
-from cockpit.checks import NONFINITE_KEY, Diagnostics
+from cockpit.checks import Diagnostics
 from cockpit.cockpit_args import (
     as_step,
     check_log_rank,
@@ -31,13 +31,14 @@ from cockpit.engines import autograd as autograd_engine
 from cockpit.engines.coverage import Coverage, static_coverage
 from cockpit.engines.routing import Router
 from cockpit.history import History
+from cockpit.log_keys import LOG_KEYS, NONFINITE_KEY
 from cockpit.log_stream import LogStream
 from cockpit.loop_checks import LoopChecks
 from cockpit.planner import StepPlan, plan_step
 from cockpit.precision import is_low_precision
 from cockpit.quantities.base import Quantity
 from cockpit.recorder import HistoryWriter, Recorder, StreamWriter
-from cockpit.records import LOG_KEYS, Records
+from cockpit.records import Records
 from cockpit.step_run import StepRun, as_info
 
 __all__ = ["Cockpit", "LOG_KEYS", "NONFINITE_KEY", "STATE_VERSION"]

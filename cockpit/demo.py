@@ -13,9 +13,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from backpack import extend
 
 from cockpit.cockpit import Cockpit
+from cockpit.engines.backpack import extend
 
 
 @dataclass

@@ -46,8 +46,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from cockpit.errors import CockpitWarning, LogFileError
-from cockpit.history import to_builtin
+from cockpit.errors import CockpitWarning
+from cockpit.history import History, to_builtin
+from cockpit.log_files import open_log
+from cockpit.log_keys import NONFINITE_KEY
 
 #: Severities, mildest first.
 SEVERITIES = ("info", "warning", "error")
@@ -227,7 +229,7 @@ _EXTRACT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "inner_test": ("InnerTest", _float),
     "ortho_test": ("OrthoTest", _float),
     "learning_rate": ("learning_rate", _float),
-    "nonfinite": ("nonfinite", lambda v: [str(x) for x in (v or [])] or None),
+    "nonfinite": (NONFINITE_KEY, lambda v: [str(x) for x in (v or [])] or None),
 }
 
 
@@ -818,77 +820,9 @@ def run_checks(signals: Signals, thresholds: Thresholds | None = None) -> list[F
 
 
 # --- entry points -------------------------
-def load_history(path: str | os.PathLike):
-    """Read a cockpit log for diagnosis.
-
-    Args:
-        path: A log written by :meth:`cockpit.Cockpit.write`, a streamed log, or a
-            cockpit-for-pytorch 1.0.2 log (``.json`` may be left off).
-
-    Returns:
-        The :class:`cockpit.history.History`.
-
-    Raises:
-        LogFileError: If the file is missing, empty, not JSON, not a cockpit log,
-            or holds no steps (the message names the file and the problem).
-    """
-    import json
-
-    from cockpit.history import History
-
-    path = os.fspath(path)
-    candidates = [path, path + ".json", path + ".jsonl"]
-    found = next((p for p in candidates if os.path.isfile(p)), None)
-    if found is None:
-        if os.path.isdir(path):
-            raise LogFileError(
-                path,
-                "is a directory, not a cockpit log file. Fix: pass the log file "
-                "inside it (the path given to Cockpit.write() or "
-                "Cockpit(..., logpath=...)).",
-            )
-        raise LogFileError(
-            path,
-            "no such file (also tried .json and .jsonl). Fix: pass the path given "
-            "to Cockpit.write() or Cockpit(..., logpath=...).",
-        )
-    try:
-        if os.path.getsize(found) == 0:
-            raise LogFileError(
-                found,
-                "the file is empty (the run wrote nothing). Fix: pass a log of a "
-                "run that tracked at least one step.",
-            )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CockpitWarning)
-            history = History.from_json(found)
-    except LogFileError:
-        raise
-    except json.JSONDecodeError as error:
-        raise LogFileError(
-            found,
-            f"not valid JSON ({error.msg} at line {error.lineno}, column "
-            f"{error.colno}); the file may be truncated.",
-        ) from None
-    except UnicodeDecodeError:
-        raise LogFileError(found, "not a text file, so not a cockpit log.") from None
-    except OSError as error:
-        raise LogFileError(
-            found, f"cannot be read: {error.strerror or error}."
-        ) from None
-    except (AttributeError, TypeError, ValueError, KeyError) as error:
-        raise LogFileError(
-            found,
-            f"not a cockpit log ({type(error).__name__}: {error}); expected "
-            '{"<step>": {"<quantity>": value, ...}, ...}.',
-        ) from None
-    if len(history) == 0:
-        raise LogFileError(
-            found,
-            "the log holds no steps. Fix: pass a log of a run that tracked at "
-            "least one step.",
-        )
-    return history
+#: Read a cockpit log for diagnosis (the name :func:`~cockpit.log_files.open_log`
+#: had here before every command shared it).
+load_history = open_log
 
 
 def collect(history) -> Signals:
@@ -905,7 +839,7 @@ def diagnose(history_or_path, thresholds: Thresholds | None = None) -> list[Find
     Args:
         history_or_path: A :class:`cockpit.history.History`, a ``{step: {key:
             value}}`` mapping, a :class:`cockpit.Cockpit` (its history), or the
-            path of a log (read with :meth:`History.from_json`).
+            path of a log (read with :func:`~cockpit.log_files.open_log`).
         thresholds: Thresholds to use (default: :class:`Thresholds`).
 
     Returns:
@@ -915,11 +849,9 @@ def diagnose(history_or_path, thresholds: Thresholds | None = None) -> list[Find
     Raises:
         LogFileError: For a path that is not a readable cockpit log.
     """
-    from cockpit.history import History
-
     source = history_or_path
     if isinstance(source, (str, os.PathLike)):
-        source = load_history(source)
+        source = open_log(source)
     elif hasattr(source, "history") and isinstance(source.history, History):
         source = source.history
     elif not isinstance(source, History):
@@ -1066,11 +998,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
-
-
-def findings_to_dicts(findings: Sequence[Finding]) -> list[dict[str, Any]]:
-    """Return the findings as plain data (see :meth:`Finding.to_dict`)."""
-    return [f.to_dict() for f in findings]
 
 
 __all__ = [

@@ -2,7 +2,8 @@
 
 Nothing here imports torch or BackPACK, so the history, the log readers and the CLI
 can use it without loading either. :func:`quiet_warnings` keeps known noise out of
-cockpit's steps without making Python repeat the user's warnings.
+cockpit's steps without making Python repeat the user's warnings;
+:func:`one_line_warnings` prints warnings as the command line does.
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ def quiet_warnings(*messages: str, category: type[Warning] = Warning) -> Iterato
                 if present is entry:
                     del filters[index]
                     break
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """Print warnings as ``cockpit <command>: warning: <message>`` while inside.
+
+    For the command line (:mod:`cockpit.cli`, :mod:`cockpit.report`): one line per
+    warning, without the file and line of the code that raised it.
+    """
+    original = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        return f"cockpit {command}: warning: {' '.join(str(message).split())}\n"
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
 
 
 def unwritable_message(path: str, error: OSError) -> str:

@@ -31,7 +31,6 @@ import numpy as np
 from cockpit.errors import unwritable_error
 from cockpit.log_format import (
     COMPACT_MIN_SIZE,
-    ESTIMATE_SUFFIX,
     NotStreamable,
     compact,
     decode,
@@ -47,6 +46,7 @@ from cockpit.log_format import (
     to_builtin,
     to_output,
 )
+from cockpit.log_keys import ESTIMATE_SUFFIX
 from cockpit.log_stream import (
     STREAM_MAGIC,
     file_lines,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from cockpit.log_format import ESTIMATE_SUFFIX
+from cockpit.log_keys import ESTIMATE_SUFFIX
 from cockpit.quantities.base import Missing
 
 COMPUTED = "computed"

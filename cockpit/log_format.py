@@ -38,6 +38,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from cockpit.errors import LogFileError
+from cockpit.log_keys import ESTIMATE_SUFFIX  # noqa: F401  (read from here too)
 
 #: Key of the object that stands for a non-finite float in standard JSON.
 FLOAT_TAG = "__float__"
@@ -63,18 +64,6 @@ SPARSE_TAG = "__sparse__"
 
 #: An integer array is packed sparsely if at most this share of its entries is not 0.
 SPARSE_MAX_DENSITY = 1.0 / 3.0
-
-#: History key suffix of an estimate's description: a step where ``<key>`` was
-#: estimated (not computed exactly) also holds ``<key>_estimate``, a mapping with
-#: ``"method"`` (``"hutchinson"``), ``"probes"`` (Hessian-vector products),
-#: ``"stderr"`` (the standard error of each per-parameter value) and
-#: ``"stderr_sum"`` (the standard error of their sum; the parameters' estimates
-#: share the probes, so their errors are correlated and the sum's error is not the
-#: root of their summed squares; for a single value, e.g. TICTrace, both are its
-#: standard error). Logs written before ``"stderr_sum"`` existed
-#: lack it. Readers that keep only the latest mapping per key (histograms) keep
-#: every step's estimate.
-ESTIMATE_SUFFIX = "_estimate"
 
 
 # --- values in memory -----------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from cockpit.log_keys import LEARNING_RATES_KEY
 from cockpit.needs import Need
 from cockpit.planner import StepPlan
 from cockpit.quantities.base import Quantity
@@ -73,72 +74,18 @@ def optimizer_mismatch(optimizer, params: Sequence[Tensor]) -> str | None:
     )
 
 
-class UpdateWatch:
-    """Notices ``.grad`` changing between the backward pass and ``optimizer.step()``.
-
-    Quantities that need the optimizer's update (Alpha) replay the update from the
-    gradients the backward pass produced. Gradient clipping, a gradient scaler's
-    unscale, or any other in-place change of ``.grad`` before ``optimizer.step()``
-    makes the real update differ. A step pre-hook on the optimizer compares every
-    ``.grad`` (object and version counter) with what the step left; on a change it
-    calls ``on_change(reason)`` once.
-
-    Args:
-        optimizer: The optimizer of the step.
-        params: The cockpit's parameters.
-        on_change: Called with the reason when ``.grad`` was changed.
-    """
-
-    def __init__(self, optimizer, params: Sequence[Tensor], on_change):
-        self._params = list(params)
-        self._seen = [(p.grad, _version(p.grad)) for p in self._params]
-        self._norms = _norms(self._params)  # no sync: compared only on a touch
-        self._on_change = on_change
-        self._handle = optimizer.register_step_pre_hook(self._check)
-
-    def _check(self, optimizer, args, kwargs) -> None:
-        self.remove()
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is not None:  # args[0] is the optimizer itself
-            # optimizer.step(closure): the backward runs inside this call, after
-            # this hook (Lightning's loop); this .grad belongs to the last step and
-            # is no evidence about this one
-            return
-        touched = [
-            i
-            for i, (p, (grad, version)) in enumerate(
-                zip(self._params, self._seen, strict=True)
-            )
-            if p.grad is not grad or _version(p.grad) != version
-        ]
-        if not touched:
-            return
-        # written to, but changed? (clipping multiplies by exactly 1.0 when the norm
-        # is below the threshold, which leaves the values and so the update alone)
-        now = _norms(self._params)
-        changed = (
-            touched
-            if now is None or self._norms is None or now.shape != self._norms.shape
-            else [i for i in touched if not bool(now[i] == self._norms[i])]
-        )
-        if changed:
-            self._on_change(
-                f".grad of {len(changed)} parameter(s) changed between the backward "
-                "pass and optimizer.step() (e.g. gradient clipping or a gradient "
-                "scaler), so the update cockpit replayed is not the step taken. "
-                "Fix: leave .grad unchanged on tracked steps (clip on untracked "
-                "steps only), or drop Alpha"
-            )
-
-    def remove(self) -> None:
-        """Stop watching (the optimizer did not step, or it has been checked)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+def grad_changed_message(count: int) -> str:
+    """Why the update cockpit replayed is not the step taken (``.grad`` changed)."""
+    return (
+        f".grad of {count} parameter(s) changed between the backward pass and "
+        "optimizer.step() (e.g. gradient clipping or a gradient scaler), so the "
+        "update cockpit replayed is not the step taken. Fix: leave .grad unchanged "
+        "on tracked steps (clip on untracked steps only), or drop Alpha"
+    )
 
 
-def _norms(params: Sequence[Tensor]) -> Tensor | None:
-    """The norm of every ``.grad`` (NaN for a missing one), or ``None``."""
+def grad_norms(params: Sequence[Tensor]) -> Tensor | None:
+    """The norm of every ``.grad`` (no device sync), or ``None`` if one is missing."""
     grads = [p.grad for p in params]
     if any(g is None for g in grads) or not grads:
         return None
@@ -150,6 +97,84 @@ def _norms(params: Sequence[Tensor]) -> Tensor | None:
 
 def _version(grad: Tensor | None) -> int | None:
     return None if grad is None else grad._version
+
+
+class GradSnapshot:
+    """What the ``.grad`` of some parameters held, to tell later if they changed.
+
+    Taking it costs no device sync: it keeps each ``.grad`` object, its version
+    counter and (on the device) its norm.
+
+    Args:
+        params: The parameters.
+    """
+
+    def __init__(self, params: Sequence[Tensor]):
+        self.params = list(params)
+        self._seen = [(p.grad, _version(p.grad)) for p in self.params]
+        self._norms = grad_norms(self.params)
+
+    def changed(self) -> int:
+        """How many ``.grad`` changed in value since the snapshot.
+
+        One that was not written to (same object, same version) has not; one that
+        was is compared by its norm (one device sync): clipping below its threshold
+        multiplies by exactly 1.0 and leaves the values, so the update, alone.
+        """
+        touched = [
+            i
+            for i, (p, (grad, version)) in enumerate(
+                zip(self.params, self._seen, strict=True)
+            )
+            if p.grad is not grad or _version(p.grad) != version
+        ]
+        if not touched:
+            return 0
+        now = grad_norms(self.params)
+        if now is None or self._norms is None or now.shape != self._norms.shape:
+            return len(touched)
+        index = torch.tensor(touched, device=now.device)
+        return int((now[index] != self._norms[index]).sum())
+
+
+class UpdateWatch:
+    """Notices ``.grad`` changing between the backward pass and ``optimizer.step()``.
+
+    Quantities that need the optimizer's update (Alpha) replay the update from the
+    gradients the backward pass produced. Gradient clipping, a gradient scaler's
+    unscale, or any other in-place change of ``.grad`` before ``optimizer.step()``
+    makes the real update differ. A step pre-hook on the optimizer compares every
+    ``.grad`` with what the step left (:class:`GradSnapshot`); on a change it calls
+    ``on_change(reason)`` once.
+
+    Args:
+        optimizer: The optimizer of the step.
+        params: The cockpit's parameters.
+        on_change: Called with the reason when ``.grad`` was changed.
+    """
+
+    def __init__(self, optimizer, params: Sequence[Tensor], on_change):
+        self._grads = GradSnapshot(params)
+        self._on_change = on_change
+        self._handle = optimizer.register_step_pre_hook(self._check)
+
+    def _check(self, optimizer, args, kwargs) -> None:
+        self.remove()
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:  # args[0] is the optimizer itself
+            # optimizer.step(closure): the backward runs inside this call, after
+            # this hook (Lightning's loop); this .grad belongs to the last step and
+            # is no evidence about this one
+            return
+        changed = self._grads.changed()
+        if changed:
+            self._on_change(grad_changed_message(changed))
+
+    def remove(self) -> None:
+        """Stop watching (the optimizer did not step, or it has been checked)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 class LoopChecks:
@@ -185,7 +210,7 @@ class LoopChecks:
         optimizer = step_info.get("optimizer")
         rates = learning_rates(optimizer) if optimizer is not None else None
         if rates is not None and any(q.should_compute(step) for q in plan.active):
-            self._recorder.record(step, "learning_rates", rates)
+            self._recorder.record(step, LEARNING_RATES_KEY, rates)
         reasons: dict[Quantity, str] = {}
         if any(q.needs_at(step) & READS_GRAD for q in plan.active):
             if grads_accumulated(self._params):

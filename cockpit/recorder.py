@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol
 
-#: History key of quantities without a value at a step: ``{key: reason}``.
-MISSING_KEY = "missing"
+from cockpit.log_keys import MISSING_KEY
 
 
 class Subscriber(Protocol):
@@ -71,10 +70,6 @@ class Recorder:
     def subscribe(self, subscriber) -> None:
         """Add a subscriber (order is kept: the history first, then the log, ...)."""
         self._subscribers.append(subscriber)
-
-    def unsubscribe(self, subscriber) -> None:
-        """Remove a subscriber."""
-        self._subscribers.remove(subscriber)
 
     @property
     def subscribers(self) -> tuple:

@@ -15,18 +15,7 @@ from typing import Any, Mapping
 from cockpit.checkpoint import cockpit_state, load_cockpit_state
 from cockpit.console import LOG
 from cockpit.history import json_path
-
-#: The keys written by :meth:`Records.log`, in argument order.
-LOG_KEYS = (
-    "epoch_count",
-    "train_loss",
-    "valid_loss",
-    "test_loss",
-    "train_accuracy",
-    "valid_accuracy",
-    "test_accuracy",
-    "learning_rate",
-)
+from cockpit.log_keys import LOG_KEYS
 
 
 class Records:

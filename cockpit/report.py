@@ -20,7 +20,8 @@ import sys
 from typing import Any, Sequence
 
 from cockpit.diagnosis import NOT_CHECKED, SEVERITIES, Finding, diagnose
-from cockpit.errors import LogFileError
+from cockpit.errors import LogFileError, one_line_warnings
+from cockpit.log_files import open_log
 
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
@@ -158,10 +159,8 @@ def report_command(args: argparse.Namespace) -> int:
         0; 2 if ``--fail-on`` is met; 1 (with one line on stderr naming the file
         and the problem) if the log cannot be read.
     """
-    from cockpit.cli import load_log  # the loader (and messages) of every command
-
     try:
-        history = load_log(args.log)  # a damaged line: one warning, as for `plot`
+        history = open_log(args.log)  # a damaged line: one warning, as for `plot`
     except LogFileError as error:
         print(f"cockpit report: error: {error}", file=sys.stderr)
         return 1
@@ -221,8 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cockpit")
     add_report_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)])
-    from cockpit.cli import one_line_warnings
-
     with one_line_warnings("report"):
         return args.func(args)
 

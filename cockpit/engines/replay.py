@@ -173,10 +173,6 @@ class CallRecorder:
                 module.register_forward_hook(self._post(key), with_kwargs=True),
             ]
 
-    def watches(self, module: Module) -> bool:
-        """Whether ``module`` is watched."""
-        return id(module) in self._handles
-
     def _pre(self, key: int) -> Callable:
         return _Hook(self, key, before=True)
 

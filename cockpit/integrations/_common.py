@@ -7,11 +7,11 @@ import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
-from backpack import extend
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
+from cockpit.engines.backpack import extend
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import Quantity
@@ -138,22 +138,30 @@ def replays_update(quantity: Quantity) -> bool:
 
 
 class ScaleNewGradients:
-    """Multiplies the gradients a coming backward pass adds by ``factor``.
+    """Multiplies (or divides) the gradients a coming backward pass adds by ``factor``.
 
-    Made before the backward pass: a ``.grad`` that is ``None`` is multiplied in
-    place by :meth:`apply`; one that held values keeps them and gets the new part
+    Made before the backward pass: a ``.grad`` that is ``None`` is scaled in place
+    by :meth:`apply`; one that held values keeps them and gets the new part
     scaled.
 
     Args:
         params: The parameters whose gradients the backward pass adds to.
         factor: A number or a 0-dim tensor (on the gradients' device).
+        divide: Divide by ``factor`` instead of multiplying (``g / k`` and
+            ``g * (1 / k)`` can differ in the last bit).
     """
 
-    def __init__(self, params: Iterable[Tensor], factor: float | Tensor):
+    def __init__(
+        self, params: Iterable[Tensor], factor: float | Tensor, divide: bool = False
+    ):
         self.factor = factor
+        self.divide = divide
         self.before = [
             (p, None if p.grad is None else p.grad.detach().clone()) for p in params
         ]
+
+    def _scale(self, grad: Tensor) -> Tensor:
+        return grad.div_(self.factor) if self.divide else grad.mul_(self.factor)
 
     def apply(self) -> None:
         """Scale what the backward pass added (once, after it)."""
@@ -162,6 +170,6 @@ class ScaleNewGradients:
                 if p.grad is None:
                     continue
                 if old is None:
-                    p.grad.mul_(self.factor)
+                    self._scale(p.grad)
                 else:
-                    p.grad.sub_(old).mul_(self.factor).add_(old)
+                    self._scale(p.grad.sub_(old)).add_(old)

@@ -11,13 +11,15 @@ import os
 import shutil
 import sys
 
+from cockpit.errors import LogFileError
+from cockpit.log_files import open_log
 
-def add_export_command(sub, load_log) -> argparse.ArgumentParser:
+
+def add_export_command(sub) -> argparse.ArgumentParser:
     """Add ``export`` to the sub-commands ``sub`` of the ``cockpit`` parser.
 
     Args:
         sub: The object returned by ``parser.add_subparsers()``.
-        load_log: The CLI's log reader (raises ``LogFileError`` for a bad file).
 
     Returns:
         The ``export`` parser.
@@ -42,13 +44,13 @@ def add_export_command(sub, load_log) -> argparse.ArgumentParser:
         help="comma-separated parameter names for per-parameter values "
         "(default: param_0, param_1, ...)",
     )
-    export.set_defaults(func=run_export, load_log=load_log)
+    export.set_defaults(func=run_export)
     return export
 
 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``cockpit export``; return the exit code."""
-    history = args.load_log(args.log)  # a bad log: one line from cockpit.cli.main
+    history = open_log(args.log)  # a bad log: one line from cockpit.cli.main
     from cockpit.integrations.tensorboard import export_tensorboard
 
     names = args.param_names.split(",") if args.param_names else None
@@ -61,11 +63,8 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"cockpit export: error: {error}", file=sys.stderr)
         return 1
     if summary.scalars + summary.histograms == 0:
-        from cockpit.errors import LogFileError
-
         if not existed:  # leave nothing behind that looks like an export
             shutil.rmtree(args.tensorboard, ignore_errors=True)
-
         raise LogFileError(
             args.log,
             "holds no values in a form cockpit exports (unexpected values under "

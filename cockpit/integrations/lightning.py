@@ -102,13 +102,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
-from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from cockpit.cockpit import LOG_KEYS, Cockpit
+from cockpit.cockpit import Cockpit
 from cockpit.errors import CockpitWarning, quiet_warnings
 from cockpit.integrations._common import (
     LossCapture,
+    ScaleNewGradients,
     default_logpath,
     default_quantities,
     extend_for_backpack,
@@ -118,6 +118,8 @@ from cockpit.integrations._common import (
     trainable_named_parameters,
     warn,
 )
+from cockpit.log_keys import LOG_KEYS
+from cockpit.loop_checks import GradSnapshot
 from cockpit.quantities.base import Quantity
 
 if TYPE_CHECKING:  # lightning is imported when CockpitCallback is first used
@@ -168,17 +170,6 @@ def _clipping_reason(changed: int, clip_val) -> str:
     )
 
 
-def _grad_norms(params: list[Tensor]) -> Tensor | None:
-    """The norm of every ``.grad`` (no device sync), or ``None`` if one is missing."""
-    grads = [p.grad for p in params]
-    if not grads or any(g is None for g in grads):
-        return None
-    with torch.no_grad():
-        return torch.stack(
-            [torch.linalg.vector_norm(g.detach()).to(grads[0].device) for g in grads]
-        )
-
-
 def _synchronises(trainer: pl.Trainer) -> bool:
     """Whether DDP all-reduces the coming backward pass (``False`` in ``no_sync``).
 
@@ -188,62 +179,6 @@ def _synchronises(trainer: pl.Trainer) -> bool:
     """
     model = getattr(trainer.strategy, "model", None)
     return bool(getattr(model, "require_backward_grad_sync", True))
-
-
-def _version(grad: Tensor | None) -> int | None:
-    return None if grad is None else grad._version
-
-
-class _GradWatch:
-    """The gradients a tracked step left, to compare after the optimizer step."""
-
-    def __init__(self, step: int, quantities: list[Quantity], params: list[Tensor]):
-        self.step, self.quantities, self.params = step, quantities, params
-        self._seen = [(p.grad, _version(p.grad)) for p in params]
-        self._norms = _grad_norms(params)
-
-    def changed(self) -> int:
-        """How many ``.grad`` changed in value (one device sync, if any was touched)."""
-        touched = [
-            i
-            for i, (p, (grad, version)) in enumerate(
-                zip(self.params, self._seen, strict=True)
-            )
-            if p.grad is not grad or _version(p.grad) != version
-        ]
-        if not touched:
-            return 0
-        now = _grad_norms(self.params)
-        if now is None or self._norms is None or now.shape != self._norms.shape:
-            return len(touched)
-        # clipping below the threshold multiplies by exactly 1.0: values unchanged
-        index = torch.tensor(touched, device=now.device)
-        return int((now[index] != self._norms[index]).sum())
-
-
-class _Unscale:
-    """Turns the tracked micro-batch's gradients into Lightning's (divided by ``k``).
-
-    Made before the backward pass of ``k`` times Lightning's loss: ``.grad`` that is
-    ``None`` (Lightning's ``zero_grad``) is divided in place afterwards; a ``.grad``
-    that held values keeps them and gets the new part divided by ``k``.
-    """
-
-    def __init__(self, params: list[Tensor], k: int):
-        self.k = k
-        self.before = [
-            (p, None if p.grad is None else p.grad.detach().clone()) for p in params
-        ]
-
-    def apply(self) -> None:
-        with torch.no_grad():
-            for p, old in self.before:
-                if p.grad is None:
-                    continue
-                if old is None:
-                    p.grad.div_(self.k)
-                else:
-                    p.grad.sub_(old).div_(self.k).add_(old)
 
 
 def _strategy_message(strategy, world_size: int) -> str:
@@ -324,7 +259,8 @@ class _CockpitCallback:
         self._tracked_step: int | None = None  # global_step of the last tracked step
         self._patched = None
         self._pending_state: dict[str, Any] | None = None
-        self._watch: _GradWatch | None = None
+        # after a tracked step: (step, quantities to finish, its gradients)
+        self._watch: tuple[int, list[Quantity], GradSnapshot] | None = None
         self._speaks = True  # rank 0 of a DDP run (the callback's own warnings)
 
     # --- set-up ----------------------------------------------------------------------
@@ -494,7 +430,9 @@ class _CockpitCallback:
         if self._open_step is not None:
             self._close_step(trainer, pl_module)
 
-    def _close_step(self, trainer, pl_module, unscale: _Unscale | None = None) -> None:
+    def _close_step(
+        self, trainer, pl_module, unscale: ScaleNewGradients | None = None
+    ) -> None:
         """End the cockpit's step; the gradients become Lightning's; check Alpha."""
         step, self._open_step = self._open_step, None
         self._unpatch_backward(pl_module)
@@ -508,13 +446,13 @@ class _CockpitCallback:
             self._missing(
                 [q for q in updating if q.discard_start(step)],
                 step,
-                _accumulation_reason(unscale.k),
+                _accumulation_reason(unscale.factor),
                 "accumulation",
             )
         else:
             pending = [q for q in updating if q.is_end(step + 1)]
             if pending:
-                self._watch = _GradWatch(step, pending, self.cockpit.params)
+                self._watch = (step, pending, GradSnapshot(self.cockpit.params))
         lr = learning_rate(trainer.optimizers[0]) if self.log_learning_rate else None
         self._last_log = (step, trainer.current_epoch, lr)
         if self.log_learning_rate:
@@ -525,11 +463,12 @@ class _CockpitCallback:
         watch, self._watch = self._watch, None
         if watch is None or self.cockpit is None:
             return
-        changed = watch.changed()
+        step, pending, grads = watch
+        changed = grads.changed()
         if changed:
             self._missing(
-                [q for q in watch.quantities if q.discard_start(watch.step)],
-                watch.step,
+                [q for q in pending if q.discard_start(step)],
+                step,
                 _clipping_reason(changed, trainer.gradient_clip_val),
                 "clipping",
             )
@@ -647,7 +586,7 @@ class _CockpitCallback:
             if k == 1:
                 return method(pl_module, loss, *args, **kwargs)
             trained = [p for p in pl_module.parameters() if p.requires_grad]
-            unscale = _Unscale(trained, k)
+            unscale = ScaleNewGradients(trained, k, divide=True)
             method(pl_module, loss * k, *args, **kwargs)
             self._close_step(trainer, pl_module, unscale)
 

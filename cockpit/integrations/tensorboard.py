@@ -51,6 +51,7 @@ import numpy as np
 
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
+from cockpit.log_files import open_log
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
@@ -136,7 +137,8 @@ def export_tensorboard(
     Raises:
         ValueError: If neither ``logdir`` nor ``writer`` is given.
         ImportError: If the ``tensorboard`` package is missing.
-        FileNotFoundError: If ``log`` is a path without a log.
+        LogFileError: If ``log`` is a path without a readable log holding a
+            tracked step (:func:`~cockpit.log_files.open_log`).
     """
     history, known_names = _as_history(log)
     if param_names is None:
@@ -187,7 +189,7 @@ def _as_history(log: Any) -> tuple[History, list[str | None] | None]:
         return log.history, list(getattr(log, "param_names", None) or []) or None
     if isinstance(log, Mapping):
         return History(log), None
-    return History.from_json(log), None
+    return open_log(log), None
 
 
 def _is_number(value: Any) -> bool:

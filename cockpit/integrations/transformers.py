@@ -83,11 +83,11 @@ import os
 from typing import Any, Iterable
 
 import torch
-from backpack import extend
 from torch import Tensor, nn
 from transformers import Trainer
 
 from cockpit.cockpit import Cockpit
+from cockpit.engines.backpack import extend
 from cockpit.integrations._common import (
     ScaleNewGradients,
     default_logpath,

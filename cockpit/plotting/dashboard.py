@@ -11,10 +11,9 @@ import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure, SubFigure
 
-from cockpit.errors import LogFileError
 from cockpit.history import History
 from cockpit.plotting import instruments
-from cockpit.plotting.data import DashboardData, as_history, log_file, read_log
+from cockpit.plotting.data import DashboardData, as_history, read_log
 from cockpit.plotting.style import PANEL_COLORS, dashboard_style
 
 _NON_INTERACTIVE = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
@@ -78,19 +77,12 @@ def resolve_source(
         ``logs/run.json`` go to the folder ``logs/run``), else ``None``.
 
     Raises:
-        LogFileError: If a log has no tracked steps.
+        LogFileError: If a log cannot be read or has no tracked steps.
         ValueError: If any other source has no tracked steps.
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        history = as_history(path) if read is None else read.history
-        if not history.steps:
-            raise LogFileError(
-                log_file(path),
-                "the log has no tracked steps, so there is nothing to plot. Fix: "
-                "plot a log written after at least one tracked step (does any "
-                "quantity's track_schedule return True for the steps you ran?).",
-            )
+        history = as_history(path) if read is None else read.history  # not empty
         return history, f"Cockpit: {os.path.basename(path)}", log_stem(path)
     history = as_history(source)
     if not history.steps:
@@ -217,7 +209,7 @@ class CockpitPlotter:
             ``log_rank``, which draw nothing).
 
         Raises:
-            LogFileError: If a log has no tracked steps.
+            LogFileError: If a log cannot be read or has no tracked steps.
             ValueError: If another source has no tracked steps, or ``save_plot``
                 has no ``savedir`` for a non-path source.
         """
@@ -273,12 +265,12 @@ class CockpitPlotter:
             :attr:`data`.
 
         Raises:
-            LogFileError: If a log has no tracked steps.
+            LogFileError: If a log cannot be read or has no tracked steps.
             ValueError: If another source has no tracked steps.
         """
         thin = None
         if stream and isinstance(source, (str, os.PathLike)):  # only what plot draws
-            thin = read_log(log_file(source), upto=discard)
+            thin = read_log(source, upto=discard)
         history, title, default_dir = resolve_source(source, thin)
         if isinstance(source, DashboardData) or thin is not None:
             self.data = source if thin is None else thin

@@ -10,7 +10,7 @@ dashboard up to date costs time proportional to the new data. Gauges draw at mos
 extremes), so drawing does not grow with the run either.
 
 Estimated values (a step with ``<key>_estimate``, see
-:data:`cockpit.log_format.ESTIMATE_SUFFIX`) carry their standard error along: a
+:data:`cockpit.log_keys.ESTIMATE_SUFFIX`) carry their standard error along: a
 series holds, next to each value, the standard error of the reduced value (NaN
 where it is exact; :func:`estimate_error`), which :meth:`Series.view_errors` thins
 with the values.
@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import ESTIMATE_SUFFIX, find_log
+from cockpit.log_files import locate_log, open_log
+from cockpit.log_keys import ESTIMATE_SUFFIX
 
 #: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
 #: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
@@ -425,29 +426,14 @@ def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
         Refreshed data; :attr:`DashboardData.log` is the file read.
 
     Raises:
-        FileNotFoundError, LogFileError, OSError: As
-            :meth:`~cockpit.history.History.from_json` raises them.
+        LogFileError: As :func:`~cockpit.log_files.open_log` raises it (also for
+            a log without a tracked step up to ``upto``).
     """
-    found = find_log(path)
-    history = History.from_json_latest(found, upto)
-    data = DashboardData(history)
+    found = locate_log(path)
+    data = DashboardData(open_log(found, latest=True, upto=upto))
     data.log = found
     data.refresh()
     return data
-
-
-def log_file(path: str | os.PathLike) -> str:
-    """Return the file of a log path given with or without ``.json``/``.jsonl``.
-
-    The path as given wins if it is a file; otherwise the first of ``path.json``
-    and ``path.jsonl`` that is a file (so a folder ``logs/run`` of saved images,
-    as 1.0.2 names it, does not hide ``logs/run.json``); else the path as given.
-    """
-    path = os.fspath(path)
-    for candidate in (path, path + ".json", path + ".jsonl"):
-        if os.path.isfile(candidate):
-            return candidate
-    return path
 
 
 def as_history(source: Any) -> History:
@@ -462,6 +448,7 @@ def as_history(source: Any) -> History:
         The history (the cockpit's own object for a cockpit, so it stays live).
 
     Raises:
+        LogFileError: For a path, as :func:`~cockpit.log_files.open_log` raises it.
         TypeError: For any other kind of source.
     """
     if isinstance(source, History):
@@ -470,7 +457,7 @@ def as_history(source: Any) -> History:
     if isinstance(history, History):
         return history
     if isinstance(source, (str, os.PathLike)):
-        return History.from_json(log_file(source))
+        return open_log(source)
     if isinstance(source, Mapping):
         return History(source)
     raise TypeError(

@@ -53,6 +53,7 @@ from matplotlib.transforms import ScaledTranslation
 
 from cockpit import diagnosis
 from cockpit.errors import CockpitWarning
+from cockpit.log_keys import NONFINITE_KEY
 from cockpit.plotting.data import DashboardData, Series, as_data
 from cockpit.plotting.style import (
     COLORS,
@@ -76,11 +77,6 @@ ESTIMATE_BAND_GID = "cockpit-estimate-band"
 #: The band around estimated values spans this many standard errors either side
 #: (about a 95 % interval for the mean of 16 probes).
 ESTIMATE_SPAN = 2
-
-#: History key of the words saying what was not finite at a step (``["loss",
-#: "gradients"]``), as the cockpit records it (``cockpit.checks.NONFINITE_KEY``,
-#: not imported here because that module loads torch).
-NONFINITE_KEY = "nonfinite"
 
 #: A title or hint: a ``str.format`` template over the gauge's keys and options, or a
 #: function of them.

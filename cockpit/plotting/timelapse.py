@@ -44,7 +44,7 @@ def make_timelapse(
         The path written.
 
     Raises:
-        LogFileError: If a log has no tracked steps.
+        LogFileError: If a log cannot be read or has no tracked steps.
         ValueError: If another source has no tracked steps, or ``frames`` is not
             positive.
     """

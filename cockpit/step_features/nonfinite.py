@@ -6,7 +6,7 @@ instead of stopping the training loop.
 
 from __future__ import annotations
 
-from cockpit.checks import NONFINITE_KEY
+from cockpit.log_keys import NONFINITE_KEY
 from cockpit.step_features.base import StepFeature, register_feature
 
 

@@ -1,0 +1,144 @@
+"""Opening a log: the one reader behind every command and every log path argument.
+
+``cockpit plot``, ``timelapse``, ``export`` and ``report``,
+:func:`cockpit.diagnosis.diagnose`, the dashboard and the TensorBoard exporter all
+open a log path with :func:`open_log`, so a file that cannot be used fails the same
+way everywhere: a :class:`~cockpit.errors.LogFileError` whose message names the
+file, says what is wrong with it and how to fix it. The reading itself is
+:meth:`cockpit.history.History.from_json` (or, for drawing,
+:meth:`~cockpit.history.History.from_json_latest`); what is added here is finding
+the file and turning "nothing there" into a message.
+
+Nothing here imports torch or BackPACK.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+from cockpit.errors import LogFileError
+from cockpit.history import History
+from cockpit.log_format import LOG_SUFFIXES, find_log
+
+__all__ = ["locate_log", "open_log"]
+
+#: How the messages below end: where a log comes from.
+_WRITTEN_BY = "Cockpit.write(path) or Cockpit(..., logpath=path)"
+
+
+# --- messages ------------------------------------------------------------------------
+def missing_message(path: str) -> str:
+    """The problem of a log path under which no file exists."""
+    also = ""
+    if not path.endswith(LOG_SUFFIXES):
+        also = f" (nor {os.path.basename(path)}.json or .jsonl)"
+    return f"no such file{also}. Fix: pass the path given to {_WRITTEN_BY}."
+
+
+def unreadable_message(error: OSError) -> str:
+    """The problem of a log file that the operating system refuses to read."""
+    return (
+        f"cannot be read ({error.strerror or error}). Fix: check that the file is "
+        "readable by you."
+    )
+
+
+def all_skipped_message(skipped: list[str]) -> str:
+    """The problem of a log whose every record was skipped (one line for all)."""
+    first = re.sub(r" of the cockpit log '.*?'", "", skipped[0])
+    more = f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""
+    return (
+        f"holds no readable tracked step: {first[0].lower()}{first[1:]}{more} "
+        f"Fix: pass a log that {_WRITTEN_BY} wrote for a run that tracked at least "
+        "one step."
+    )
+
+
+def empty_message(size: int) -> str:
+    """The problem of a log without a tracked step (``size``: the file's bytes)."""
+    if size == 0:
+        return (
+            "is empty (0 bytes), so there is nothing to show. A streamed log stays "
+            "empty until the first tracked step ends. Fix: pass a log of a run that "
+            "tracked at least one step."
+        )
+    return (
+        "holds no tracked steps, so there is nothing to show (the run stopped before "
+        "its first tracked step ended, or no quantity's track_schedule returned True "
+        "for the steps it ran). Fix: pass a log of a run that tracked at least one "
+        "step."
+    )
+
+
+# --- reading -------------------------------------------------------------------------
+def locate_log(path: str | os.PathLike) -> str:
+    """Return the file a log path refers to (see :func:`~cockpit.log_format.find_log`).
+
+    Args:
+        path: A log path, with or without ``.json``/``.jsonl``.
+
+    Returns:
+        The path of an existing file.
+
+    Raises:
+        LogFileError: If there is no such file, or ``path`` is a folder without a
+            log beside it.
+    """
+    path = os.fspath(path)
+    try:
+        return find_log(path)
+    except FileNotFoundError:
+        raise LogFileError(path, missing_message(path)) from None
+
+
+def open_log(
+    path: str | os.PathLike, *, latest: bool = False, upto: int | None = None
+) -> History:
+    """Read a log, or say in one message what is wrong with it.
+
+    Warnings raised while reading (a torn last record of a streamed log) are
+    passed on if the log holds a step; if it holds none, the first one is part
+    of the error instead (it says why nothing is left).
+
+    Args:
+        path: A log path, with or without ``.json``/``.jsonl``: written, streamed,
+            or by cockpit-for-pytorch 1.0.2.
+        latest: Read step by step, keeping of mappings (histograms) only the latest
+            per key: what a dashboard draws
+            (:meth:`~cockpit.history.History.from_json_latest`).
+        upto: With ``latest``, ignore steps after this one.
+
+    Returns:
+        The history; it holds at least one step.
+
+    Raises:
+        LogFileError: If there is no such file, it cannot be read, it is not a
+            cockpit log (binary, not JSON, truncated, JSON of another shape), or
+            it holds no tracked step. The message names the file, the problem and
+            the fix.
+        ValueError: For ``upto`` without ``latest``.
+    """
+    if upto is not None and not latest:
+        raise ValueError("open_log(..., upto=...) reads with latest=True only.")
+    found = locate_log(path)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            if latest:
+                history = History.from_json_latest(found, upto)
+            else:
+                history = History.from_json(found)
+    except OSError as error:
+        raise LogFileError(found, unreadable_message(error)) from None
+    if history.steps:
+        for warning in said:  # as they would have been shown
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+        return history
+    skipped = [str(w.message) for w in said if str(w.message).startswith("Skipped")]
+    if skipped:
+        raise LogFileError(found, all_skipped_message(skipped))
+    raise LogFileError(found, empty_message(os.path.getsize(found)))

@@ -1,0 +1,157 @@
+"""The shape of the package: who imports whom, read from the source.
+
+The graph is built from the source text with :mod:`ast`, so every import counts,
+also one inside a function (it runs when the function does), except those under
+``if TYPE_CHECKING:`` (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "cockpit"
+
+
+def _module_files() -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module of the package."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _module_files()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _imported_names(tree: ast.AST):
+    """Yield every ``Import``/``ImportFrom`` node that can run (not TYPE_CHECKING)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)  # `else:` runs
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, path: Path) -> set[str]:
+    """The modules an import statement names (any, in the package or not)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    source = node.module or ""
+    if node.level:  # relative: from the module's package, up level - 1
+        package = module.split(".")
+        if path.name != "__init__.py":
+            package.pop()
+        package = package[: len(package) - node.level + 1]
+        source = ".".join(package + ([source] if source else []))
+    found = set()
+    for alias in node.names:
+        child = f"{source}.{alias.name}"
+        found.add(child if child in MODULES else source)
+    return found
+
+
+def _imports(module: str) -> set[str]:
+    """Every module ``module`` imports (its own package's and others)."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: set[str] = set()
+    for node in _imported_names(tree):
+        names |= _targets(node, module, path)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}`` (without itself)."""
+    return {
+        module: {m for m in _imports(module) if m in MODULES and m != module}
+        for module in MODULES
+    }
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles of the graph, at least one through each group of modules in a cycle.
+
+    A depth-first search; every edge back into the current path closes a cycle.
+    """
+    cycles, seen, done = [], set(), set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path, pending = [start], [iter(sorted(graph[start]))]
+        while pending:
+            following = next(pending[-1], None)
+            if following is None:
+                pending.pop()
+                done.add(path.pop())
+            elif following in path:
+                cycle = path[path.index(following) :] + [following]
+                if frozenset(cycle) not in seen:
+                    seen.add(frozenset(cycle))
+                    cycles.append(cycle)
+            elif following not in done:
+                path.append(following)
+                pending.append(iter(sorted(graph.get(following, ()))))
+    return cycles
+
+
+def test_the_graph_reader_counts_what_can_run():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import typed_only\nelse:\n    import at_runtime\n"
+        "def later():\n    from inside import name\n"
+    )
+    names = {
+        target
+        for node in _imported_names(ast.parse(source))
+        for target in _targets(node, "cockpit.example", PACKAGE / "example.py")
+    }
+    assert names == {"typing", "at_runtime", "inside"}
+    graph = import_graph()
+    assert "cockpit.log_files" in graph["cockpit.cli"]
+    assert "cockpit.report" in graph["cockpit.cli"]  # inside build_parser
+    # `from cockpit.engines import backpack as bp` names the module
+    assert "cockpit.engines.backpack" in graph["cockpit.engines.backpack_engine"]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c", "a"]
+    ]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    shown = "\n".join(" -> ".join(cycle) for cycle in cycles)
+    assert not cycles, f"import cycles in the cockpit package:\n{shown}"
+
+
+#: Modules that import BackPACK although they are no engine (to be moved behind one).
+def _is_backpack_engine(module: str) -> bool:
+    return module.startswith("cockpit.engines.backpack")
+
+
+def test_backpack_is_imported_by_its_engine_only():
+    importers = sorted(
+        module
+        for module in MODULES
+        if any(m == "backpack" or m.startswith("backpack.") for m in _imports(module))
+    )
+    assert any(_is_backpack_engine(m) for m in importers)  # the test sees them
+    outside = [m for m in importers if not _is_backpack_engine(m)]
+    assert not outside, f"modules outside engines/backpack* import backpack: {outside}"
+
+
+def test_the_log_keys_import_nothing():
+    """Every reader and writer of a log can name its keys (no torch, no numpy)."""
+    assert _imports("cockpit.log_keys") <= {"__future__"}
