@@ -75,7 +75,7 @@ class DataParallel(StepFeature):
         else:
             raise KeyError(_missing_batch_size(step))
         plan_text = ";".join(
-            f"{q.key}:{sorted(n.name for n in q.needs_at(step))}"
+            f"{q.key}:{sorted(n.name for n in run.plan.needs_of(q))}"
             for q in run.plan.active
         )
         plan_text += f";no_sync={self.no_sync}"  # the joined gradient's collective

@@ -212,10 +212,10 @@ class LoopChecks:
         if rates is not None and any(q.should_compute(step) for q in plan.active):
             self._recorder.record(step, LEARNING_RATES_KEY, rates)
         reasons: dict[Quantity, str] = {}
-        if any(q.needs_at(step) & READS_GRAD for q in plan.active):
+        if any(plan.needs_of(q) & READS_GRAD for q in plan.active):
             if grads_accumulated(self._params):
                 for q in plan.active:
-                    if q.needs_at(step) & READS_GRAD:
+                    if plan.needs_of(q) & READS_GRAD:
                         reasons[q] = ACCUMULATION_REASON
         updating = _updating(plan)
         if updating and optimizer is not None:
@@ -255,7 +255,7 @@ class LoopChecks:
     def _missing(self, quantity: Quantity, step: int, reason: str) -> None:
         """Record ``quantity`` as missing at ``step`` (and its pending start)."""
         steps = [step]
-        if getattr(quantity, "is_end", None) and quantity.is_end(step):
+        if quantity.is_end(step):
             steps.append(step - 1)  # a two-step value that cannot be finished
         self._diagnostics.missing(
             self._recorder,
@@ -268,5 +268,4 @@ class LoopChecks:
 
 def _updating(plan: StepPlan) -> list[Quantity]:
     """The active quantities that replay the optimizer's update."""
-    step = plan.global_step
-    return [q for q in plan.active if Need.OPTIMIZER_UPDATE in q.needs_at(step)]
+    return [q for q in plan.active if Need.OPTIMIZER_UPDATE in plan.needs_of(q)]

@@ -10,9 +10,9 @@ engines turn the needs into their own work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from cockpit import needs as N
 from cockpit.needs import Need
@@ -33,6 +33,8 @@ class StepPlan:
             extensions, run by the BackPACK engine).
         low_precision: Some parameters are half precision.
         estimated: The curvature is estimated at this step (no engine forms it).
+        wants: ``id(quantity)`` -> what it needs at the step (read with
+            :meth:`needs_of`; asked of each quantity once).
     """
 
     global_step: int
@@ -43,6 +45,11 @@ class StepPlan:
     legacy: tuple
     low_precision: bool = False
     estimated: bool = False
+    wants: Mapping[int, frozenset[Need]] = field(default_factory=dict)
+
+    def needs_of(self, quantity: Quantity) -> frozenset[Need]:
+        """What an active ``quantity`` needs at the step (nothing if inactive)."""
+        return self.wants.get(id(quantity), frozenset())
 
     @property
     def first(self) -> tuple[Quantity, ...]:
@@ -91,13 +98,14 @@ def plan_step(
     ``low_precision``: some parameters are bfloat16 or float16.
     """
     active = tuple(q for q in quantities if q.is_active(global_step))
-    needs = frozenset().union(*(q.needs_at(global_step) for q in active))
+    wants = {id(q): q.needs_at(global_step) for q in active}
     return StepPlan(
         global_step=global_step,
         active=active,
-        needs=needs,
+        needs=frozenset().union(*wants.values()),
         create_graph=any(q.create_graph(global_step) for q in active),
-        consumers=tuple(q for q in active if N.in_backward(q.needs_at(global_step))),
+        consumers=tuple(q for q in active if N.in_backward(wants[id(q)])),
         legacy=tuple(ext for q in active for ext in q.extensions(global_step)),
         low_precision=low_precision,
+        wants=wants,
     )

@@ -123,9 +123,9 @@ class StepRouting:
             self._route(plan, user)
 
     def _route(self, plan, user) -> None:
-        run, step = self._run, plan.global_step
+        run = self._run
         self.routes = self.router.route(self.engine_step)
-        per_sample = [q for q in plan.consumers if q.needs_at(step) & PER_SAMPLE_NEEDS]
+        per_sample = [q for q in plan.consumers if plan.needs_of(q) & PER_SAMPLE_NEEDS]
         by_name = {}
         for engine in self.engines:
             by_name.setdefault(engine.name, []).append(engine)
@@ -164,10 +164,10 @@ class StepRouting:
 
     def _curvature_fallback(self, plan) -> None:
         """Estimate the curvature where a quantity accepts it; else leave it out."""
-        run, step, decline = self._run, plan.global_step, self.curvature
+        run, decline = self._run, self.curvature
         groups: dict[tuple[str, str], list] = {}
         for q in plan.consumers:
-            wanted = q.needs_at(step) & CURVATURE_NEEDS
+            wanted = plan.needs_of(q) & CURVATURE_NEEDS
             if not wanted or run.ledger.out(q):
                 continue
             if self.engine_step.losses is not None and wanted <= q.estimable:
@@ -196,14 +196,13 @@ class StepRouting:
         estimated = {id(q) for q in self._run.ledger.estimated()}
         if not estimated:
             return plan
-        step = plan.global_step
         return replace(
             plan,
             estimated=True,
             consumers=tuple(
                 q
                 for q in plan.consumers
-                if id(q) not in estimated or q.needs_at(step) & PER_SAMPLE_NEEDS
+                if id(q) not in estimated or plan.needs_of(q) & PER_SAMPLE_NEEDS
             ),
         )
 
@@ -218,7 +217,7 @@ class StepRouting:
         entries = [(q, ledger.entries[id(q)]) for q in ledger.planned.active]
         key = (
             tuple(self.routes),
-            tuple((q.key, e.status, e.reason, q.needs_at(step)) for q, e in entries),
+            tuple((q.key, e.status, e.reason, plan.needs_of(q)) for q, e in entries),
             problem,
             tuple(labels),
         )
@@ -235,7 +234,7 @@ class StepRouting:
                     elif entry.status == "estimated":
                         statuses[q.key] = Status("estimated", entry.reason)
                     else:
-                        statuses[q.key] = status_for(q.needs_at(step), route, problem)
+                        statuses[q.key] = status_for(plan.needs_of(q), route, problem)
                 rows.append(
                     ParamCoverage(
                         index, labels[index], route, MappingProxyType(statuses)
@@ -250,10 +249,10 @@ class StepRouting:
     # --- around the backward pass ----------------------------------------------------
     def prepare(self, plan, user, dispatcher) -> None:
         """Decide which engine runs where, and let BackPACK build its hook."""
-        run, step = self._run, plan.global_step
+        run = self._run
         served: dict = {}
         self.engine_step.per_sample = any(
-            q.needs_at(step) & PER_SAMPLE_NEEDS for q in plan.consumers
+            plan.needs_of(q) & PER_SAMPLE_NEEDS for q in plan.consumers
         )
         if self.routes is not None and self.engine_step.per_sample:
             if self.engine_step.losses is not None:

@@ -22,6 +22,9 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from backpack import backpack, disable
+from backpack import (
+    extend as extend,
+)  # re-exported: `cockpit` imports BackPACK here only
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.extensions.backprop_extension import FAIL_SILENT, BackpropExtension
 from torch import Tensor

@@ -89,7 +89,7 @@ def who_needs(plan, savefields) -> str:
     names = []
     for q in plan.active:
         legacy = set(bp.savefields(q.extensions(plan.global_step)))
-        if q.needs_at(plan.global_step) & wanted or legacy & savefields:
+        if plan.needs_of(q) & wanted or legacy & savefields:
             names.append(q.key)
     return ", ".join(names) if names else "your extra extensions"
 
@@ -107,15 +107,23 @@ class BackpackEngine(Engine):
         self.setup: BackwardSetup | None = None
         self.hook: bp.ExtensionHook | None = None
         self._fields: list[str] = []
+        self._setup_cache: tuple | None = None
 
     # --- which parameters ------------------------------------------------------------
-    @staticmethod
-    def first_order(plan, user=()) -> list:
+    def setup_for(self, plan, user=()) -> BackwardSetup:
+        """The extensions of ``plan`` merged with the user's (kept for the step)."""
+        cached = self._setup_cache
+        if cached is None or cached[0] is not plan or cached[1] != tuple(user):
+            cached = (plan, tuple(user), backward_setup(plan, user))
+            self._setup_cache = cached
+        return cached[2]
+
+    def first_order(self, plan, user=()) -> list:
         """The per-sample extensions that will run (the user's may replace ours).
 
         A step without any is routed as the reference extension would be.
         """
-        extensions = backward_setup(plan, user).extensions
+        extensions = self.setup_for(plan, user).extensions
         return bp.first_order(extensions) or bp.reference_first_order()
 
     def static_claim(self, index: int, requested: Sequence = ()) -> Decline | None:
@@ -217,7 +225,7 @@ class BackpackEngine(Engine):
             dispatcher: Shows results to the quantities.
             others: Indices another engine serves (BackPACK skips their modules).
         """
-        self.setup = backward_setup(plan, user)
+        self.setup = self.setup_for(plan, user)
         self._fields = bp.savefields(plan.requested)
         self.hook = bp.ExtensionHook(
             index={id(p): i for i, p in enumerate(self.params)},
@@ -352,8 +360,9 @@ class BackpackEngine(Engine):
             bp.free_buffers(param, fields)
 
     def forget(self) -> None:
-        """Drop the step's hook."""
+        """Drop the step's hook and extensions."""
         self.hook = None
+        self._setup_cache = None
 
 
 def refuse_unextended(routes: Sequence[Route], params, who) -> None:

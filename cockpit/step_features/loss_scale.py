@@ -65,7 +65,7 @@ class LossScale(StepFeature):
             return
         run, reason = self.run, scaled_reason(scale)
         for q in run.plan.active:
-            if q.needs_at(run.step) - {Need.PARAMETERS} or q.extensions(run.step):
+            if run.plan.needs_of(q) - {Need.PARAMETERS} or q.extensions(run.step):
                 run.ledger.leave_out(q, reason, once=("scaled", q.key))
 
     def close(self) -> None:
