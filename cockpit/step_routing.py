@@ -14,6 +14,7 @@ from types import MappingProxyType
 
 from torch import Tensor
 
+from cockpit.checks import no_results_message
 from cockpit.engines.base import AUTOGRAD, EngineStep, Why
 from cockpit.engines.coverage import (
     CURVATURE_NEEDS,
@@ -26,6 +27,7 @@ from cockpit.engines.coverage import (
     status_for,
 )
 from cockpit.needs import Need
+from cockpit.param_view import ParamResults
 from cockpit.step_features.estimators import hutchinson_method
 
 MISSING_LOSSES = (
@@ -35,6 +37,22 @@ MISSING_LOSSES = (
     "pass the per-sample losses of this forward pass, computed with "
     "reduction='none' and not detached",
 )
+
+
+def _refuse_unextended(routes, params, who) -> None:
+    """Fail when a module an engine could serve was not extended.
+
+    Without the per-sample losses the engines that need them cannot step in, and
+    a forgotten ``backpack.extend`` is the likelier mistake.
+
+    Raises:
+        RuntimeError: Naming the parameters and both fixes.
+    """
+    unextended = [i for i, r in enumerate(routes) if r.declined(Why.NOT_EXTENDED)]
+    if unextended:
+        names = ", ".join(q.key for q in who)
+        shapes = ", ".join(f"#{i} (shape {tuple(params[i].shape)})" for i in unextended)
+        raise RuntimeError(no_results_message(shapes, names))
 
 
 def double_backward_reason(key: str, error: Exception) -> tuple[str, Status]:
@@ -101,24 +119,21 @@ class StepRouting:
             info.get("individual_losses") if info.has("individual_losses") else None
         )
         losses = losses if isinstance(losses, Tensor) and losses.grad_fn else None
-        self.backpack = self.router.engine("backpack")
-        requested = (
-            tuple(self.backpack.first_order(plan, user)) if self.backpack else ()
-        )
         self.engine_step = EngineStep(
             step,
             run.params,
             losses=losses,
             loss=info.get("loss") if info.has("loss") else None,
-            options=options,
-            requested=requested,
+            options={**options, "debug": run.debug},
+            needs=plan.needs,
+            plan=plan,
+            user=tuple(user),
         )
         self.routes = None
         self.curvature = None
         self.engines = self.router.engines
         self.served: dict = {}
         self.before: dict = {}
-        self.sized = False
         if plan.consumers:
             self._route(plan, user)
 
@@ -135,15 +150,12 @@ class StepRouting:
             if any(e.needs_losses for e in by_name.get(r.engine, ()))
         ]
         if needy and per_sample and self.engine_step.losses is None:
-            if self.backpack is not None:
-                from cockpit.engines.backpack_engine import refuse_unextended
-
-                refuse_unextended(self.routes, run.params, per_sample)
+            _refuse_unextended(self.routes, run.params, per_sample)
             reason, fix = MISSING_LOSSES
             self._leave_out(per_sample, reason, fix)
-        curvature = self.backpack.curvature_needed(plan) if self.backpack else False
-        if curvature:
-            self.curvature = self.router.curvature_decline(self.routes, plan.requested)
+        if plan.needs & CURVATURE_NEEDS:
+            step = self.engine_step
+            self.curvature = self.router.curvature_decline(self.routes, step)
         if self.curvature is not None:
             self._curvature_fallback(plan)
         slow = [
@@ -247,10 +259,10 @@ class StepRouting:
         return coverage
 
     # --- around the backward pass ----------------------------------------------------
-    def prepare(self, plan, user, dispatcher) -> None:
-        """Decide which engine runs where, and let BackPACK build its hook."""
-        run = self._run
+    def prepare(self, plan, dispatcher) -> None:
+        """Decide which engine runs where; let each get ready for the step."""
         served: dict = {}
+        self.engine_step.plan = plan
         self.engine_step.per_sample = any(
             plan.needs_of(q) & PER_SAMPLE_NEEDS for q in plan.consumers
         )
@@ -263,15 +275,8 @@ class StepRouting:
                             break
         self.before = {e: ix for e, ix in served.items() if e.needs_losses}
         others = sorted(i for ix in self.before.values() for i in ix)
-        if self.backpack is not None:
-            self.backpack.save_memory = self.engine_step.options.get(
-                "save_memory", True
-            )
-            self.backpack.debug = run.debug
-            self.backpack.prepare(plan, user, dispatcher, others)
-            self.sized = bool(self.backpack.setup.needed)
-            if run.debug:  # cockpit-for-pytorch 1.0.2 prints the plan with debug=True
-                self.backpack.print_plan(plan, user)
+        for engine in self.engines:
+            engine.prepare(self.engine_step, dispatcher, others)
         self.served = {e: served.get(e, []) for e in self.engines if not e.needs_losses}
 
     def run_before_backward(self, quiet) -> dict[int, str]:
@@ -299,13 +304,17 @@ class StepRouting:
         return methods
 
     def zero_results(self, index: int, batch_size: int | None):
-        """Exact zero results of an unused parameter."""
-        return self.backpack.zero_results(index, batch_size)
+        """Exact zero results of an unused parameter (the first engine that has)."""
+        for engine in self.engines:
+            results = engine.zero_results(index, batch_size)
+            if results is not None:
+                return results
+        return ParamResults()
 
     def free(self, late: bool = False) -> None:
         """Free the engines' buffers on the parameters."""
-        if self.backpack is not None:
-            self.backpack.free(late)
+        for engine in self.engines:
+            engine.free(late)
 
     def idle(self) -> contextlib.AbstractContextManager:
         """A context in which the engines' hooks do nothing (extra backward passes)."""

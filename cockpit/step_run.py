@@ -80,8 +80,11 @@ class StepRun:
         self.engine_step: EngineStep = self.routing.engine_step
         self.engine_step.show = self._show
         self.engines = self.routing.engines
-        self.routing.prepare(self.plan, extensions, self.dispatcher)
-        self.dispatcher.sized = self.routing.sized
+        self.routing.prepare(self.plan, self.dispatcher)
+        # the batch size of unused parameters' zeros, from the first per-sample view
+        self.dispatcher.sized = self.routing.engine_step.per_sample or bool(
+            self.plan.legacy
+        )
         self._stack = contextlib.ExitStack()
 
     def _show(self, index: int, results) -> None:

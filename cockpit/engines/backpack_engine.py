@@ -19,7 +19,6 @@ from typing import Sequence
 from cockpit.checks import (
     batchnorm_message,
     in_place_message,
-    no_results_message,
     repeated_backward_message,
     unextended_loss_message,
     unsupported_message,
@@ -126,7 +125,13 @@ class BackpackEngine(Engine):
         extensions = self.setup_for(plan, user).extensions
         return bp.first_order(extensions) or bp.reference_first_order()
 
-    def static_claim(self, index: int, requested: Sequence = ()) -> Decline | None:
+    def _first_order_of(self, step: EngineStep) -> list:
+        """The step's per-sample extensions (before a step: for all its needs)."""
+        if step.plan is not None:
+            return self.first_order(step.plan, step.user)
+        return self.requested_for(step.needs)[0]
+
+    def static_claim(self, index: int, step: EngineStep) -> Decline | None:
         """Rules 1 and 2: one owner, extended, with a rule (see the rules module)."""
         owners = self.modules.owners.get(id(self.params[index]), [])
         if not owners:
@@ -135,7 +140,7 @@ class BackpackEngine(Engine):
             names = " and ".join(describe(m, a) for m, a in owners)
             return Decline(Why.TIED, f"tied: owned by {names}")
         module, attribute = owners[0]
-        requested = requested or bp.reference_first_order()
+        requested = self._first_order_of(step)
         for check in rules.STATIC_RULES:
             decline = check(module, attribute, requested, bp.rule_problem)
             if decline is not None:
@@ -181,8 +186,13 @@ class BackpackEngine(Engine):
             self._batchnorms = rules.batchnorms(roots)
         return self._batchnorms
 
-    def curvature_decline(self, routes: Sequence[Route], requested) -> Decline | None:
+    def curvature_decline(self, routes: Sequence[Route], step) -> Decline | None:
         """Why BackPACK cannot give the step's curvature diagonals (``None``: can)."""
+        requested = (
+            step.plan.requested
+            if step.plan is not None
+            else self.requested_for(step.needs)[1]
+        )
         curvature = bp.curvature(requested)
         if not curvature:
             return None
@@ -216,15 +226,17 @@ class BackpackEngine(Engine):
     save_memory = SAVE_MEMORY
     debug = False
 
-    def prepare(self, plan, user: Sequence, dispatcher, others: Sequence[int]) -> None:
+    def prepare(self, step: EngineStep, dispatcher, others: Sequence[int]) -> None:
         """Build the step's extensions and hook (before any engine shows results).
 
         Args:
-            plan: The step's plan.
-            user: The user's extra extensions.
+            step: The step (its plan, the user's extra extensions, the options).
             dispatcher: Shows results to the quantities.
             others: Indices another engine serves (BackPACK skips their modules).
         """
+        plan, user = step.plan, step.user
+        self.save_memory = step.options.get("save_memory", SAVE_MEMORY)
+        self.debug = step.options.get("debug", False)
         self.setup = self.setup_for(plan, user)
         self._fields = bp.savefields(plan.requested)
         self.hook = bp.ExtensionHook(
@@ -236,6 +248,8 @@ class BackpackEngine(Engine):
         )
         if others:
             bp.leave_to_autograd(self.setup.extensions, self._only_in(others))
+        if self.debug:  # cockpit-for-pytorch 1.0.2 prints the plan with debug=True
+            self.print_plan(plan, user)
 
     def _only_in(self, indices: Sequence[int]) -> list:
         """Modules owning parameters ``indices`` and no other cockpit parameter."""
@@ -323,10 +337,6 @@ class BackpackEngine(Engine):
         extensions = bp.extensions_for(needs)
         return bp.first_order(extensions) or bp.reference_first_order(), extensions
 
-    def curvature_needed(self, plan) -> bool:
-        """Whether the step asks for curvature diagonals."""
-        return bool(bp.curvature(plan.requested))
-
     def print_plan(self, plan, user) -> None:
         """cockpit-for-pytorch 1.0.2's ``debug=True`` line."""
         print(
@@ -363,19 +373,3 @@ class BackpackEngine(Engine):
         """Drop the step's hook and extensions."""
         self.hook = None
         self._setup_cache = None
-
-
-def refuse_unextended(routes: Sequence[Route], params, who) -> None:
-    """Fail when a module BackPACK could handle was not extended.
-
-    Without the per-sample losses the autograd engine cannot step in, and a
-    forgotten ``backpack.extend`` is the likelier mistake.
-
-    Raises:
-        RuntimeError: Naming the parameters and both fixes.
-    """
-    unextended = [i for i, r in enumerate(routes) if r.declined(Why.NOT_EXTENDED)]
-    if unextended:
-        names = ", ".join(q.key for q in who)
-        shapes = ", ".join(f"#{i} (shape {tuple(params[i].shape)})" for i in unextended)
-        raise RuntimeError(no_results_message(shapes, names))

@@ -116,8 +116,11 @@ class EngineStep:
         uses: ``id(leaf)`` -> how often the graph uses it.
         show: ``(index, ParamResults) -> None``: hand one parameter's results to
             the quantities (as a :class:`~cockpit.param_view.ParamView`).
-        options: Engine settings of the cockpit (``chunk``, ``max_elements``).
-        requested: The engine-specific work of the step (BackPACK's extensions).
+        options: Engine settings of the cockpit (``chunk``, ``max_elements``,
+            ``save_memory``, ``debug``).
+        needs: What the quantities of the step need (all of them: before a step).
+        plan: The step's plan (``None`` for routes from the structure alone).
+        user: The user's extra extensions of the step.
     """
 
     global_step: int
@@ -129,7 +132,9 @@ class EngineStep:
     uses: dict = field(default_factory=dict)
     show: Callable[[int, Any], None] | None = None
     options: dict = field(default_factory=dict)
-    requested: tuple = ()
+    needs: frozenset = frozenset()
+    plan: Any = None
+    user: tuple = ()
 
 
 class Engine:
@@ -155,14 +160,31 @@ class Engine:
         owners = self.modules.owners.get(id(self.params[index]), [])
         return owners[0] if len(owners) == 1 else None
 
-    def static_claim(self, index: int, requested: Sequence = ()) -> Decline | None:
+    def static_claim(self, index: int, step: EngineStep) -> Decline | None:
         """Whether the model's structure lets it serve ``index`` (``None``: yes)."""
         return None
 
     def claim(self, step: EngineStep, indices: Sequence[int]) -> dict[int, Decline]:
         """The parameters among ``indices`` it cannot serve at ``step``, with why."""
-        found = {i: self.static_claim(i, step.requested) for i in indices}
+        found = {i: self.static_claim(i, step) for i in indices}
         return {i: d for i, d in found.items() if d is not None}
+
+    def curvature_decline(self, routes: Sequence[Route], step: EngineStep):
+        """Why it cannot form the step's curvature diagonals (``None``: it can).
+
+        ``NotImplemented`` (the default): it forms no curvature at all.
+        """
+        return NotImplemented
+
+    def prepare(self, step: EngineStep, dispatcher, others: Sequence[int]) -> None:
+        """Get ready for the step (``others``: indices other engines serve)."""
+
+    def zero_results(self, index: int, batch_size: int | None):
+        """Exact zero results of an unused parameter (``None``: not its concern)."""
+        return None
+
+    def free(self, late: bool = False) -> None:
+        """Free the step's buffers (``late``: also those kept for tracking)."""
 
     def before_backward(self, step: EngineStep, indices: Sequence[int]) -> dict:
         """Compute and show results before the backward pass.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from cockpit.engines.base import AUTOGRAD, BACKPACK, UNUSED, Route
+from cockpit.engines.base import AUTOGRAD, BACKPACK, UNUSED, EngineStep, Route
 from cockpit.needs import Need
 
 EXACT = "exact"
@@ -201,15 +201,13 @@ def static_coverage(
         probes: Hessian-vector products of a Hutchinson estimate.
     """
     needs = {id(q): frozenset(q.needs) for q in quantities}
-    backpack = router.engine(BACKPACK)
-    first, requested = (
-        backpack.requested_for(frozenset().union(*needs.values()))
-        if backpack is not None
-        else ((), ())
-    )
-    routes = router.static_routes(first)
-    decline = router.curvature_decline(routes, requested)
-    problem = decline.message if decline is not None else None
+    every = frozenset().union(*needs.values())
+    routes = router.static_routes(every)
+    problem = None
+    if every & CURVATURE_NEEDS:
+        step = EngineStep(-1, router.params, needs=every)
+        decline = router.curvature_decline(routes, step)
+        problem = decline.message if decline is not None else None
     estimate = Status(ESTIMATED, f"Hutchinson, {probes} Hessian-vector products")
     rows = []
     for index, route in enumerate(routes):

@@ -98,9 +98,9 @@ class Router:
         return describe(*owners[0]) if owners else ""
 
     # --- routes ----------------------------------------------------------------------
-    def static_routes(self, requested: Sequence = ()) -> list[Route]:
+    def static_routes(self, needs: frozenset = frozenset()) -> list[Route]:
         """Routes from the model's structure alone (before a step, for the report)."""
-        step = EngineStep(-1, self.params, requested=tuple(requested))
+        step = EngineStep(-1, self.params, needs=frozenset(needs))
         return self._claims(step, range(len(self.params)), [None] * len(self.params))
 
     def route(self, step: EngineStep) -> list[Route]:
@@ -132,18 +132,21 @@ class Router:
             routes[index] = Route(name, declines, self.label(index))
         return routes
 
-    def curvature_decline(self, routes: Sequence[Route], requested) -> Decline | None:
-        """Why no engine can give the step's curvature diagonals (``None``: one can)."""
+    def curvature_decline(self, routes: Sequence[Route], step) -> Decline | None:
+        """Why no engine can give the step's curvature diagonals (``None``: one can).
+
+        The decline of the first engine that forms curvature at all.
+        """
         declines = []
         for engine in self.engines:
-            decide = getattr(engine, "curvature_decline", None)
-            if decide is None:
-                continue
-            decline = decide(routes, requested)
+            decline = engine.curvature_decline(routes, step)
             if decline is None:
                 return None
-            declines.append(decline)
-        return declines[0] if declines else None
+            if decline is not NotImplemented:
+                declines.append(decline)
+        if declines:
+            return declines[0]
+        return Decline(Why.NO_RULE, "no engine forms curvature diagonals")
 
     def start(self) -> None:
         """Show the engines the routes from the model's structure (cockpit made)."""
