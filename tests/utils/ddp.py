@@ -271,15 +271,31 @@ def _timedelta(seconds):
     return datetime.timedelta(seconds=seconds)
 
 
+def _start_method():
+    """A fork server that has imported this module (and with it torch, BackPACK and
+    cockpit) once, and the part of torch that DDP imports when first built.
+
+    Every rank is still a new process, forked from that clean server (it never ran
+    a test or trained), so nothing but imported modules is shared between launches;
+    a spawned process would import torch again (seconds on a small machine). Where
+    there is no fork server, processes are spawned.
+    """
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__, "torch._dynamo"])  # read at its start
+    return context
+
+
 def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dict]:
     """Run ``target(rank, world, **args)`` on ``world`` processes; their results.
 
     ``target`` must be importable (a module-level function). Processes still alive
     after ``limit`` seconds are killed and reported as ``{"error": "hung"}``.
     """
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
+    context = _start_method()
     port = free_port()  # only for code that reads MASTER_PORT (Lightning)
     rendezvous = os.path.join(  # outside outdir: tests list what ranks wrote there
         tempfile.gettempdir(), f"cockpit-ddp-rendezvous-{uuid.uuid4().hex}"
