@@ -359,8 +359,25 @@ def _one_step(cockpit, network, optimizer, step, x, y, no_sync=False):
     optimizer.step()
 
 
-def misuse(rank: int, world: int, how: str, timeout: float = 30.0) -> dict[str, Any]:
-    """Worker: a run where the processes disagree; what each process raised."""
+def _wait_for(path: str, seconds: float) -> None:
+    """Sleep until ``path`` exists, at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def misuse(
+    rank: int,
+    world: int,
+    how: str,
+    timeout: float = 30.0,
+    wait_dir: str | None = None,
+) -> dict[str, Any]:
+    """Worker: a run where the processes disagree; what each process raised.
+
+    With ``how="raise-and-wait"`` rank 1 stays alive and silent until rank 0 has
+    written its result into ``wait_dir`` (at most ``timeout`` + 10 s).
+    """
     model = make_model("mlp")
     if how == "shapes" and rank == 1:  # a wider hidden layer (DDP would refuse it)
         torch.manual_seed(0)
@@ -396,7 +413,7 @@ def misuse(rank: int, world: int, how: str, timeout: float = 30.0) -> dict[str, 
                 raise ValueError("the user's code failed on rank 1")
         except ValueError as error:
             if how == "raise-and-wait":  # alive, but never joins the step
-                time.sleep(timeout + 10)
+                _wait_for(os.path.join(str(wait_dir), "rank0.json"), timeout + 10)
             return {"raised": f"{type(error).__name__}: {error}"}
     if how == "inside-no-sync":  # DDP's no_sync(), but the cockpit is not told
         with network.no_sync():
