@@ -648,9 +648,9 @@ _WHITESPACE = " \t\n\r"
 def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
     """Yield ``(step, entries)`` of a log in standard JSON, one step at a time.
 
-    Holds one chunk of text and one step at a time in memory, whatever the size of
-    the log. The entries are as written (pass them to :func:`decode`); steps come
-    in the order of the file.
+    Holds one chunk of text and about two steps' text at a time in memory, whatever
+    the size of the log. The entries are as written (pass them to :func:`decode`);
+    steps come in the order of the file.
 
     Args:
         handle: The log, opened in binary mode.
@@ -690,15 +690,18 @@ def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
 
     def value() -> Any:
         nonlocal pos
-        while True:
-            try:
-                parsed, end = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                parsed, end = None, None
-            # a value that ends with the text may go on in the next chunk
-            if end is not None and (end < len(text) or done):
-                pos = end
-                return parsed
+        tried = 0  # the text a parse that fell short saw: parse again once doubled
+        while True:  # (parsing again after every chunk is quadratic in the value)
+            if len(text) - pos >= 2 * tried or done:
+                try:
+                    parsed, end = decoder.raw_decode(text, pos)
+                except json.JSONDecodeError:
+                    parsed, end = None, None
+                # a value that ends with the text may go on in the next chunk
+                if end is not None and (end < len(text) or done):
+                    pos = end
+                    return parsed
+                tried = len(text) - pos
             if not refill():
                 raise NotStreamable("invalid or truncated JSON")
 

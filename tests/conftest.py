@@ -1,5 +1,7 @@
 """Suite-wide test settings."""
 
+import gc
+
 import pytest
 import torch
 
@@ -29,3 +31,34 @@ def problem(request):
 def schedule(request):
     """Each of the shared track schedules (a fresh instance per test)."""
     return SCHEDULES[request.param]()
+
+
+def pytest_collection_finish(session):
+    """Hide what collection made (torch, transformers, Lightning, ...) from gc scans.
+
+    A cockpit finds the modules owning its parameters in one scan of every object
+    the garbage collector tracks (``cockpit.engines.routing.discover``); in a test
+    process that has imported everything, that is over half a million objects, a
+    tenth of a second per cockpit. Objects frozen here are skipped by the scan (and
+    by collections); everything the tests make, models included, is not frozen.
+    A module with parameters or children made at import time would be hidden from
+    the scan, so then nothing is frozen.
+    """
+    gc.collect()
+    made = [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), torch.nn.Module)
+        and (vars(obj).get("_parameters") or vars(obj).get("_modules"))
+    ]
+    if made:
+        names = sorted({type(obj).__name__ for obj in made})
+        session.config.issue_config_time_warning(
+            pytest.PytestWarning(
+                f"modules made at import time ({', '.join(names)}): not freezing "
+                "the objects of collection, so each cockpit scans them all (slow)"
+            ),
+            stacklevel=2,
+        )
+        return
+    gc.freeze()

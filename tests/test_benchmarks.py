@@ -31,6 +31,7 @@ def test_harness_measures_time_memory_and_blocks(tmp_path):
         "--problems", "mlp", "--configs", "GradNorm,HVP,NoSuchThing",
         "--repeats", "2", "--warmup", "1", "--min-time", "0", "--memory-steps", "1",
         "--out", str(out), "--json", str(raw), "--analysis", "",
+        "--threads", "1",  # two threads beside the other test worker: much slower
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "[mlp] GradNorm: time: " in proc.stderr

@@ -191,7 +191,9 @@ def test_a_rank_that_raises_inside_a_tracked_step_does_not_block_the_others(
 ):
     """Rank 1 raises after its backward pass, inside the tracked step: rank 0 gets
     an error (the peer left, or no answer within the timeout), never a hang."""
-    results = ddp.launch(ddp.misuse, 2, tmp_path, limit=90, how=how, timeout=5.0)
+    results = ddp.launch(
+        ddp.misuse, 2, tmp_path, limit=90, how=how, timeout=5.0, wait_dir=str(tmp_path)
+    )
     first, second = results
     assert second.get("raised") == "ValueError: the user's code failed on rank 1"
     assert "error" in first and first["error"] != "hung", first

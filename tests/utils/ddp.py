@@ -271,15 +271,31 @@ def _timedelta(seconds):
     return datetime.timedelta(seconds=seconds)
 
 
+def _start_method():
+    """A fork server that has imported this module (and with it torch, BackPACK and
+    cockpit) once, and the part of torch that DDP imports when first built.
+
+    Every rank is still a new process, forked from that clean server (it never ran
+    a test or trained), so nothing but imported modules is shared between launches;
+    a spawned process would import torch again (seconds on a small machine). Where
+    there is no fork server, processes are spawned.
+    """
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__, "torch._dynamo"])  # read at its start
+    return context
+
+
 def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dict]:
     """Run ``target(rank, world, **args)`` on ``world`` processes; their results.
 
     ``target`` must be importable (a module-level function). Processes still alive
     after ``limit`` seconds are killed and reported as ``{"error": "hung"}``.
     """
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
+    context = _start_method()
     port = free_port()  # only for code that reads MASTER_PORT (Lightning)
     rendezvous = os.path.join(  # outside outdir: tests list what ranks wrote there
         tempfile.gettempdir(), f"cockpit-ddp-rendezvous-{uuid.uuid4().hex}"
@@ -343,8 +359,25 @@ def _one_step(cockpit, network, optimizer, step, x, y, no_sync=False):
     optimizer.step()
 
 
-def misuse(rank: int, world: int, how: str, timeout: float = 30.0) -> dict[str, Any]:
-    """Worker: a run where the processes disagree; what each process raised."""
+def _wait_for(path: str, seconds: float) -> None:
+    """Sleep until ``path`` exists, at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def misuse(
+    rank: int,
+    world: int,
+    how: str,
+    timeout: float = 30.0,
+    wait_dir: str | None = None,
+) -> dict[str, Any]:
+    """Worker: a run where the processes disagree; what each process raised.
+
+    With ``how="raise-and-wait"`` rank 1 stays alive and silent until rank 0 has
+    written its result into ``wait_dir`` (at most ``timeout`` + 10 s).
+    """
     model = make_model("mlp")
     if how == "shapes" and rank == 1:  # a wider hidden layer (DDP would refuse it)
         torch.manual_seed(0)
@@ -380,7 +413,7 @@ def misuse(rank: int, world: int, how: str, timeout: float = 30.0) -> dict[str, 
                 raise ValueError("the user's code failed on rank 1")
         except ValueError as error:
             if how == "raise-and-wait":  # alive, but never joins the step
-                time.sleep(timeout + 10)
+                _wait_for(os.path.join(str(wait_dir), "rank0.json"), timeout + 10)
             return {"raised": f"{type(error).__name__}: {error}"}
     if how == "inside-no-sync":  # DDP's no_sync(), but the cockpit is not told
         with network.no_sync():
