@@ -18,8 +18,10 @@ per optimizer step (``gradient_accumulation_steps=k``); the cockpit then tracks 
 first micro-batch of every optimizer step.
 
 Run: ``python examples/huggingface_tiny_bert.py [--steps 120] [--out hf_output]
-[--accumulate 1]`` (needs ``pip install "cockpit-debugger[transformers]"``).
-Writes the log and ``<out>/dashboard.png``.
+[--accumulate 1]``; needs the ``transformers`` extra, installed as
+``docs/integrations.md`` says (``.venv/bin/pip install -c constraints.txt -e
+".[transformers]" && .venv/bin/pip uninstall -y torchvision``). Writes the log and
+``<out>/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from __future__ import annotations
 import argparse
 import warnings
 
+# before transformers: a torchvision that cannot load is reported with its fix
+from cockpit.integrations.transformers import CockpitTrainer  # isort: split
+
 import torch
 from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
 from cockpit import CockpitPlotter
-from cockpit.integrations.transformers import CockpitTrainer
 from cockpit.utils.configuration import configuration
 
 

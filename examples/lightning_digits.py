@@ -18,8 +18,10 @@ first micro-batch of every optimizer step and records Alpha as missing (the step
 the whole window's).
 
 Run: ``python examples/lightning_digits.py [--steps 150] [--out lightning_output]
-[--accumulate 1]`` (needs ``pip install "cockpit-debugger[lightning]"`` and
-scikit-learn). Writes the log and ``<out>/dashboard.png``.
+[--accumulate 1]``; needs the ``lightning`` extra, installed as
+``docs/integrations.md`` says (``.venv/bin/pip install -c constraints.txt -e
+".[lightning,demo]" && .venv/bin/pip uninstall -y torchvision``). Writes the log
+and ``<out>/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ import argparse
 import importlib.util
 import warnings
 
+# before lightning: a torchvision that cannot load is reported with its fix
+from cockpit.integrations.lightning import CockpitCallback  # isort: split
+
 import lightning.pytorch as pl
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
 from cockpit import CockpitPlotter
-from cockpit.integrations.lightning import CockpitCallback
 from cockpit.utils.configuration import configuration
 
 
