@@ -27,6 +27,7 @@ Run: ``python examples/huggingface_tiny_bert.py [--steps 120] [--out hf_output]
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 
 # before transformers: a torchvision that cannot load is reported with its fix
@@ -98,7 +99,7 @@ def main(
         report_to=[],
         save_strategy="no",
         logging_steps=20,
-        disable_tqdm=True,
+        disable_tqdm=not sys.stderr.isatty(),  # the Trainer's bar, on a terminal
         use_cpu=True,
     )
     trainer = CockpitTrainer(

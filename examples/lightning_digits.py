@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import warnings
 
 # before lightning: a torchvision that cannot load is reported with its fix
@@ -119,7 +120,7 @@ def main(
         logger=True if has_tensorboard else False,  # TensorBoardLogger
         callbacks=[callback],
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),  # Lightning's bar, on a terminal
         enable_model_summary=False,
         log_every_n_steps=10,
         val_check_interval=min(steps, 20),
