@@ -171,6 +171,7 @@ def _timelapse(args: argparse.Namespace) -> int:
         secondary_screen=args.secondary_screen,
         show_log_iter=args.log_iter,
         plot_title=_log_title(args),
+        progress=False if args.no_progress else None,
     )
     print(f"timelapse written to {path}")
     return 0
@@ -247,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timelapse.add_argument(
         "--secondary-screen", action="store_true", help="animate the secondary screen"
+    )
+    timelapse.add_argument(
+        "--no-progress", action="store_true", help="hide the progress bar of frames"
     )
     timelapse.set_defaults(func=_timelapse)
 

@@ -22,13 +22,43 @@ from cockpit.errors import LogFileError
 from cockpit.history import History
 from cockpit.log_format import LOG_SUFFIXES, find_log
 
-__all__ = ["locate_log", "open_log"]
+__all__ = ["empty_run_cause", "locate_log", "open_log"]
 
 #: How the messages below end: where a log comes from.
 _WRITTEN_BY = "Cockpit.write(path) or Cockpit(..., logpath=path)"
 
 
 # --- messages ------------------------------------------------------------------------
+def empty_run_cause(closed_a_step: bool | None = None) -> str:
+    """Why a run tracked no step, and the fix: the one text for every such message.
+
+    Said by :meth:`Cockpit.write <cockpit.records.Records.write>` (a warning), by
+    every command given the run's log and by the dashboard.
+
+    Args:
+        closed_a_step: Whether the cockpit ever closed a step (``Cockpit.end``
+            ran): ``False``, the backward pass was never wrapped; ``True``, steps
+            were wrapped but no quantity was due in any of them; ``None`` (all a
+            log tells): either.
+    """
+    unwrapped = (
+        "the backward pass did not run inside `with cockpit(step, info=...):` "
+        "(or between cockpit.begin(step, info=...) and cockpit.end())"
+    )
+    unscheduled = "no quantity's track_schedule returned True for the steps that ran"
+    if closed_a_step is None:
+        likely = f"Likely cause: {unwrapped}, or {unscheduled}"
+    elif closed_a_step:
+        likely = f"Likely cause: the steps were wrapped, but {unscheduled}"
+    else:
+        likely = f"Likely cause: {unwrapped}; no step was ever opened and closed"
+    return (
+        f"{likely}. Fix: run `loss.backward(...)` inside `with cockpit(step, "
+        "info=...):` at every step, with a track_schedule that fires (e.g. "
+        "cockpit.utils.schedules.linear(1): every step)."
+    )
+
+
 def missing_message(path: str) -> str:
     """The problem of a log path under which no file exists."""
     also = ""
@@ -60,15 +90,13 @@ def empty_message(size: int) -> str:
     """The problem of a log without a tracked step (``size``: the file's bytes)."""
     if size == 0:
         return (
-            "is empty (0 bytes), so there is nothing to show. A streamed log stays "
-            "empty until the first tracked step ends. Fix: pass a log of a run that "
-            "tracked at least one step."
+            "is empty (0 bytes): the run has tracked no step yet (a streamed log "
+            "stays empty until the first tracked step ends), so there is nothing to "
+            f"show. {empty_run_cause()}"
         )
     return (
-        "holds no tracked steps, so there is nothing to show (the run stopped before "
-        "its first tracked step ended, or no quantity's track_schedule returned True "
-        "for the steps it ran). Fix: pass a log of a run that tracked at least one "
-        "step."
+        "holds no tracked steps: its run tracked none (or stopped before its first "
+        f"tracked step ended), so there is nothing to show. {empty_run_cause()}"
     )
 
 

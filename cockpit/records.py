@@ -10,11 +10,14 @@ metrics by :meth:`Records.log`, and saved and restored with
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any, Mapping
 
 from cockpit.checkpoint import cockpit_state, load_cockpit_state
 from cockpit.console import LOG
+from cockpit.errors import CockpitWarning
 from cockpit.history import json_path
+from cockpit.log_files import empty_run_cause
 from cockpit.log_keys import LOG_KEYS
 
 
@@ -65,6 +68,10 @@ class Records:
         that); ``packed=False`` writes histograms as plain arrays. Returns the path
         written (``None`` on data-parallel processes other than ``log_rank``).
 
+        A run that tracked no step is written too (``{}``), with a
+        :class:`~cockpit.errors.CockpitWarning` that names the likely cause: no
+        command can show such a log.
+
         Raises:
             OSError: If the path cannot be written (the message names it and the
                 fix); the history stays in memory, so call ``write`` again.
@@ -73,6 +80,14 @@ class Records:
             return None
         path = self.history.write_json(json_path(logpath), legacy=legacy, packed=packed)
         LOG.debug("Cockpit log written to %s", path)
+        if not self.history.steps:
+            warnings.warn(
+                f"Cockpit.write: the run tracked no step, so {path} holds no values "
+                "and no cockpit command can show it. "
+                f"{empty_run_cause(self.last_step is not None)}",
+                CockpitWarning,
+                stacklevel=2,
+            )
         return path
 
     @property

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from backpack import extend
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 from cockpit import Cockpit, CockpitPlotter
 from cockpit import quantities as Q
@@ -99,7 +100,8 @@ def main(
     generator = torch.Generator().manual_seed(seed)
     batch_size = 16
 
-    for step in range(steps):
+    # a progress bar on a terminal (disable=None), none in a log file or a test
+    for step in tqdm(range(steps), desc="char_transformer", unit="step", disable=None):
         starts = torch.randint(
             0, len(data) - block - 1, (batch_size,), generator=generator
         )

@@ -32,6 +32,7 @@ from backpack import extend
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
 
 from cockpit import Cockpit, CockpitPlotter
 from cockpit.utils.configuration import configuration
@@ -133,6 +134,8 @@ def _train(rank, world, device, steps, out, batch_size, seed):
             flush=True,
         )
 
+    # rank 0's progress bar, on a terminal only (disable=None)
+    bar = tqdm(total=steps, desc="ddp", unit="step", disable=True if rank else None)
     step, epoch = 0, 0
     while step < steps:
         sampler.set_epoch(epoch)  # a new shuffle, the same on every process
@@ -163,7 +166,9 @@ def _train(rank, world, device, steps, out, batch_size, seed):
                     None, lr,
                 )  # fmt: skip
             step += 1
+            bar.update()
         epoch += 1
+    bar.close()
 
     logpath = cockpit.write(os.path.join(out, "log"))  # None except on rank 0
     if logpath is None:

@@ -18,20 +18,25 @@ per optimizer step (``gradient_accumulation_steps=k``); the cockpit then tracks 
 first micro-batch of every optimizer step.
 
 Run: ``python examples/huggingface_tiny_bert.py [--steps 120] [--out hf_output]
-[--accumulate 1]`` (needs ``pip install "cockpit-debugger[transformers]"``).
-Writes the log and ``<out>/dashboard.png``.
+[--accumulate 1]``; needs the ``transformers`` extra, installed as
+``docs/integrations.md`` says (``.venv/bin/pip install -c constraints.txt -e
+".[transformers]" && .venv/bin/pip uninstall -y torchvision``). Writes the log and
+``<out>/dashboard.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
+
+# before transformers: a torchvision that cannot load is reported with its fix
+from cockpit.integrations.transformers import CockpitTrainer  # isort: split
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
 
 from cockpit import CockpitPlotter
-from cockpit.integrations.transformers import CockpitTrainer
 from cockpit.utils.configuration import configuration
 
 
@@ -94,7 +99,7 @@ def main(
         report_to=[],
         save_strategy="no",
         logging_steps=20,
-        disable_tqdm=True,
+        disable_tqdm=not sys.stderr.isatty(),  # the Trainer's bar, on a terminal
         use_cpu=True,
     )
     trainer = CockpitTrainer(

@@ -18,15 +18,21 @@ first micro-batch of every optimizer step and records Alpha as missing (the step
 the whole window's).
 
 Run: ``python examples/lightning_digits.py [--steps 150] [--out lightning_output]
-[--accumulate 1]`` (needs ``pip install "cockpit-debugger[lightning]"`` and
-scikit-learn). Writes the log and ``<out>/dashboard.png``.
+[--accumulate 1]``; needs the ``lightning`` extra, installed as
+``docs/integrations.md`` says (``.venv/bin/pip install -c constraints.txt -e
+".[lightning,demo]" && .venv/bin/pip uninstall -y torchvision``). Writes the log
+and ``<out>/dashboard.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import warnings
+
+# before lightning: a torchvision that cannot load is reported with its fix
+from cockpit.integrations.lightning import CockpitCallback  # isort: split
 
 import lightning.pytorch as pl
 import torch
@@ -34,7 +40,6 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from cockpit import CockpitPlotter
-from cockpit.integrations.lightning import CockpitCallback
 from cockpit.utils.configuration import configuration
 
 
@@ -115,7 +120,7 @@ def main(
         logger=True if has_tensorboard else False,  # TensorBoardLogger
         callbacks=[callback],
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),  # Lightning's bar, on a terminal
         enable_model_summary=False,
         log_every_n_steps=10,
         val_check_interval=min(steps, 20),

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 from backpack import extend
+from tqdm import tqdm
 
 from cockpit import Cockpit, CockpitPlotter
 from cockpit.utils.configuration import configuration
@@ -66,7 +67,8 @@ def main(
     batch_size = 64
     generator = torch.Generator().manual_seed(seed)
 
-    for step in range(steps):
+    # a progress bar on a terminal (disable=None), none in a log file or a test
+    for step in tqdm(range(steps), desc="quickstart", unit="step", disable=None):
         index = torch.randint(0, len(x), (batch_size,), generator=generator)
         inputs, labels = x[index], y[index]
         optimizer.zero_grad()

@@ -33,6 +33,7 @@ import warnings
 
 import torch
 from backpack import extend
+from tqdm import tqdm
 
 from cockpit import Cockpit, CockpitPlotter
 from cockpit import quantities as Q
@@ -117,7 +118,8 @@ def main(
     generator = torch.Generator().manual_seed(seed)
     batch_size = 32
 
-    for step in range(steps):
+    # a progress bar on a terminal (disable=None), none in a log file or a test
+    for step in tqdm(range(steps), desc="resnet_digits", unit="step", disable=None):
         index = torch.randint(0, len(x), (batch_size,), generator=generator)
         inputs, labels = x[index], y[index]
         optimizer.zero_grad()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import shlex
+import sys
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -16,6 +20,64 @@ from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import Quantity
 from cockpit.utils.configuration import configuration
+
+
+def uninstall_torchvision_command() -> str:
+    """The command that removes torchvision from the running Python's environment."""
+    return f"{shlex.quote(sys.executable)} -m pip uninstall -y torchvision"
+
+
+def check_torchvision(integration: str, framework: str) -> None:
+    """Raise one clear ``ImportError`` if an installed torchvision cannot be imported.
+
+    BackPACK depends on torchvision, so pip installs it next to cockpit, but the
+    torchvision on PyPI is built for PyPI's CUDA torch and does not load next to a
+    CPU build of the same torch (``RuntimeError: operator torchvision::nms does not
+    exist``). cockpit and BackPACK train without it; Lightning (through
+    torchmetrics) and transformers import it if it is installed, and then fail with
+    that error. The integrations call this where importing their framework failed,
+    so the user reads the fix instead of the framework's traceback.
+
+    Args:
+        integration: The cockpit module, for the message.
+        framework: What imports torchvision, for the message.
+
+    Returns:
+        ``None`` if torchvision is not installed, already imported, or imports; the
+        caller then re-raises its own error.
+
+    Raises:
+        ImportError: If torchvision is installed and importing it fails; the
+            message names the error and the one command that fixes it.
+    """
+    if "torchvision" in sys.modules:  # imported already, or blocked (``None``)
+        return
+    try:
+        if importlib.util.find_spec("torchvision") is None:
+            return
+    except (ImportError, ValueError):
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:
+        problem = f"{type(error).__name__}: {error}"
+    else:
+        return
+
+    def version(name: str) -> str:
+        try:
+            return " " + importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    installed = f"torchvision{version('torchvision')}"
+    raise ImportError(
+        f"{integration} cannot be used: the installed {installed} does not load "
+        f"next to torch{version('torch')} ({problem}), and {framework} "
+        "imports it. It came with BackPACK; cockpit and BackPACK train without it. "
+        f"Fix: {uninstall_torchvision_command()}",
+        name="torchvision",
+    ) from None
 
 
 def default_quantities(quantities: Iterable[Quantity] | None) -> list[Quantity]:

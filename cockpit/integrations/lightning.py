@@ -109,6 +109,7 @@ from cockpit.errors import CockpitWarning, quiet_warnings
 from cockpit.integrations._common import (
     LossCapture,
     ScaleNewGradients,
+    check_torchvision,
     default_logpath,
     default_quantities,
     extend_for_backpack,
@@ -652,10 +653,13 @@ def __getattr__(name: str):
             raise
         raise ModuleNotFoundError(
             f"{__name__}.CockpitCallback needs the lightning package: pip install "
-            '"cockpit-debugger[lightning]". With the standalone pytorch_lightning '
-            "package: from cockpit.integrations.pytorch_lightning import "
-            "CockpitCallback.",
+            "lightning (or cockpit's extra, see docs/integrations.md). With the "
+            "standalone pytorch_lightning package: from "
+            "cockpit.integrations.pytorch_lightning import CockpitCallback.",
             name=error.name,
         ) from error
+    except Exception:  # e.g. a torchvision that cannot load: say so, with the fix
+        check_torchvision(__name__, "Lightning (through torchmetrics)")
+        raise
     cls = globals()["CockpitCallback"] = callback_class(package, __name__)
     return cls

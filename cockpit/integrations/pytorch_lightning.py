@@ -17,7 +17,14 @@ only, not ``lightning``.
 
 from __future__ import annotations
 
-import pytorch_lightning
+try:
+    import pytorch_lightning
+except Exception as error:  # e.g. a torchvision that cannot load: name the fix
+    if getattr(error, "name", None) != "pytorch_lightning":  # installed
+        from cockpit.integrations._common import check_torchvision
+
+        check_torchvision(__name__, "pytorch_lightning (through torchmetrics)")
+    raise
 
 from cockpit.integrations.lightning import callback_class
 

@@ -35,7 +35,7 @@ and uses the outer edges of the first and last non-empty bin as minimum and maxi
 (TensorBoard draws those buckets with exactly the log's edges). The log keeps only
 counts, so the histogram's sum and sum of squares are computed from bin centres.
 
-Needs the ``tensorboard`` package (``pip install "cockpit-debugger[tensorboard]"``);
+Needs the ``tensorboard`` package (the ``tensorboard`` extra, docs/integrations.md);
 writing uses ``torch.utils.tensorboard.SummaryWriter``.
 """
 
@@ -101,7 +101,7 @@ def summary_writer(logdir: str | os.PathLike) -> SummaryWriter:
     except ImportError as error:  # torch raises this when tensorboard is missing
         raise ImportError(
             "Exporting to TensorBoard needs the tensorboard package. Fix: pip "
-            'install "cockpit-debugger[tensorboard]" (or pip install tensorboard).'
+            "install tensorboard (or cockpit's extra, see docs/integrations.md)."
         ) from error
     return SummaryWriter(log_dir=os.fspath(logdir))
 

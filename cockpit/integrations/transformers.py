@@ -84,7 +84,15 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
-from transformers import Trainer
+
+try:
+    from transformers import Trainer
+except Exception as error:  # e.g. a torchvision that cannot load: name the fix
+    if getattr(error, "name", None) != "transformers":  # installed
+        from cockpit.integrations._common import check_torchvision
+
+        check_torchvision(__name__, "transformers")
+    raise
 
 from cockpit.cockpit import Cockpit
 from cockpit.engines.backpack import extend

@@ -12,6 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure, SubFigure
 
 from cockpit.history import History
+from cockpit.log_files import empty_run_cause
 from cockpit.plotting import instruments
 from cockpit.plotting.data import DashboardData, as_history, read_log
 from cockpit.plotting.style import PANEL_COLORS, dashboard_style
@@ -86,10 +87,11 @@ def resolve_source(
         return history, f"Cockpit: {os.path.basename(path)}", log_stem(path)
     history = as_history(source)
     if not history.steps:
+        last_step = getattr(source, "last_step", False)  # a Cockpit's; else unknown
+        closed = None if last_step is False else last_step is not None
         raise ValueError(
             f"Nothing to plot: the {type(source).__name__} has no tracked steps. "
-            "Fix: plot after at least one step in which a quantity was tracked "
-            "(check the quantities' track_schedule)."
+            f"{empty_run_cause(closed)}"
         )
     optimizer = getattr(source, "optimizer_name", None)
     title = f"Cockpit for {optimizer}" if optimizer else "Cockpit"

@@ -21,6 +21,7 @@ def make_timelapse(
     plot_title: str | None = None,
     figsize: tuple[float, float] = (16.0, 9.0),
     dpi: float = 60.0,
+    progress: bool | None = None,
 ) -> str:
     """Write an animated GIF of the dashboard as the run progresses.
 
@@ -39,6 +40,8 @@ def make_timelapse(
         plot_title: Title of every frame (default: as :meth:`CockpitPlotter.plot`).
         figsize: Figure size in inches.
         dpi: Resolution (60 gives 960x540 pixels for the default size).
+        progress: Show a progress bar of the frames on stderr (``None``: only
+            where stderr is a terminal; each frame redraws the whole dashboard).
 
     Returns:
         The path written.
@@ -49,6 +52,7 @@ def make_timelapse(
             positive.
     """
     from matplotlib.animation import PillowWriter
+    from tqdm.auto import tqdm
 
     if frames < 1:
         raise ValueError(f"frames must be positive, got {frames}.")
@@ -66,8 +70,14 @@ def make_timelapse(
     writer = PillowWriter(fps=fps)
     first = plotter.draw(upto=steps[positions[0]])
     fig = first[1] if secondary_screen else first[0]
-    with dashboard_style(), writer.saving(fig, path, dpi):
-        for index in positions:
+    bar = tqdm(
+        positions,
+        desc="cockpit timelapse",
+        unit="frame",
+        disable=None if progress is None else not progress,
+    )
+    with dashboard_style(), writer.saving(fig, path, dpi), bar:
+        for index in bar:
             plotter.draw(upto=steps[index])
             writer.grab_frame()
     return path
