@@ -1,0 +1,270 @@
+"""Quantities written as cockpit-for-pytorch 1.0.2 documents them; 1.0.2's types.
+
+1.0.2's ``Quantity`` says: "New ``Quantity`` objects can be defined by inheriting
+from this class and implementing the ``extensions`` and ``track`` methods", or
+``should_compute`` and ``compute`` instead of ``track``; ``track`` stores results in
+``self.output[step]``, which ``get_output()`` returns and ``Cockpit.get_output()``
+collects under the class name. Its built-ins read the step's ``info`` with
+``cockpit.context.get_batch_size(global_step)`` and friends. Each test below runs
+such a quantity, or checks a type or attribute 1.0.2 code reads, on a tiny model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import extend
+
+import cockpit.quantities as Q
+from cockpit import Cockpit
+from cockpit.quantities.quantity import ByproductQuantity, Quantity
+from cockpit.utils.schedules import linear
+
+N, D_IN, CLASSES = 6, 4, 3
+
+
+def _data(steps):
+    torch.manual_seed(1)
+    return [
+        (torch.randn(N, D_IN), torch.randint(0, CLASSES, (N,))) for _ in range(steps)
+    ]
+
+
+def _model():
+    torch.manual_seed(0)
+    return extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(D_IN, 3), torch.nn.Tanh(), torch.nn.Linear(3, CLASSES)
+        )
+    )
+
+
+def _train(quantities, steps=3):
+    """1.0.2's loop with plain SGD; returns the cockpit and the model."""
+    model = _model()
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=quantities)
+    for step, (x, y) in enumerate(_data(steps)):
+        opt.zero_grad()
+        outputs = model(x)
+        loss = loss_fn(outputs, y)
+        losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+        info = {
+            "batch_size": N,
+            "individual_losses": losses,
+            "loss": loss,
+            "optimizer": opt,
+        }
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        opt.step()
+    return cockpit, model
+
+
+# --- quantities that override track or compute (1.0.2's Quantity docstring) ---
+
+
+class StepCounter(Quantity):
+    """A direct ``Quantity`` subclass: ``extensions`` and ``track``, as 1.0.2 says."""
+
+    def extensions(self, global_step):
+        return []
+
+    def track(self, global_step, params, batch_loss):
+        # every step; the value of an even step is written one step later
+        if global_step % 2 == 1:
+            self.output[global_step - 1] = batch_loss.item() + global_step
+        self.output[global_step]  # reading a step not written: {} (a defaultdict)
+
+
+def test_direct_subclass_overriding_track_is_instantiated_and_tracked():
+    counter = StepCounter(linear(100))  # track decides itself, every step
+    cockpit, _ = _train([counter], steps=4)
+    assert sorted(k for k, v in counter.get_output().items() if v != {}) == [0, 2]
+    output = cockpit.get_output()
+    assert output[0]["StepCounter"] == pytest.approx(counter.get_output()[0])
+    assert output[2]["StepCounter"] == pytest.approx(counter.get_output()[2])
+    assert "StepCounter" not in output[1] and "StepCounter" not in output[3]
+    assert counter.output is counter.get_output()
+
+
+class ScaledGradNorm(Q.GradNorm):
+    """A built-in's subclass that overrides ``track`` and calls ``super().track``."""
+
+    def track(self, global_step, params, batch_loss):
+        super().track(global_step, params, batch_loss)
+        if global_step in self.output:
+            self.output[global_step] = [2 * v for v in self.output[global_step]]
+
+
+def test_builtin_subclass_overriding_track_keeps_its_writes():
+    plain = Q.GradNorm(linear(1))
+    scaled = ScaledGradNorm(linear(2))
+    cockpit, _ = _train([plain, scaled], steps=3)
+    output = cockpit.get_output()
+    assert sorted(scaled.get_output()) == [0, 2]
+    for step in (0, 2):
+        want = [2 * v for v in output[step]["GradNorm"]]
+        assert output[step]["ScaledGradNorm"] == pytest.approx(want)
+        assert scaled.get_output()[step] == pytest.approx(want)
+    assert "ScaledGradNorm" not in output[1]
+
+
+class LossTimesStep(Quantity):
+    """1.0.2's alternative: ``should_compute`` and ``compute`` instead of ``track``."""
+
+    def extensions(self, global_step):
+        return []
+
+    def should_compute(self, global_step):
+        return global_step in (1, 2)
+
+    def compute(self, global_step, params, batch_loss):
+        return global_step, batch_loss.item() * global_step
+
+
+def test_direct_subclass_with_should_compute_and_compute():
+    quantity = LossTimesStep(linear(1))
+    loss = Q.Loss(linear(1))
+    cockpit, _ = _train([quantity, loss], steps=4)
+    output = cockpit.get_output()
+    assert sorted(quantity.get_output()) == [1, 2]
+    for step in (1, 2):
+        assert output[step]["LossTimesStep"] == pytest.approx(
+            output[step]["Loss"] * step
+        )
+
+
+def test_output_written_outside_a_step_is_kept():
+    """Values written by hand (no step running) are recorded too, as in 1.0.2."""
+    quantity = StepCounter(linear(1))
+    quantity.output[7] = 1.5  # before the quantity belongs to a cockpit
+    cockpit, _ = _train([quantity], steps=2)
+    quantity.output[9] = 2.5
+    assert quantity.get_output()[7] == 1.5 and quantity.get_output()[9] == 2.5
+    assert cockpit.get_output()[7]["StepCounter"] == 1.5
+    assert cockpit.get_output()[9]["StepCounter"] == 2.5
+
+
+def test_quantity_tracked_by_hand_with_info_from_cockpit_ctx():
+    """1.0.2: ``CockpitCTX.set(info, step)``, then ``quantity.track(...)`` by hand."""
+    from cockpit.context import CockpitCTX
+
+    class BatchSize(ByproductQuantity):
+        def _compute(self, global_step, params, batch_loss):
+            from cockpit.context import get_batch_size
+
+            return float(get_batch_size(global_step))
+
+    quantity = BatchSize(linear(1))
+    CockpitCTX.set({"batch_size": 5}, 3)
+    try:
+        quantity.track(3, [torch.zeros(2, requires_grad=True)], torch.tensor(0.0))
+    finally:
+        CockpitCTX.erase()
+    assert dict(quantity.get_output()) == {3: 5.0}
+
+
+# --- cockpit.context getters in an old-style _compute ---
+
+
+class ContextNormTest(Q.NormTest):
+    """1.0.2's NormTest recomputed from the context getters (per-sample autograd)."""
+
+    def extensions(self, global_step):
+        return []
+
+    def create_graph(self, global_step):
+        return self.should_compute(global_step)
+
+    def _compute(self, global_step, params, batch_loss):
+        from cockpit.context import (
+            get_batch_size,
+            get_individual_losses,
+            get_loss,
+            get_optimizer,
+        )
+
+        assert isinstance(get_optimizer(global_step), torch.optim.SGD)
+        assert get_loss(global_step) is batch_loss
+        losses = get_individual_losses(global_step)
+        rows = [
+            torch.cat(
+                [g.flatten() for g in torch.autograd.grad(l, params, retain_graph=True)]
+            )
+            for l in losses  # noqa: E741
+        ]
+        g_i = torch.stack(rows)
+        g = g_i.mean(0)
+        n = get_batch_size(global_step)
+        return ((g_i - g).pow(2).sum() / (n * (n - 1) * g.pow(2).sum())).sqrt().item()
+
+
+def test_old_style_compute_reads_the_context_getters():
+    builtin = Q.NormTest(linear(1))
+    copied = ContextNormTest(linear(2))
+    cockpit, _ = _train([builtin, copied], steps=3)
+    output = cockpit.get_output()
+    assert sorted(copied.get_output()) == [0, 2]
+    for step in (0, 2):
+        assert output[step]["ContextNormTest"] == pytest.approx(
+            output[step]["NormTest"], rel=1e-4
+        )
+
+
+def test_context_getters_outside_a_step_say_how_to_pass_info():
+    from cockpit.context import get_batch_size, get_individual_losses, get_optimizer
+
+    for getter in (get_batch_size, get_individual_losses, get_optimizer):
+        with pytest.raises(KeyError, match="cockpit\\(info="):
+            getter(0)
+
+
+def test_context_getter_names_a_missing_info_key():
+    class NeedsOptimizer(ByproductQuantity):
+        def _compute(self, global_step, params, batch_loss):
+            from cockpit.context import get_optimizer
+
+            return float(get_optimizer(global_step) is None)
+
+    model = _model()
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    cockpit = Cockpit(model.parameters(), quantities=[NeedsOptimizer(linear(1))])
+    x, y = _data(1)[0]
+    loss = loss_fn(model(x), y)
+    with pytest.raises(KeyError, match="optimizer"):
+        with cockpit(0, info={"loss": loss, "batch_size": N}):
+            loss.backward()
+
+
+# --- 1.0.2's helpers and hooks of Quantity ---
+
+
+class FetchedGradNorm(ByproductQuantity):
+    """Copied from 1.0.2's GradNorm: ``self._fetch_grad(params)``."""
+
+    def _compute(self, global_step, params, batch_loss):
+        return [g.norm().item() for g in self._fetch_grad(params)]
+
+
+def test_fetch_helpers_of_102_quantities():
+    fetched, builtin = FetchedGradNorm(linear(1)), Q.GradNorm(linear(1))
+    cockpit, _ = _train([fetched, builtin], steps=2)
+    for step in (0, 1):
+        out = cockpit.get_output()[step]
+        assert out["FetchedGradNorm"] == pytest.approx(out["GradNorm"])
+
+
+def test_102_extension_hooks_fail_with_the_replacement():
+    """1.0.2's BatchGradTransforms hooks do not run here: a clear error, no silence."""
+
+    class HookedNormTest(ByproductQuantity):
+        def extension_hooks(self, global_step):
+            return [lambda module: None]
+
+        def _compute(self, global_step, params, batch_loss):
+            return 0.0
+
+    with pytest.raises(NotImplementedError, match="accumulate"):
+        _train([HookedNormTest(linear(1))], steps=1)
