@@ -268,3 +268,26 @@ def test_102_extension_hooks_fail_with_the_replacement():
 
     with pytest.raises(NotImplementedError, match="accumulate"):
         _train([HookedNormTest(linear(1))], steps=1)
+
+
+# --- two-step attributes mean what they meant in 1.0.2 ---
+
+
+@pytest.mark.parametrize("cls", [Q.Alpha, Q.UpdateSize])
+def test_two_step_save_shift_and_is_end_as_102(cls):
+    schedule = linear(2, offset=1)  # starts at 1, 3
+    quantity = cls(schedule)
+    assert cls.SAVE_SHIFT == 1
+    # 1.0.2: is_end(t) is the schedule at t - SAVE_SHIFT, whatever the run did
+    assert [t for t in range(7) if quantity.is_end(t)] == [2, 4, 6]
+    assert [t for t in range(7) if quantity.is_start(t)] == [1, 3, 5]
+    steps = 5
+    _train([quantity], steps=steps)
+    assert [t for t in range(7) if quantity.is_end(t)] == [2, 4, 6]
+    # 1.0.2's rule: a value is stored under t for every end t + SAVE_SHIFT in the run
+    want = [
+        t
+        for t in range(steps)
+        if quantity.is_end(t + cls.SAVE_SHIFT) and t + cls.SAVE_SHIFT < steps
+    ]
+    assert sorted(quantity.get_output()) == want == [1, 3]

@@ -128,6 +128,8 @@ class Alpha(TwoStepQuantity):
     needs = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.OPTIMIZER_UPDATE})
     info_keys = ("loss", "individual_losses", "optimizer")
     Accumulator = _StepParts
+    #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
+    SAVE_SHIFT = 1
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -141,7 +143,7 @@ class Alpha(TwoStepQuantity):
     # --- inside the backward pass ------------------------------------------------
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Project the parameter's per-sample gradients onto the step(s)."""
-        if self.is_end(global_step):
+        if self.finishes(global_step):
             direction = self._pending[global_step - 1]["direction"][view.index]
             dots = _per_sample_dots(view, direction)
             previous = self.acc.end_dots

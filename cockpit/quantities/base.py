@@ -387,8 +387,11 @@ class Quantity(Helpers102, abc.ABC):
         """
         return errors
 
-    def is_end(self, global_step: int) -> bool:
-        """Whether ``global_step`` finishes a value started earlier (two-step)."""
+    def finishes(self, global_step: int) -> bool:
+        """Whether tracking ``global_step`` finishes a value started earlier.
+
+        Two-step quantities; decided by what is pending, not by the schedule.
+        """
         return False
 
     def discard_start(self, global_step: int) -> bool:
@@ -620,15 +623,32 @@ class TwoStepQuantity(Quantity):
     ``_compute_start(global_step, ctx) -> state`` and
     ``_compute_end(global_step, ctx, state) -> value``. A start whose step ``t + 1``
     never comes through the cockpit is dropped.
+
+    In 1.0.2's terms (which its subclasses and code reading these attributes use):
+    ``SAVE_SHIFT`` is 1 for every such subclass (a value computed at step ``t + 1``
+    is stored under ``t``), ``is_start(t)`` is the schedule and ``is_end(t)`` is
+    ``is_start(t - SAVE_SHIFT)``. Whether a tracked step actually finishes a value
+    (its start was tracked) is :meth:`finishes`.
     """
 
-    #: 1.0.2's API: results of ``_compute_end`` at step ``t`` are stored under
-    #: ``t - SAVE_SHIFT`` (only for subclasses written for 1.0.2, see below).
+    #: 1.0.2's API: the value computed at step ``t`` is stored under
+    #: ``t - SAVE_SHIFT``. 0 is 1.0.2's default, for its subclasses that compute in
+    #: ``_compute_start(global_step, params, batch_loss)``/``_compute_end``; a
+    #: subclass of this package's protocol always has 1.
     SAVE_SHIFT = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._legacy = _takes_params_and_loss(cls._compute_start)
+        if not cls._legacy and not cls._tracks_itself:
+            if cls.__dict__.get("SAVE_SHIFT", 1) != 1:
+                raise TypeError(
+                    f"{cls.__name__}.SAVE_SHIFT must be 1: a value started at step "
+                    "t is finished at step t + 1 and stored under t. SAVE_SHIFT "
+                    "can only be chosen by subclasses written for 1.0.2 "
+                    "(_compute_start(global_step, params, batch_loss))."
+                )
+            cls.SAVE_SHIFT = 1
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -640,7 +660,18 @@ class TwoStepQuantity(Quantity):
         return self.should_compute(global_step)
 
     def is_end(self, global_step: int) -> bool:
-        """Return whether ``global_step`` completes a pending start."""
+        """Return whether ``global_step`` is an end point (1.0.2's meaning).
+
+        That is, whether the schedule started a value at ``global_step -
+        SAVE_SHIFT``, whatever the run did; :meth:`finishes` says whether tracking
+        the step finishes a value.
+        """
+        return self.is_start(global_step - self.SAVE_SHIFT)
+
+    def finishes(self, global_step: int) -> bool:
+        """Return whether tracking ``global_step`` completes a pending start."""
+        if self._legacy or self._tracks_itself:  # 1.0.2 subclasses keep no record
+            return self.is_end(global_step)
         return global_step - 1 in self._pending
 
     def discard_start(self, global_step: int) -> bool:
@@ -649,7 +680,7 @@ class TwoStepQuantity(Quantity):
 
     def is_active(self, global_step: int) -> bool:
         """Active on start steps and on the step after each of them."""
-        return self.is_start(global_step) or self.is_end(global_step)
+        return self.is_start(global_step) or self.finishes(global_step)
 
     # --- 1.0.2's cache, for subclasses written against it ---------------------------
     def save_to_cache(
@@ -705,7 +736,7 @@ class TwoStepQuantity(Quantity):
                 self.acc = None
         try:
             results = []
-            if self.is_end(global_step):
+            if self.finishes(global_step):
                 state = self._pending.pop(global_step - 1)
                 results.append(
                     (global_step - 1, self._compute_end(global_step, ctx, state))
