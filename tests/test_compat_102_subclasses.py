@@ -291,3 +291,18 @@ def test_two_step_save_shift_and_is_end_as_102(cls):
         if quantity.is_end(t + cls.SAVE_SHIFT) and t + cls.SAVE_SHIFT < steps
     ]
     assert sorted(quantity.get_output()) == want == [1, 3]
+
+
+# --- quantities.__all__ ---
+
+
+def test_quantities_all_lists_quantity_classes_only():
+    for name in Q.__all__:
+        cls = getattr(Q, name)
+        assert isinstance(cls, type) and issubclass(cls, Q.Quantity), name
+    for name in ("MISSING_KEY", "Missing", "TrackContext", "PerParameter"):
+        assert name not in Q.__all__
+        assert hasattr(Q, name)  # still importable from cockpit.quantities
+    from cockpit.quantities import MISSING_KEY, Missing, PerParameter, TrackContext
+
+    assert isinstance(MISSING_KEY, str) and Missing and PerParameter and TrackContext
