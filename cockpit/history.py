@@ -333,7 +333,7 @@ class History:
         ``Cockpit.get_output()``), steps in order. Histogram results (``GradHist1d``,
         ``GradHist2d`` and its per-layer ``param_k`` entries: every mapping with
         ``hist`` and ``edges``) hold numpy arrays: ``hist`` one array, ``edges`` one
-        array (1-D) or a list of one array per axis (2-D). Everything else is plain
+        array (1-D) or a tuple of one array per axis (2-D). Everything else is plain
         Python, as :meth:`to_dict` returns it.
 
         Returns:

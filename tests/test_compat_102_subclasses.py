@@ -11,6 +11,9 @@ such a quantity, or checks a type or attribute 1.0.2 code reads, on a tiny model
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from backpack import extend
@@ -306,3 +309,25 @@ def test_quantities_all_lists_quantity_classes_only():
     from cockpit.quantities import MISSING_KEY, Missing, PerParameter, TrackContext
 
     assert isinstance(MISSING_KEY, str) and Missing and PerParameter and TrackContext
+
+
+# --- 1.0.2's types in get_output() ---
+
+
+def test_histogram_output_types_as_102(tmp_path):
+    hist1d = Q.GradHist1d(linear(1), bins=8)
+    hist2d = Q.GradHist2d(linear(1), bins=(4, 5), keep_individual=True)
+    cockpit, _ = _train([hist1d, hist2d], steps=1)
+    own = {"GradHist1d": hist1d.get_output()[0], "GradHist2d": hist2d.get_output()[0]}
+    for entry in (cockpit.get_output()[0], own):
+        one, two = entry["GradHist1d"], entry["GradHist2d"]
+        assert isinstance(one["hist"], np.ndarray) and one["hist"].shape == (8,)
+        assert isinstance(one["edges"], np.ndarray) and one["edges"].shape == (9,)
+        assert isinstance(two["hist"], np.ndarray) and two["hist"].shape == (4, 5)
+        assert isinstance(two["edges"], tuple) and len(two["edges"]) == 2
+        assert [e.shape for e in two["edges"]] == [(5,), (6,)]
+        assert isinstance(two["param_0"]["edges"], tuple)
+        assert one["hist"].sum() == N * sum(p.numel() for p in cockpit.params)
+    path = cockpit.write(str(tmp_path / "log"))
+    edges = json.load(open(path))["0"]["GradHist2d"]["edges"]
+    assert isinstance(edges, list) and len(edges) == 2  # the log keeps lists
