@@ -331,3 +331,56 @@ def test_histogram_output_types_as_102(tmp_path):
     path = cockpit.write(str(tmp_path / "log"))
     edges = json.load(open(path))["0"]["GradHist2d"]["edges"]
     assert isinstance(edges, list) and len(edges) == 2  # the log keeps lists
+
+
+# --- 1.0.2's private names a copied built-in reads ---
+
+
+def test_builtin_settings_under_102_attribute_names():
+    assert Q.EarlyStopping(linear(1), epsilon=0.5)._epsilon == 0.5
+    assert Q.MeanGSNR(linear(1), epsilon=0.25)._epsilon == 0.25
+    tic = Q.TICDiag(linear(1), curvature="diag_ggn_exact", epsilon=0.125)
+    assert (tic._curvature, tic._epsilon) == ("diag_ggn_exact", 0.125)
+    assert Q.TICTrace(linear(1))._curvature == "diag_h"
+    assert Q.HessTrace(linear(1), curvature="diag_ggn_mc")._curvature == "diag_ggn_mc"
+    hist = Q.GradHist1d(linear(1), bins=7, range=(-3, 3))
+    assert hist._bins == 7 and tuple(hist._range) == (-3, 3)
+    assert not hist._adapt.should_compute(0)  # no adaptation by default
+    hist2d = Q.GradHist2d(linear(1), bins=(3, 4), keep_individual=True)
+    assert tuple(hist2d._bins) == (3, 4) and hist2d._keep_individual is True
+    assert [tuple(r) for r in hist2d._range] == [(-1, 1), (-2, 2)]
+    assert len(hist2d._adapt) == 2
+
+
+def test_cabs_get_lr_and_compute_step():
+    from cockpit.utils.optim import ComputeStep
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    sgd = torch.optim.SGD(params, lr=0.3)
+    assert Q.CABS(linear(1)).get_lr(sgd) == 0.3
+    assert ComputeStep.is_sgd_default_kwargs(sgd)
+    assert not ComputeStep.is_sgd_default_kwargs(
+        torch.optim.SGD(params, lr=1, momentum=0.9)
+    )
+    assert not ComputeStep.is_sgd_default_kwargs(torch.optim.Adam(params))
+    other = [torch.nn.Parameter(torch.zeros(1))]
+    two_groups = torch.optim.SGD(
+        [{"params": params}, {"params": other, "lr": 1}], lr=0.3
+    )
+    with pytest.raises(ValueError):
+        Q.CABS(linear(1)).get_lr(two_groups)
+
+
+def test_alpha_fit_helpers_as_102():
+    from cockpit.quantities.alpha import _fit_quadratic, _get_alpha
+
+    # q(x) = 1 - 2x + x^2, minimum at x = 1; observed exactly at 0 and t = 1.5
+    t = 1.5
+    fs = [1.0, 1 - 2 * t + t**2]
+    dfs = [-2.0, -2 + 2 * t]
+    mu = _fit_quadratic(t, fs, dfs, [1.0, 1.0], [1.0, 1.0])
+    assert isinstance(mu, np.ndarray)
+    np.testing.assert_allclose(mu, [1.0, -2.0, 1.0], atol=1e-9)
+    assert _get_alpha(mu, t) == pytest.approx(t / 1.0 - 1)  # overshoot by half
+    assert _get_alpha(None, 0.0) == -1 and _get_alpha(None, 1.0) is None
+    assert _get_alpha(np.array([0.0, 1.0, -1.0]), 1.0) == -1  # concave

@@ -11,6 +11,8 @@ module holds the pieces of 1.0.2's API it builds on:
 * :class:`Helpers102`, 1.0.2's static helpers that read ``.grad`` and BackPACK's
   results off the parameters (``_fetch_grad``, ``_fetch_batch_grad``, ...), which a
   quantity copied from one of 1.0.2's built-ins calls.
+* :class:`Alias102`, 1.0.2's private attribute names of the built-in quantities'
+  settings (``_epsilon``, ``_bins``, ...), which such a copy reads.
 """
 
 from __future__ import annotations
@@ -53,6 +55,28 @@ class QuantityOutput(collections.defaultdict):
     def __reduce__(self):
         """Copies and pickles are plain ``defaultdict(dict)`` objects."""
         return (collections.defaultdict, (dict,), None, None, iter(dict.items(self)))
+
+
+class Alias102:
+    """A setting under 1.0.2's private attribute name, e.g. ``_epsilon``.
+
+    ``_epsilon = Alias102("epsilon")`` in a class body makes ``self._epsilon`` read
+    and write ``self.epsilon``.
+
+    Args:
+        name: The attribute that holds the setting.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        return getattr(instance, self.name)
+
+    def __set__(self, instance, value) -> None:
+        setattr(instance, self.name, value)
 
 
 def _concat(tensors, start_dim: int = 0):
