@@ -179,6 +179,10 @@ class Quantity(Helpers102, abc.ABC):
     estimable: frozenset[Need] = frozenset()
     #: ``(why, fix)``: why no estimate serves a curvature need (``None``: none said).
     not_estimable: tuple[str, str] | None = None
+    #: Set per subclass: it overrides 1.0.2's ``track`` (tracked at every step
+    #: through it) or ``compute`` (see ``__init_subclass__``).
+    _own_track: ClassVar[bool] = False
+    _tracks_itself: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -189,8 +193,8 @@ class Quantity(Helpers102, abc.ABC):
                 "the schedule). A quantity whose needs depend on its arguments sets "
                 "`self.needs` in __init__."
             )
-        #: 1.0.2's protocol: the quantity is tracked through its own ``track``
-        #: (every step, as 1.0.2's cockpit did) or ``compute`` (scheduled steps).
+        # 1.0.2's protocol: the quantity is tracked through its own ``track``
+        # (every step, as 1.0.2's cockpit did) or ``compute`` (scheduled steps)
         cls._own_track = cls.track is not Quantity.track
         cls._tracks_itself = cls._own_track or cls.compute is not Quantity.compute
         if cls._tracks_itself:
