@@ -384,3 +384,20 @@ def test_alpha_fit_helpers_as_102():
     assert _get_alpha(mu, t) == pytest.approx(t / 1.0 - 1)  # overshoot by half
     assert _get_alpha(None, 0.0) == -1 and _get_alpha(None, 1.0) is None
     assert _get_alpha(np.array([0.0, 1.0, -1.0]), 1.0) == -1  # concave
+
+
+def test_bin_adaptation_policy_with_102s_get_abs_max():
+    """1.0.2's policies compute ``m`` in ``_get_abs_max``; an override is used."""
+    from cockpit.context import get_batch_size
+    from cockpit.quantities.bin_adaptation import GradAbsMax
+
+    class Fixed(GradAbsMax):
+        def _get_abs_max(self, global_step, params, batch_loss, range):
+            return 0.5 * get_batch_size(global_step) / N  # 0.5, via the getters
+
+    hist = Q.GradHist1d(linear(1), bins=4, adapt=Fixed(lambda step: step == 0))
+    _train([hist], steps=2)
+    np.testing.assert_allclose(hist.get_output()[0]["edges"], [-2, -1, 0, 1, 2])
+    np.testing.assert_allclose(
+        hist.get_output()[1]["edges"], [-0.5, -0.25, 0, 0.25, 0.5]
+    )
