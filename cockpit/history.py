@@ -131,6 +131,7 @@ class History:
             data: Initial content; steps are converted to ``int``.
         """
         self._data: dict[int, dict[str, Any]] = {}
+        self._revision = 0
         for step, entries in (data or {}).items():
             for key, value in entries.items():
                 self.add(int(step), key, value)
@@ -148,6 +149,7 @@ class History:
             TypeError: For a value that has no JSON representation.
         """
         self._data.setdefault(int(global_step), {})[key] = compact(value)
+        self._revision += 1
 
     def update(self, other: History | Mapping[int, Mapping[str, Any]]) -> None:
         """Merge another history (or nested dict) into this one."""
@@ -191,6 +193,11 @@ class History:
             yield step, expand(self._data[step])
 
     @property
+    def revision(self) -> int:
+        """A number that changes whenever a value is added or the content replaced."""
+        return self._revision
+
+    @property
     def steps(self) -> list[int]:
         """All steps that hold at least one value, in order."""
         return sorted(self._data)
@@ -209,6 +216,11 @@ class History:
                 steps.append(step)
                 values.append(expand(entries[key]))
         return steps, values
+
+    def output_series(self, key: str) -> tuple[list[int], list[Any]]:
+        """Like :meth:`series`, but values as :meth:`to_output` gives them."""
+        steps, values = self.stored_series(key)
+        return steps, [to_output(value) for value in values]
 
     def stored_series(
         self, key: str, first: int | None = None, last: int | None = None
@@ -285,6 +297,7 @@ class History:
             state: The content to load.
         """
         self._data = {}
+        self._revision += 1
         self.update(state)
 
     def memory_bytes(self) -> int:
@@ -320,7 +333,7 @@ class History:
         ``Cockpit.get_output()``), steps in order. Histogram results (``GradHist1d``,
         ``GradHist2d`` and its per-layer ``param_k`` entries: every mapping with
         ``hist`` and ``edges``) hold numpy arrays: ``hist`` one array, ``edges`` one
-        array (1-D) or a list of one array per axis (2-D). Everything else is plain
+        array (1-D) or a tuple of one array per axis (2-D). Everything else is plain
         Python, as :meth:`to_dict` returns it.
 
         Returns:

@@ -213,17 +213,17 @@ def _as_array(value: Any) -> Any:
 
 
 def _edges_output(edges: Any) -> Any:
-    """Bin edges as 1.0.2 returns them: one array, or a list of one array per axis."""
+    """Bin edges as 1.0.2 returns them: one array, or a tuple of one array per axis."""
     if isinstance(edges, np.ndarray):
         if edges.ndim >= 2:  # equal-length edges of several axes, stored as one block
-            return [_as_array(row) for row in edges]
+            return tuple(_as_array(row) for row in edges)
         return _as_array(edges)
     if (
         isinstance(edges, list)
         and edges
         and all(isinstance(axis, (list, np.ndarray)) for axis in edges)
     ):
-        return [_as_array(axis) for axis in edges]
+        return tuple(_as_array(axis) for axis in edges)
     return _as_array(edges)
 
 
@@ -232,7 +232,7 @@ def to_output(value: Any) -> Any:
 
     Histogram results (any mapping with ``hist`` and ``edges``, also the per-layer
     ``param_k`` mappings of ``GradHist2d``) hold numpy arrays: ``hist`` one array,
-    ``edges`` one array (1-D) or a list of one array per axis (2-D). Everything else
+    ``edges`` one array (1-D) or a tuple of one array per axis (2-D). Everything else
     is plain Python, as :func:`expand` returns it.
 
     Args:

@@ -255,7 +255,7 @@ class LoopChecks:
     def _missing(self, quantity: Quantity, step: int, reason: str) -> None:
         """Record ``quantity`` as missing at ``step`` (and its pending start)."""
         steps = [step]
-        if quantity.is_end(step):
+        if quantity.finishes(step):
             steps.append(step - 1)  # a two-step value that cannot be finished
         self._diagnostics.missing(
             self._recorder,

@@ -176,7 +176,7 @@ class StepRun:
                     self._track(q, ctx)
 
     def _track(self, quantity: Quantity, ctx: TrackContext) -> None:
-        ends = quantity.is_end(ctx.global_step)  # a two-step value finished here
+        ends = quantity.finishes(ctx.global_step)  # a two-step value finished here
         try:
             if id(quantity) in self.early:  # computed before the backward pass
                 results, error = self.early.pop(id(quantity))

@@ -451,7 +451,7 @@ class _CockpitCallback:
                 "accumulation",
             )
         else:
-            pending = [q for q in updating if q.is_end(step + 1)]
+            pending = [q for q in updating if q.finishes(step + 1)]
             if pending:
                 self._watch = (step, pending, GradSnapshot(self.cockpit.params))
         lr = learning_rate(trainer.optimizers[0]) if self.log_learning_rate else None

@@ -343,7 +343,7 @@ class CockpitTrainerMixin:
             started = [
                 q
                 for q in self.cockpit.quantities
-                if replays_update(q) and q.is_end(step + 1)  # a value started here
+                if replays_update(q) and q.finishes(step + 1)  # a value started here
             ]
             self.cockpit.missing(
                 step, started, _accumulation_reason(k), cause="accumulation"

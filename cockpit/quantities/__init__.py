@@ -1,16 +1,22 @@
-"""Quantities that cockpit can track (all keyed by class name unless given a key)."""
+"""Quantities that cockpit can track (all keyed by class name unless given a key).
+
+``__all__`` lists quantity classes only (as 1.0.2's did, plus the base classes and
+:class:`Variance`), so that code can iterate it as such. The helpers for writing
+quantities, :data:`MISSING_KEY`, :class:`Missing`, :class:`TrackContext` and
+:class:`PerParameter`, are importable from here all the same.
+"""
 
 from cockpit.quantities.alpha import Alpha
+from cockpit.quantities.base import MISSING_KEY as MISSING_KEY
 from cockpit.quantities.base import (
-    MISSING_KEY,
     ByproductQuantity,
-    Missing,
     Quantity,
     SingleStepQuantity,
-    TrackContext,
     TwoStepQuantity,
 )
-from cockpit.quantities.batch_statistics import PerParameter
+from cockpit.quantities.base import Missing as Missing
+from cockpit.quantities.base import TrackContext as TrackContext
+from cockpit.quantities.batch_statistics import PerParameter as PerParameter
 from cockpit.quantities.cabs import CABS
 from cockpit.quantities.distance import Distance
 from cockpit.quantities.early_stopping import EarlyStopping
@@ -41,20 +47,16 @@ __all__ = [
     "HessMaxEV",
     "HessTrace",
     "InnerTest",
-    "MISSING_KEY",
-    "Missing",
     "Loss",
     "MeanGSNR",
     "NormTest",
     "OrthoTest",
     "Parameters",
-    "PerParameter",
     "Quantity",
     "SingleStepQuantity",
     "TICDiag",
     "TICTrace",
     "Time",
-    "TrackContext",
     "TwoStepQuantity",
     "UpdateSize",
     "Variance",

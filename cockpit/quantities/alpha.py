@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -128,6 +129,8 @@ class Alpha(TwoStepQuantity):
     needs = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.OPTIMIZER_UPDATE})
     info_keys = ("loss", "individual_losses", "optimizer")
     Accumulator = _StepParts
+    #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
+    SAVE_SHIFT = 1
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -141,7 +144,7 @@ class Alpha(TwoStepQuantity):
     # --- inside the backward pass ------------------------------------------------
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Project the parameter's per-sample gradients onto the step(s)."""
-        if self.is_end(global_step):
+        if self.finishes(global_step):
             direction = self._pending[global_step - 1]["direction"][view.index]
             dots = _per_sample_dots(view, direction)
             previous = self.acc.end_dots
@@ -306,3 +309,65 @@ def _slope_observation(dots: Tensor, tau: float) -> tuple[float, float]:
         return 0.0, 0.0
     projections = dots.detach().to(torch.float64) / tau
     return float(projections.mean()), float(F.sample_variance(projections))
+
+
+# --- 1.0.2's module-level helpers -----------------------------------------------------
+# A two-step quantity copied from 1.0.2's Alpha calls these; Alpha itself uses
+# :mod:`cockpit.quantities.functional`. Same arguments and results as in 1.0.2.
+def _root_sum_of_squares(values) -> float:
+    """``sqrt(sum_k v_k^2)`` of a list of numbers."""
+    return math.sqrt(sum(float(v) ** 2 for v in values))
+
+
+def _projected_gradient(u, v) -> float:
+    """``u . v / ||v||`` of two vectors given as lists of tensors (per parameter)."""
+    dot = sum(float((a * b).sum()) for a, b in zip(u, v))
+    return dot / _root_sum_of_squares([float(b.norm(2)) for b in v])
+
+
+def _exact_variance(grads, search_dir) -> float:
+    """Unbiased variance over samples of ``g_i . d / ||d||``.
+
+    Args:
+        grads: Per parameter, the per-sample gradients ``[N, *shape]``.
+        search_dir: Per parameter, the direction ``d``.
+    """
+    projections = [
+        _projected_gradient(list(per_sample), search_dir) for per_sample in zip(*grads)
+    ]
+    return float(np.var(projections, ddof=1))
+
+
+def _fit_quadratic(t, fs, dfs, fs_var, dfs_var):
+    """Weighted least-squares quadratic through two noisy values and slopes.
+
+    A zero variance is replaced by ``1e-10``, with a warning.
+
+    Args:
+        t: Position of the second observation (the first is at 0).
+        fs: The two values.
+        dfs: The two slopes.
+        fs_var: The variances of the values.
+        dfs_var: The variances of the slopes.
+
+    Returns:
+        ``numpy`` array ``(w0, w1, w2)`` of ``w0 + w1 x + w2 x^2``, or ``None`` if
+        the system is singular.
+    """
+    variances, replaced = F.floor_variances((*fs_var, *dfs_var))
+    if replaced:
+        warnings.warn(
+            "A variance is 0, using a small value instead.",
+            CockpitWarning,
+            stacklevel=2,
+        )
+    fit = F.fit_quadratic(float(t), tuple(fs), tuple(dfs), variances)
+    return None if fit is None else fit.numpy()
+
+
+def _get_alpha(mu, t):
+    """``alpha`` of a fit from :func:`_fit_quadratic` and step length ``t``.
+
+    ``-1`` for ``t = 0`` or a fit without minimum, ``None`` without a fit.
+    """
+    return F.alpha_from_fit(float(t), None if mu is None else torch.as_tensor(mu))

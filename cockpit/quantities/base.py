@@ -22,27 +22,38 @@ The base class applies the ``track_schedule`` (no subclass repeats the check), t
 the cockpit what the quantity needs at a step (:meth:`Quantity.needs_at`,
 :meth:`Quantity.create_graph`) and resets the accumulator.
 
-Quantities written for cockpit-for-pytorch 1.0.2 run unchanged: a subclass whose
-``_compute`` (or ``_compute_start``/``_compute_end``) takes ``(global_step, params,
-batch_loss)`` is called that way, and the BackPACK extensions it returns from
-``extensions(global_step)`` run in the same backward pass, their results left on the
-parameters until it has been computed.
+Quantities written for cockpit-for-pytorch 1.0.2 run unchanged:
+
+* a subclass whose ``_compute`` (or ``_compute_start``/``_compute_end``) takes
+  ``(global_step, params, batch_loss)`` is called that way;
+* a subclass that overrides ``track(global_step, params, batch_loss)`` (or
+  ``compute``) is tracked through it, as 1.0.2's cockpit did: ``track`` is called at
+  every step, and what it writes into ``self.output[step]`` is recorded;
+* the BackPACK extensions it returns from ``extensions(global_step)`` run in the
+  same backward pass, their results left on the parameters until it has been
+  computed; ``create_graph(global_step)`` is asked as in 1.0.2;
+* while such a method runs, :mod:`cockpit.context`'s getters
+  (``get_batch_size(global_step)``, ...) return the step's ``info``.
+
+The pieces of 1.0.2's API this builds on are in :mod:`cockpit.quantities.compat`.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 from torch import Tensor
 
 from cockpit import needs as _needs
-from cockpit.context import StepInfo
+from cockpit.context import StepInfo, tracked_info, tracking
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.quantities.compat import Helpers102, QuantityOutput
 from cockpit.quantities.utils_params import gradients
 from cockpit.recorder import MISSING_KEY  # noqa: F401  (re-exported)
 
@@ -106,7 +117,42 @@ def _takes_params_and_loss(function) -> bool:
     return len(required) == 4 and required[2].name != "ctx"
 
 
-class Quantity(abc.ABC):
+def _not_implemented(name: str):
+    """1.0.2's stand-in for a step method a subclass does not use."""
+
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__}.{name} is not implemented: the quantity is "
+            "tracked through its own track() or compute()."
+        )
+
+    method.__name__ = name
+    return method
+
+
+def _written(values: dict) -> list[tuple[Any, Any]]:
+    """The values a 1.0.2-style quantity wrote into ``output`` during a step.
+
+    An empty dict is no value: it is what reading a step not written gives
+    (``output`` is a ``defaultdict(dict)``).
+    """
+    return [(k, v) for k, v in values.items() if not (isinstance(v, dict) and not v)]
+
+
+def _result_pairs(results) -> list[tuple[int, Any]]:
+    """``compute``'s results as pairs: 1.0.2 returns one ``(step, value)``."""
+    if results is None:
+        return []
+    if (
+        isinstance(results, tuple)
+        and len(results) == 2
+        and not isinstance(results[0], (tuple, list))
+    ):
+        return [results]
+    return list(results)
+
+
+class Quantity(Helpers102, abc.ABC):
     """A number (or list, or histogram) about the training, tracked on a schedule.
 
     Args:
@@ -133,6 +179,10 @@ class Quantity(abc.ABC):
     estimable: frozenset[Need] = frozenset()
     #: ``(why, fix)``: why no estimate serves a curvature need (``None``: none said).
     not_estimable: tuple[str, str] | None = None
+    #: Set per subclass: it overrides 1.0.2's ``track`` (tracked at every step
+    #: through it) or ``compute`` (see ``__init_subclass__``).
+    _own_track: ClassVar[bool] = False
+    _tracks_itself: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -143,6 +193,19 @@ class Quantity(abc.ABC):
                 "the schedule). A quantity whose needs depend on its arguments sets "
                 "`self.needs` in __init__."
             )
+        # 1.0.2's protocol: the quantity is tracked through its own ``track``
+        # (every step, as 1.0.2's cockpit did) or ``compute`` (scheduled steps)
+        cls._own_track = cls.track is not Quantity.track
+        cls._tracks_itself = cls._own_track or cls.compute is not Quantity.compute
+        if cls._tracks_itself:
+            if "track_step" not in cls.__dict__:
+                cls.track_step = Quantity.track_step
+            if cls._own_track and "is_active" not in cls.__dict__:
+                cls.is_active = Quantity._every_step
+            for name in ("_compute", "_compute_start", "_compute_end"):
+                method = getattr(cls, name, None)
+                if getattr(method, "__isabstractmethod__", False):
+                    setattr(cls, name, _not_implemented(name))
 
     def __init__(
         self,
@@ -200,6 +263,10 @@ class Quantity(abc.ABC):
         """Return whether the quantity does any work at ``global_step``."""
         return self.should_compute(global_step)
 
+    def _every_step(self, global_step: int) -> bool:
+        """``is_active`` of a quantity that overrides 1.0.2's ``track``."""
+        return True
+
     def needs_at(self, global_step: int) -> frozenset[Need]:
         """Return what the quantity reads at ``global_step`` (nothing if inactive)."""
         return frozenset(self.needs) if self.is_active(global_step) else frozenset()
@@ -254,6 +321,15 @@ class Quantity(abc.ABC):
         ``shared`` is the data-parallel step (``StepComm``) in a run over several
         processes: :meth:`accumulate` then keeps what :meth:`share` needs.
         """
+        if self.extension_hooks(global_step):
+            raise NotImplementedError(
+                f"{self.key}.extension_hooks({global_step}) returned hooks: 1.0.2's "
+                "BackPACK extension hooks (cockpit.quantities.utils_transforms) do "
+                "not run here. Fix: declare `needs` and read the per-sample "
+                "statistics in `accumulate`, or return BackPACK extensions from "
+                "`extensions(global_step)` and read their results in `_compute` "
+                "(docs/migrating_from_1_0_2.md, '1.0.2's private names')."
+            )
         accumulator = type(self).Accumulator
         self.acc = accumulator() if accumulator is not None else None
         self.shared = shared
@@ -315,21 +391,61 @@ class Quantity(abc.ABC):
         """
         return errors
 
-    def is_end(self, global_step: int) -> bool:
-        """Whether ``global_step`` finishes a value started earlier (two-step)."""
+    def finishes(self, global_step: int) -> bool:
+        """Whether tracking ``global_step`` finishes a value started earlier.
+
+        Two-step quantities; decided by what is pending, not by the schedule.
+        """
         return False
 
     def discard_start(self, global_step: int) -> bool:
         """Drop a value started at ``global_step``; return whether there was one."""
         return False
 
-    @abc.abstractmethod
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Compute the results due at ``global_step`` (called by the cockpit).
+
+        Subclasses compute here (:class:`SingleStepQuantity` calls ``_compute``,
+        :class:`TwoStepQuantity` ``_compute_start`` and ``_compute_end``). This
+        default tracks a quantity written for cockpit-for-pytorch 1.0.2 that
+        overrides ``track`` or ``compute``: it calls ``track(global_step, params,
+        batch_loss)``, with :mod:`cockpit.context`'s getters reading ``ctx.info``,
+        and returns what ``track`` wrote into :attr:`output`.
 
         Returns:
             A list of ``(step_to_store_under, value)``; ``None`` values are skipped.
         """
+        try:
+            with self._tracked_as_102(ctx) as written:
+                self.track(global_step, list(ctx.params), ctx.info.get("loss"))
+            return _written(written)
+        finally:
+            self.acc = None
+
+    @contextlib.contextmanager
+    def _tracked_as_102(self, ctx: TrackContext) -> Iterator[dict]:
+        """Run 1.0.2-style code for a step.
+
+        :mod:`cockpit.context`'s getters read ``ctx.info``; the values it writes
+        into :attr:`output` are collected in the dict yielded.
+        """
+        outer = self.__dict__.get("_step_102")
+        written: dict = {}
+        self.__dict__["_step_102"] = (ctx, written)
+        try:
+            with tracking(ctx.info):
+                yield written
+        finally:
+            self.__dict__["_step_102"] = outer
+
+    def _native_track_step(self) -> Callable | None:
+        """This class's own ``track_step`` (not 1.0.2's route through ``track``)."""
+        route = Quantity.__dict__["track_step"]
+        for klass in type(self).__mro__:
+            found = klass.__dict__.get("track_step")
+            if found is not None and found is not route:
+                return found.__get__(self)
+        return None
 
     def compute(self, global_step: int, params, batch_loss) -> list[tuple[int, Any]]:
         """Return the results due at ``global_step`` (1.0.2's signature).
@@ -341,20 +457,41 @@ class Quantity(abc.ABC):
 
         Returns:
             ``(step_to_store_under, value)`` pairs.
+
+        Raises:
+            NotImplementedError: For a subclass of :class:`Quantity` itself that
+                implements neither ``compute`` nor ``track`` (as in 1.0.2).
         """
-        info = StepInfo(global_step, {} if batch_loss is None else {"loss": batch_loss})
-        return self.track_step(global_step, TrackContext(global_step, params, info))
+        native = self._native_track_step()
+        if native is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} implements neither compute() nor track(). "
+                "Fix: subclass SingleStepQuantity and implement _compute, or "
+                "implement track(global_step, params, batch_loss)."
+            )
+        running = self.__dict__.get("_step_102")
+        if running is not None and running[0].global_step == global_step:
+            ctx = running[0]
+        else:  # by hand: the info stored with CockpitCTX.set, or just the loss
+            info = tracked_info(global_step) or StepInfo(
+                global_step, {} if batch_loss is None else {"loss": batch_loss}
+            )
+            ctx = TrackContext(global_step, list(params), info)
+        return native(global_step, ctx)
 
     def track(self, global_step: int, params, batch_loss) -> None:
         """Compute the results due at ``global_step`` and record them (1.0.2's API).
 
-        The cockpit calls :meth:`track_step` itself; this is for code written for
-        cockpit-for-pytorch 1.0.2 that tracks a quantity by hand. Results go into
-        the history of the cockpit the quantity belongs to (see :attr:`output`).
+        Each ``(step, value)`` of :meth:`compute` is written into :attr:`output`,
+        which records it. The cockpit tracks through :meth:`track_step`; it calls
+        this method only for a quantity that overrides it (as 1.0.2 subclasses
+        may), and otherwise it is for code that tracks a quantity by hand.
         """
-        for step, value in self.compute(global_step, list(params), batch_loss):
-            if value is not None and self._history is not None:
-                self._history.add(step, self.key, value)
+        if not self.is_active(global_step):
+            return
+        for step, value in _result_pairs(self.compute(global_step, params, batch_loss)):
+            if value is not None:
+                self.output[step] = value
 
     # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -366,30 +503,68 @@ class Quantity(abc.ABC):
 
     # --- results (1.0.2's API) -----------------------------------------------------
     def bind(self, history) -> None:
-        """Let :attr:`output` read this quantity's results from ``history``."""
+        """Let :attr:`output` read this quantity's results from ``history``.
+
+        Values written into :attr:`output` before are recorded there now.
+        """
         self._history = history
+        unsent = self.__dict__.pop("_unsent", {})
+        for step, value in unsent.items():
+            self._record_written(step, value)
+
+    def _record_written(self, step, value) -> None:
+        if self._history is None:
+            self.__dict__.setdefault("_unsent", {})[step] = value
+        elif _written({step: value}) and not isinstance(value, (Missing, type(None))):
+            self._history.add(step, self.key, value)
+
+    def _output_written(self, step, value) -> None:
+        """A value written into :attr:`output` (``self.output[step] = value``).
+
+        While the cockpit tracks the quantity it is one of the step's results,
+        recorded with them; otherwise it goes into the history at once.
+        """
+        running = self.__dict__.get("_step_102")
+        if running is not None:
+            running[1][step] = value
+        else:
+            self._record_written(step, value)
 
     @property
     def output(self) -> collections.defaultdict:
         """``{step: value}`` of everything recorded under this quantity's key.
 
-        One ``defaultdict(dict)`` object per quantity, refreshed from the history
-        on every access (as 1.0.2's ``output``, which ``get_output`` returns).
+        cockpit-for-pytorch 1.0.2's ``output`` (which ``get_output`` returns): one
+        ``defaultdict(dict)`` per quantity, with the values as
+        :meth:`cockpit.Cockpit.get_output` holds them (histograms as numpy
+        arrays), refilled when the history changed. A value written into it
+        (``self.output[step] = value``, as a 1.0.2 ``track`` does) is recorded:
+        during the cockpit's step as one of the step's results, otherwise at once.
         """
-        output = self.__dict__.setdefault("_output", collections.defaultdict(dict))
-        output.clear()
-        if self._history is not None:
-            steps, values = self._history.series(self.key)
-            output.update(zip(steps, values))
+        output = self.__dict__.get("_output")
+        if not isinstance(output, QuantityOutput):
+            output = self.__dict__["_output"] = QuantityOutput(self._output_written)
+        history = self._history
+        # values written show at once (the object holds them); refilled when the
+        # history changed, with the values written but not yet recorded on top
+        stamp = (id(history), None if history is None else history.revision)
+        if output.stamp != stamp:
+            items = dict(zip(*history.output_series(self.key))) if history else {}
+            running = self.__dict__.get("_step_102")
+            items.update(self.__dict__.get("_unsent", {}))
+            items.update(running[1] if running else {})
+            output.refill(items, stamp)
         return output
 
     @output.setter
     def output(self, value) -> None:
         """1.0.2 subclasses assign ``self.output = defaultdict(dict)``: accepted.
 
-        The object is kept, and refilled from the history on every access.
+        The quantity keeps its own :attr:`output`; the entries of ``value`` are
+        written into it.
         """
-        self.__dict__["_output"] = value
+        for step, entry in dict(value).items():
+            self.output[step] = entry
 
     def get_output(self) -> dict[int, Any]:
         """Return :attr:`output` (cockpit-for-pytorch 1.0.2's accessor)."""
@@ -411,11 +586,12 @@ class SingleStepQuantity(Quantity):
         try:
             if not self.should_compute(global_step):
                 return []
-            if self._legacy:
-                value = self._compute(global_step, ctx.params, ctx.info.get("loss"))
-            else:
-                value = self._compute(global_step, ctx)
-            return [(global_step, value)]
+            if not self._legacy:
+                return [(global_step, self._compute(global_step, ctx))]
+            with self._tracked_as_102(ctx) as written:
+                loss = ctx.info.get("loss")
+                value = self._compute(global_step, list(ctx.params), loss)
+            return [*_written(written), (global_step, value)]
         finally:
             self.acc = None
 
@@ -451,15 +627,32 @@ class TwoStepQuantity(Quantity):
     ``_compute_start(global_step, ctx) -> state`` and
     ``_compute_end(global_step, ctx, state) -> value``. A start whose step ``t + 1``
     never comes through the cockpit is dropped.
+
+    In 1.0.2's terms (which its subclasses and code reading these attributes use):
+    ``SAVE_SHIFT`` is 1 for every such subclass (a value computed at step ``t + 1``
+    is stored under ``t``), ``is_start(t)`` is the schedule and ``is_end(t)`` is
+    ``is_start(t - SAVE_SHIFT)``. Whether a tracked step actually finishes a value
+    (its start was tracked) is :meth:`finishes`.
     """
 
-    #: 1.0.2's API: results of ``_compute_end`` at step ``t`` are stored under
-    #: ``t - SAVE_SHIFT`` (only for subclasses written for 1.0.2, see below).
+    #: 1.0.2's API: the value computed at step ``t`` is stored under
+    #: ``t - SAVE_SHIFT``. 0 is 1.0.2's default, for its subclasses that compute in
+    #: ``_compute_start(global_step, params, batch_loss)``/``_compute_end``; a
+    #: subclass of this package's protocol always has 1.
     SAVE_SHIFT = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._legacy = _takes_params_and_loss(cls._compute_start)
+        if not cls._legacy and not cls._tracks_itself:
+            if cls.__dict__.get("SAVE_SHIFT", 1) != 1:
+                raise TypeError(
+                    f"{cls.__name__}.SAVE_SHIFT must be 1: a value started at step "
+                    "t is finished at step t + 1 and stored under t. SAVE_SHIFT "
+                    "can only be chosen by subclasses written for 1.0.2 "
+                    "(_compute_start(global_step, params, batch_loss))."
+                )
+            cls.SAVE_SHIFT = 1
 
     def __init__(self, track_schedule, verbose=False, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -471,7 +664,18 @@ class TwoStepQuantity(Quantity):
         return self.should_compute(global_step)
 
     def is_end(self, global_step: int) -> bool:
-        """Return whether ``global_step`` completes a pending start."""
+        """Return whether ``global_step`` is an end point (1.0.2's meaning).
+
+        That is, whether the schedule started a value at ``global_step -
+        SAVE_SHIFT``, whatever the run did; :meth:`finishes` says whether tracking
+        the step finishes a value.
+        """
+        return self.is_start(global_step - self.SAVE_SHIFT)
+
+    def finishes(self, global_step: int) -> bool:
+        """Return whether tracking ``global_step`` completes a pending start."""
+        if self._legacy or self._tracks_itself:  # 1.0.2 subclasses keep no record
+            return self.is_end(global_step)
         return global_step - 1 in self._pending
 
     def discard_start(self, global_step: int) -> bool:
@@ -480,7 +684,7 @@ class TwoStepQuantity(Quantity):
 
     def is_active(self, global_step: int) -> bool:
         """Active on start steps and on the step after each of them."""
-        return self.is_start(global_step) or self.is_end(global_step)
+        return self.is_start(global_step) or self.finishes(global_step)
 
     # --- 1.0.2's cache, for subclasses written against it ---------------------------
     def save_to_cache(
@@ -516,15 +720,16 @@ class TwoStepQuantity(Quantity):
                 del self._cache[step]
 
     def _track_legacy(self, global_step: int, ctx: TrackContext) -> list:
-        params, loss = ctx.params, ctx.info.get("loss")
+        params, loss = list(ctx.params), ctx.info.get("loss")
         results = []
-        if self.is_start(global_step):  # 1.0.2's order: start, then end
-            self._compute_start(global_step, params, loss)
-        if self.is_end(global_step):
-            value = self._compute_end(global_step, params, loss)
-            results.append((global_step - self.SAVE_SHIFT, value))
+        with self._tracked_as_102(ctx) as written:
+            if self.is_start(global_step):  # 1.0.2's order: start, then end
+                self._compute_start(global_step, params, loss)
+            if self.is_end(global_step):
+                value = self._compute_end(global_step, params, loss)
+                results.append((global_step - self.SAVE_SHIFT, value))
         self._evict(global_step)
-        return results
+        return [*_written(written), *results]
 
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the pending start of the previous step, then start anew."""
@@ -535,7 +740,7 @@ class TwoStepQuantity(Quantity):
                 self.acc = None
         try:
             results = []
-            if self.is_end(global_step):
+            if self.finishes(global_step):
                 state = self._pending.pop(global_step - 1)
                 results.append(
                     (global_step - 1, self._compute_end(global_step, ctx, state))

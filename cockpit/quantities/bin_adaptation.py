@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from cockpit.context import tracking
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
@@ -129,6 +130,10 @@ class NoAdaptation(BinAdaptation):
 class _AbsMax(BinAdaptation):
     """Set the range to ``±(1 + padding) * max(min_size / 2, m)`` for a maximum ``m``.
 
+    A subclass written for cockpit-for-pytorch 1.0.2 that defines
+    ``_get_abs_max(global_step, params, batch_loss, range)`` gets ``m`` from it
+    (:mod:`cockpit.context`'s getters read the step's ``info`` meanwhile).
+
     Args:
         track_schedule: When to recompute the range.
         verbose: Warn with the new range whenever it changes.
@@ -169,7 +174,13 @@ class _AbsMax(BinAdaptation):
         """Implemented by each subclass."""
 
     def _compute(self, global_step, ctx, reductions, current) -> Range:
-        m = self._abs_max(ctx, reductions)
+        from_102 = getattr(self, "_get_abs_max", None)
+        if from_102 is not None:  # a policy written for 1.0.2 computes it itself
+            with tracking(ctx.info):
+                loss = ctx.info.get("loss")
+                m = float(from_102(global_step, list(ctx.params), loss, current))
+        else:
+            m = self._abs_max(ctx, reductions)
         if not math.isfinite(m):
             warnings.warn(
                 f"{type(self).__name__} at step {global_step}: the maximum absolute "

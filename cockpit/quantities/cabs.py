@@ -36,6 +36,20 @@ class CABS(SingleStepQuantity):
     info_keys = ("loss", "optimizer")
     Accumulator = PerParameter
 
+    def get_lr(self, optimizer) -> float:
+        """The learning rate shared by all groups (1.0.2's helper).
+
+        Raises:
+            ValueError: If the groups have different learning rates.
+        """
+        rates = {group["lr"] for group in optimizer.param_groups}
+        if len(rates) != 1:
+            raise ValueError(
+                f"{self.key} needs one learning rate, found {sorted(rates)} in the "
+                "optimizer's param groups."
+            )
+        return rates.pop()
+
     def prepare(self, global_step: int, info) -> None:
         """Fail before the backward pass unless the optimizer is plain SGD."""
         if info is not None and self.should_compute(global_step):

@@ -13,6 +13,7 @@ from cockpit.quantities.batch_statistics import (
     snr_parts,
     total_snr,
 )
+from cockpit.quantities.compat import Alias102
 from cockpit.quantities.optim import require_plain_sgd
 
 
@@ -43,6 +44,8 @@ class EarlyStopping(SingleStepQuantity):
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self.epsilon = epsilon
+
+    _epsilon = Alias102("epsilon")  # 1.0.2's name
 
     def prepare(self, global_step: int, info) -> None:
         """Fail before the backward pass unless the optimizer is plain SGD."""

@@ -42,6 +42,7 @@ from cockpit.param_view import ParamView
 from cockpit.per_sample import LinearFactors
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.bin_adaptation import BinAdaptation, as_policy
+from cockpit.quantities.compat import Alias102
 
 Range = tuple[float, float]
 
@@ -740,7 +741,7 @@ class _Histogram(SingleStepQuantity):
     def _edges(self, axis: int) -> _EdgeCache:
         if axis not in self.acc.edges:
             lo, hi = self._ranges()[axis]
-            self.acc.edges[axis] = _EdgeCache(lo, hi, self._bins()[axis])
+            self.acc.edges[axis] = _EdgeCache(lo, hi, self._bin_counts()[axis])
         return self.acc.edges[axis]
 
     @abc.abstractmethod
@@ -748,7 +749,7 @@ class _Histogram(SingleStepQuantity):
         """Implemented by each subclass."""
 
     @abc.abstractmethod
-    def _bins(self) -> list[int]:
+    def _bin_counts(self) -> list[int]:
         """Implemented by each subclass."""
 
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
@@ -768,13 +769,14 @@ class _Histogram(SingleStepQuantity):
         """Implemented by each subclass."""
 
     def _empty_counts(self) -> Tensor:
-        return torch.zeros(math.prod(self._bins()), dtype=torch.int64)
+        return torch.zeros(math.prod(self._bin_counts()), dtype=torch.int64)
 
     def _result(self, counts: Tensor | None) -> dict[str, Any]:
         counts = self._empty_counts() if counts is None else counts
-        edges = [self._edges(axis).cpu.tolist() for axis in range(len(self._bins()))]
+        axes = range(len(self._bin_counts()))
+        edges = [self._edges(axis).cpu.tolist() for axis in axes]
         return {
-            "hist": counts.reshape(self._bins()).tolist(),
+            "hist": counts.reshape(self._bin_counts()).tolist(),
             "edges": edges[0] if len(edges) == 1 else edges,
         }
 
@@ -827,6 +829,11 @@ class GradHist1d(_Histogram):
         self.range = _check_range(range, "range")
         self.adapt = as_policy(adapt)
 
+    # 1.0.2's attribute names, read by quantities copied from its GradHist1d
+    _bins = Alias102("bins")
+    _range = Alias102("range")
+    _adapt = Alias102("adapt")
+
     def _policies(self) -> Sequence[BinAdaptation]:
         return (self.adapt,)
 
@@ -836,7 +843,7 @@ class GradHist1d(_Histogram):
     def _set_ranges(self, ranges: list[Range]) -> None:
         self.range = _check_range(ranges[0], "range")
 
-    def _bins(self) -> list[int]:
+    def _bin_counts(self) -> list[int]:
         return [self.bins]
 
     def _count(self, global_step: int, view: ParamView) -> Tensor:
@@ -916,6 +923,12 @@ class GradHist2d(_Histogram):
         self.adapt = (as_policy(xadapt, "adapt[0]"), as_policy(yadapt, "adapt[1]"))
         self.keep_individual = bool(keep_individual)
 
+    # 1.0.2's attribute names, read by quantities copied from its GradHist2d
+    _bins = Alias102("bins")
+    _range = Alias102("range")
+    _adapt = Alias102("adapt")
+    _keep_individual = Alias102("keep_individual")
+
     def _keep(self, index: int, counts: Tensor) -> None:
         """With ``keep_individual``, keep this parameter's own counts too."""
         if self.keep_individual:
@@ -933,7 +946,7 @@ class GradHist2d(_Histogram):
             _check_range(ranges[1], "range[1]"),
         )
 
-    def _bins(self) -> list[int]:
+    def _bin_counts(self) -> list[int]:
         return list(self.bins)
 
     def _count(self, global_step: int, view: ParamView) -> Tensor:

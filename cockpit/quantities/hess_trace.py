@@ -8,6 +8,7 @@ from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import PerParameter
+from cockpit.quantities.compat import Alias102
 
 
 class HessTrace(SingleStepQuantity):
@@ -39,6 +40,8 @@ class HessTrace(SingleStepQuantity):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self.needs = frozenset({curvature_need(curvature)})
         self.curvature = curvature
+
+    _curvature = Alias102("curvature")  # 1.0.2's name
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum the parameter's curvature diagonal."""

@@ -12,6 +12,7 @@ from cockpit.quantities.batch_statistics import (
     snr_parts,
     total_snr,
 )
+from cockpit.quantities.compat import Alias102
 
 
 class MeanGSNR(SingleStepQuantity):
@@ -35,6 +36,8 @@ class MeanGSNR(SingleStepQuantity):
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
         self.epsilon = epsilon
+
+    _epsilon = Alias102("epsilon")  # 1.0.2's name
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (v_d + epsilon)`` over the parameter's coordinates."""

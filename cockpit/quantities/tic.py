@@ -38,6 +38,7 @@ import torch
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
+from cockpit.quantities.compat import Alias102
 
 
 class _TIC(SingleStepQuantity):
@@ -84,6 +85,10 @@ class _TIC(SingleStepQuantity):
                 f"epsilon must be >= 0, got {epsilon!r}. The default is 1e-7."
             )
         self.epsilon = float(epsilon)
+
+    # 1.0.2's attribute names, read by quantities copied from its TIC quantities
+    _curvature = Alias102("curvature")
+    _epsilon = Alias102("epsilon")
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce this parameter's second moment and curvature to scalars."""

@@ -18,6 +18,8 @@ class UpdateSize(NothingToShare, TwoStepQuantity):
     """
 
     needs = frozenset({Need.PARAMETERS})
+    #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
+    SAVE_SHIFT = 1
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> list[Tensor]:
         return snapshot(ctx.params)
