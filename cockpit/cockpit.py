@@ -23,6 +23,7 @@ from cockpit.cockpit_args import (
     check_log_rank,
     check_new_quantity,
     check_quantities,
+    check_step_order,
     collect_params,
     manual_missing,
 )
@@ -249,6 +250,7 @@ class Cockpit(Records):
 
         Raises:
             RuntimeError: If a step is already open.
+            ValueError: If ``global_step`` is not after the last tracked step.
         """
         if self._open is not None:
             raise RuntimeError(
@@ -256,6 +258,7 @@ class Cockpit(Records):
                 "Fix: call cockpit.end() after the backward pass of each step."
             )
         step_info = as_info(as_step(global_step), info)
+        check_step_order(step_info.global_step, self.last_step)
         if self.data_parallel and not self._setup_checked:
             distributed.check_setup(
                 self._communicator, self.quantities, self.params, step_info.global_step

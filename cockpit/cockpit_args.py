@@ -1,8 +1,9 @@
 """What the user hands the :class:`~cockpit.Cockpit`, checked with errors that fix.
 
 Parameters (:func:`collect_params`), quantities (:func:`check_quantities`,
-:func:`check_new_quantity`), the writing rank (:func:`check_log_rank`) and the
-values a loop records as missing by hand (:func:`manual_missing`).
+:func:`check_new_quantity`), the writing rank (:func:`check_log_rank`), the order
+of the steps (:func:`check_step_order`) and the values a loop records as missing
+by hand (:func:`manual_missing`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,28 @@ def as_step(global_step) -> int:
             f"global_step must be an int, got {global_step!r}. Fix: pass the "
             "iteration counter, e.g. cockpit(step, info=...) with step an int."
         ) from None
+
+
+def check_step_order(global_step: int, last_step: int | None) -> None:
+    """Raise ``ValueError`` unless ``global_step`` comes after ``last_step``.
+
+    ``last_step`` is the last step the cockpit tracked to the end (a step
+    abandoned on an error does not count: it can be tried again), or the step a
+    checkpoint was taken at after :meth:`Cockpit.load_state_dict
+    <cockpit.Cockpit.load_state_dict>`. A repeated or smaller step would make
+    two-step quantities (UpdateSize, Alpha) span the wrong updates, and the
+    history and the log hold one record per step.
+    """
+    if last_step is not None and global_step <= last_step:
+        raise ValueError(
+            f"Step {global_step} does not come after step {last_step}, the last "
+            "step this cockpit tracked: step numbers must increase (a repeated or "
+            "smaller one would make UpdateSize and Alpha span the wrong updates). "
+            "Fix: pass a global step counter that "
+            "keeps growing across epochs; to start the loop over, create a new "
+            "Cockpit (with a new logpath); to go on from a checkpoint, call "
+            "cockpit.load_state_dict(state) with the state saved there."
+        )
 
 
 def collect_params(params: Iterable) -> tuple[list[Tensor], list[str | None]]:

@@ -11,6 +11,7 @@ learning rate of every parameter group on tracked steps.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -147,19 +148,27 @@ class UpdateWatch:
     ``.grad`` with what the step left (:class:`GradSnapshot`); on a change it calls
     ``on_change(reason)`` once.
 
+    The optimizer holds the hook, and the hook holds ``on_change`` only weakly: a
+    cockpit dropped between the backward pass and ``optimizer.step()`` is freed at
+    once (with its log and checks), and its hook removes itself at that step.
+
     Args:
         optimizer: The optimizer of the step.
         params: The cockpit's parameters.
-        on_change: Called with the reason when ``.grad`` was changed.
+        on_change: A bound method, called with the reason when ``.grad`` was
+            changed (if its object is still alive).
     """
 
     def __init__(self, optimizer, params: Sequence[Tensor], on_change):
         self._grads = GradSnapshot(params)
-        self._on_change = on_change
+        self._on_change = weakref.WeakMethod(on_change)
         self._handle = optimizer.register_step_pre_hook(self._check)
 
     def _check(self, optimizer, args, kwargs) -> None:
         self.remove()
+        on_change = self._on_change()
+        if on_change is None:  # the cockpit is gone
+            return
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is not None:  # args[0] is the optimizer itself
             # optimizer.step(closure): the backward runs inside this call, after
@@ -168,7 +177,7 @@ class UpdateWatch:
             return
         changed = self._grads.changed()
         if changed:
-            self._on_change(grad_changed_message(changed))
+            on_change(grad_changed_message(changed))
 
     def remove(self) -> None:
         """Stop watching (the optimizer did not step, or it has been checked)."""
@@ -191,6 +200,7 @@ class LoopChecks:
         self._recorder = recorder
         self._diagnostics = diagnostics
         self._watch: UpdateWatch | None = None
+        self._watched: tuple[int, list[Quantity]] | None = None
 
     def before(self, plan: StepPlan, step_info) -> StepPlan:
         """Return the plan without quantities that cannot be right at this step.
@@ -203,7 +213,7 @@ class LoopChecks:
         """
         if self._watch is not None:  # the last step's optimizer.step() never came
             self._watch.remove()
-            self._watch = None
+            self._watch = self._watched = None
         if not plan.active:
             return plan
         step = plan.global_step
@@ -237,20 +247,24 @@ class LoopChecks:
         optimizer = step_info.get("optimizer")
         if not updating or not hasattr(optimizer, "register_step_pre_hook"):
             return
+        self._watched = (step, updating)
+        self._watch = UpdateWatch(optimizer, self._params, self._grad_changed)
 
-        def changed(reason: str) -> None:
-            for q in updating:
-                if q.discard_start(step):
-                    self._missing(q, step, reason)
-            self._recorder.flush()
-
-        self._watch = UpdateWatch(optimizer, self._params, changed)
+    def _grad_changed(self, reason: str) -> None:
+        """The watched step's update is not the one replayed: drop its values."""
+        if self._watched is None:
+            return
+        step, updating = self._watched
+        for q in updating:
+            if q.discard_start(step):
+                self._missing(q, step, reason)
+        self._recorder.flush()
 
     def close(self) -> None:
         """Stop watching the optimizer (the run ends or is restored)."""
         if self._watch is not None:
             self._watch.remove()
-            self._watch = None
+            self._watch = self._watched = None
 
     def _missing(self, quantity: Quantity, step: int, reason: str) -> None:
         """Record ``quantity`` as missing at ``step`` (and its pending start)."""

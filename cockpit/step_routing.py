@@ -316,6 +316,10 @@ class StepRouting:
         for engine in self.engines:
             engine.free(late)
 
+    def release(self) -> None:
+        """Let go of the step once it is over (no cycle through it stays)."""
+        self._run = None
+
     def idle(self) -> contextlib.AbstractContextManager:
         """A context in which the engines' hooks do nothing (extra backward passes)."""
         stack = contextlib.ExitStack()

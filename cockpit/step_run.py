@@ -224,6 +224,12 @@ class StepRun:
         self.routing.free(late=True)
         if self.plan.create_graph:
             self._release_graph()
+        # the features, the routing and the engines' step point back at this run:
+        # without these cycles a finished step is freed at once, not by the cycle
+        # collector (it holds the recorder, and with it the log and its lock)
+        self.features = []
+        self.engine_step.show = None
+        self.routing.release()
 
     def _release_graph(self) -> None:
         """Detach ``.grad`` after a ``create_graph`` backward.

@@ -15,8 +15,9 @@ import torch
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.quantities import defined
 from cockpit.quantities import functional as F
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 
 
 @dataclass
@@ -90,7 +91,7 @@ class GramQuantity(SingleStepQuantity):
 
     Each parameter adds its ``[N, N]`` Gram matrix ``g_i,p . g_j,p`` to a running
     sum, so a module's per-sample gradients are reduced and freed in its hook.
-    Subclasses implement ``_statistic(gram) -> scalar tensor``.
+    Subclasses implement ``_from_projections(norms, dots, grad_squared_norm)``.
     """
 
     @dataclass
@@ -137,39 +138,66 @@ class GramQuantity(SingleStepQuantity):
         acc.kept.clear()  # the per-sample gradients are freed here
         acc.joined = joined
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
+        """The statistic from ``||g_i||^2``, ``g_i . g`` and ``||g||^2``, if defined.
+
+        Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples
+        or a zero or non-finite ``||g||``; the subclass decides on cancellation.
+        """
         if self.acc.joined is not None:
             norms, dots = (slot.value for slot in self.acc.joined)
             grad_squared_norm = sum((g**2).sum() for g in ctx.gradients())
-            return float(self._from_projections(norms, dots, grad_squared_norm))
-        return float(self._statistic(self.acc.gram))
-
-    @abc.abstractmethod
-    def _statistic(self, gram: torch.Tensor) -> torch.Tensor:
-        """Implemented by each subclass."""
+        else:
+            gram = self.acc.gram
+            n = gram.shape[0]
+            norms = torch.diagonal(gram)
+            dots = gram.sum(1) / n  # g_i . g
+            grad_squared_norm = dots.sum() / n  # ||g||^2
+        dtype = norms.dtype
+        undefined = defined.first(
+            defined.samples(dots.shape[0]),
+            defined.finite_sums(norms, dots),
+            defined.divisor(grad_squared_norm),
+        )
+        if undefined is not None:
+            return undefined
+        value = self._from_projections(
+            defined.wide(norms),
+            defined.wide(dots),
+            defined.wide(grad_squared_norm),
+            dtype,
+        )
+        return value if isinstance(value, Missing) else defined.finite(value, dtype)
 
     @abc.abstractmethod
     def _from_projections(
-        self, norms: torch.Tensor, dots: torch.Tensor, grad_squared_norm: torch.Tensor
-    ) -> torch.Tensor:
-        """The statistic from ``||g_i||^2``, ``g_i . g`` and ``||g||^2``."""
+        self,
+        norms: torch.Tensor,
+        dots: torch.Tensor,
+        grad_squared_norm: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | Missing:
+        """The statistic from ``||g_i||^2``, ``g_i . g`` and ``||g||^2``.
+
+        All three are float64 on the CPU, finite, with at least 2 samples and
+        ``||g|| > 0``; they were summed in ``dtype``, whose rounding decides
+        what cancels (:mod:`cockpit.quantities.defined`).
+        """
 
 
 def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
-    """Reduce one parameter to ``(sum_d g_d^2 / (var_d + epsilon), D_p, N)``.
+    """Reduce one parameter to ``(sum_d g_d^2 / (var_d + epsilon), D_p, N, flag)``.
 
     ``g`` and ``sum_i g_i^2`` are formed elementwise from the per-sample gradients
-    (shared with every other quantity through the view) and summed right away.
+    (shared with every other quantity through the view) and summed right away;
+    ``flag`` says whether the sum is defined (:func:`defined.snr_undefined`).
     """
     n = view.batch_size
-    snr = F.snr_sum(
-        view.mean_gradient().detach(),
-        view.sum_grad_squared().detach(),
-        n,
-        epsilon,
-        unbiased=unbiased,
-    )
-    return snr, view.param.numel(), n
+    mean = view.mean_gradient().detach()
+    sum_grad_squared = view.sum_grad_squared().detach()
+    snr = F.snr_sum(mean, sum_grad_squared, n, epsilon, unbiased=unbiased)
+    flag = defined.snr_undefined(mean, sum_grad_squared, n, epsilon, unbiased)
+    return snr, view.param.numel(), n, flag
 
 
 def snr_parts(view: ParamView, shared) -> tuple:
@@ -187,19 +215,29 @@ def share_snr(
 
         def then(total, index=index):
             snr = F.snr_sum(grads[index], total, n, epsilon, unbiased=unbiased)
-            acc.entries[index] = (snr, total.numel(), n)
+            flag = defined.snr_undefined(grads[index], total, n, epsilon, unbiased)
+            acc.entries[index] = (snr, total.numel(), n, flag)
 
         bucket.sum(sum_grad_squared, then)
 
 
-def total_snr(acc: PerParameter, num_params: int) -> tuple[torch.Tensor, int, int]:
-    """Sum the entries of :func:`snr_entry`; return the sum, ``D`` and ``N``."""
+def total_snr(acc: PerParameter, num_params: int) -> tuple[float | Missing, int, int]:
+    """Sum the entries of :func:`snr_entry`; return the sum, ``D`` and ``N``.
+
+    Returns:
+        The sum as a float, or :class:`Missing` where it is not defined (fewer
+        than 2 samples, a coordinate lost to rounding, an overflow), ``D`` and
+        ``N``.
+    """
     entries = acc.ordered(num_params)
-    sizes = {n for _, _, n in entries}
+    sizes = {n for _, _, n, _ in entries}
     if len(sizes) != 1:
         raise RuntimeError(
             f"Parameters saw different batch sizes {sorted(sizes)} in one backward "
             "pass. Fix: compute the loss of a single mini-batch per step."
         )
-    snr = torch.stack([s for s, _, _ in entries]).sum()
-    return snr, sum(d for _, d, _ in entries), sizes.pop()
+    n, dim = sizes.pop(), sum(d for _, d, _, _ in entries)
+    snr = torch.stack([s for s, _, _, _ in entries]).sum()
+    flag = int(torch.stack([f.to(snr.device) for _, _, _, f in entries]).max())
+    undefined = defined.first(defined.samples(n), defined.snr_reason(flag, snr.dtype))
+    return undefined or defined.finite(snr, snr.dtype), dim, n

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
-from cockpit.quantities import functional as F
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities import defined
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
     share_squared_norms,
@@ -13,6 +13,11 @@ from cockpit.quantities.batch_statistics import (
     total_squared_norms,
 )
 from cockpit.quantities.optim import require_plain_sgd
+
+ZERO_LOSS = (
+    "the loss is zero, and CABS divides by it. Fix: none needed (nothing left to "
+    "learn at this step)"
+)
 
 
 class CABS(SingleStepQuantity):
@@ -24,7 +29,9 @@ class CABS(SingleStepQuantity):
     reduced to two scalars in the backward pass, from BackPACK's ``BatchL2Grad``
     (or ``BatchGrad`` when another quantity needs it); see :class:`NormTest`.
 
-    Reads ``info["loss"]`` and ``info["optimizer"]``.
+    Reads ``info["loss"]`` and ``info["optimizer"]``. Missing (see
+    :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a zero or
+    non-finite loss, or a spread lost to rounding.
 
     Raises:
         ValueError: When tracked with anything but ``torch.optim.SGD`` with
@@ -64,9 +71,16 @@ class CABS(SingleStepQuantity):
         """Sum the per-sample squared norms over processes."""
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
         optimizer = ctx.info.require("optimizer", self.key)
         lr = require_plain_sgd(optimizer, self.key, single_lr=True)
         loss = ctx.info.require("loss", self.key)
         per_sample, mean, n = total_squared_norms(self.acc, ctx.gradients())
-        return float(F.cabs_batch_size(lr, per_sample, mean, n, loss.detach()))
+        loss = defined.wide(loss)
+        undefined = defined.first(defined.samples(n), defined.finite_sums(loss))
+        if undefined is None and float(loss) == 0:
+            undefined = Missing(ZERO_LOSS)
+        spread = undefined or defined.difference(per_sample / n, mean)
+        if isinstance(spread, Missing):
+            return spread
+        return defined.finite(lr * spread / loss, per_sample.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import functional as F
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
     share_snr,
@@ -24,6 +24,7 @@ class EarlyStopping(SingleStepQuantity):
     and ``s_d^2 = (1/(N-1)) sum_i (g_i,d - g_d)^2`` the unbiased variance of
     coordinate ``d`` of the per-sample gradients. Positive values suggest stopping.
     Each parameter's elementwise statistics are summed to a scalar in its hook.
+    Missing as :class:`MeanGSNR` (see :mod:`cockpit.quantities.defined`).
 
     Args:
         track_schedule: When to track.
@@ -63,6 +64,8 @@ class EarlyStopping(SingleStepQuantity):
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=True)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
         snr, dim, n = total_snr(self.acc, len(ctx.params))
+        if isinstance(snr, Missing):
+            return snr
         return float(F.early_stopping(snr, n, dim))

@@ -153,6 +153,7 @@ def snr_sum(
     squared = mean_grad**2
     spread = sum_grad_squared - n * squared  # sum_i (g_i,d - g_d)^2
     variance = spread / (n - 1) if unbiased else spread / n
+    variance = variance.clamp(min=0)  # a variance below zero is rounding
     return (squared / (variance + epsilon)).sum()
 
 

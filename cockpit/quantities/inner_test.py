@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from torch import Tensor
-
+from cockpit.quantities import defined
 from cockpit.quantities import functional as F
 from cockpit.quantities.batch_statistics import GramQuantity
 
@@ -15,10 +14,13 @@ class InnerTest(GramQuantity):
     gradient of sample ``i`` and ``g`` their mean. Small values mean the mini-batch
     gradient is a descent direction with high probability. Computed from the
     ``[N, N]`` Gram matrix of the per-sample gradients (BackPACK ``BatchGrad``).
+
+    Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a
+    zero or non-finite ``||g||``, or when every ``g_i . g - ||g||^2`` is rounding.
     """
 
-    def _statistic(self, gram: Tensor) -> Tensor:
-        return F.inner_test(gram)
-
-    def _from_projections(self, norms: Tensor, dots: Tensor, grad_squared_norm):
-        return F.inner_test_from_projections(dots, grad_squared_norm)
+    def _from_projections(self, norms, dots, grad_squared_norm, dtype):
+        # the rounding of g_i . g is at most about eps ||g_i|| mean_j ||g_j||
+        scale = (norms * norms.mean()).sqrt()
+        cancelled = defined.resolved(dots - grad_squared_norm, scale, dtype)
+        return cancelled or F.inner_test_from_projections(dots, grad_squared_norm)

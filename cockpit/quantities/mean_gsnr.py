@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
     share_snr,
@@ -22,6 +22,9 @@ class MeanGSNR(SingleStepQuantity):
     ``v_d = (1/N) sum_i g_i,d^2 - g_d^2`` the biased variance of coordinate ``d`` of
     the per-sample gradients. Each parameter's elementwise statistics are summed to
     a scalar in its hook. Works with any optimizer.
+
+    Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, an
+    overflow, or a coordinate whose variance is lost to rounding.
 
     Args:
         track_schedule: When to track.
@@ -50,6 +53,6 @@ class MeanGSNR(SingleStepQuantity):
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=False)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
         snr, dim, _ = total_snr(self.acc, len(ctx.params))
-        return float(snr / dim)
+        return snr if isinstance(snr, Missing) else snr / dim

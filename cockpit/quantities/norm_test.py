@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
-from cockpit.quantities import functional as F
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
+from cockpit.quantities import defined
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
     share_squared_norms,
@@ -25,6 +25,9 @@ class NormTest(SingleStepQuantity):
     gradients are formed) or, when another quantity needs ``BatchGrad`` at the same
     step, from the per-sample gradients; ``||g||^2`` then comes from their mean,
     otherwise from ``.grad``. Each parameter contributes two scalars.
+
+    Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a
+    zero or non-finite ``||g||``, or a numerator lost to rounding.
     """
 
     needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
@@ -38,6 +41,11 @@ class NormTest(SingleStepQuantity):
         """Sum the per-sample squared norms over processes."""
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float:
+    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
         per_sample, mean, n = total_squared_norms(self.acc, ctx.gradients())
-        return float(F.norm_test(per_sample, mean, n))
+        undefined = defined.first(defined.samples(n), defined.divisor(mean))
+        spread = undefined or defined.difference(per_sample, n * mean)
+        if isinstance(spread, Missing):
+            return spread
+        value = (spread / (n * (n - 1) * defined.wide(mean))).sqrt()
+        return defined.finite(value, per_sample.dtype)

@@ -6,8 +6,13 @@ import torch
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
-from cockpit.quantities.base import SingleStepQuantity, TrackContext
-from cockpit.quantities.batch_statistics import PerParameter
+from cockpit.quantities import defined
+from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
+from cockpit.quantities.batch_statistics import (
+    PerParameter,
+    share_squared_norms,
+    squared_norm_entry,
+)
 
 
 class Variance(SingleStepQuantity):
@@ -20,26 +25,42 @@ class Variance(SingleStepQuantity):
 
     The per-sample squared norms come from BackPACK's ``BatchL2Grad`` (which does not
     materialise per-sample gradients) or, when another quantity already needs them,
-    from ``BatchGrad``; ``g`` is read from ``.grad``. Not part of cockpit-for-pytorch.
+    from ``BatchGrad``; ``g`` is then their mean, otherwise ``.grad``. Not part of
+    cockpit-for-pytorch.
+
+    Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, or
+    when a parameter's sums are not finite; a variance within the rounding error
+    of the sums (or below zero by rounding) is 0.
     """
 
     needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
     Accumulator = PerParameter
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
-        """Sum the per-sample squared norms of the parameter."""
-        batch_l2 = view.batch_l2()
-        self.acc.entries[view.index] = (batch_l2.sum(), batch_l2.shape[0])
+        """Reduce the parameter to ``sum_i ||g_i,p||^2`` (and ``||g_p||^2``)."""
+        self.acc.entries[view.index] = squared_norm_entry(view)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i ||g_i,p||^2`` over processes (``N`` of the joined batch)."""
-        entries, n = self.acc.entries, ctx.comm.n_global
-        for index, (sum_sq, _) in list(entries.items()):
-            bucket.sum(sum_sq, lambda v, i=index: entries.__setitem__(i, (v, n)))
+        share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
-        values = []
+    def _compute(self, global_step: int, ctx: TrackContext) -> list[float] | Missing:
         entries = self.acc.ordered(len(ctx.params))
-        for (sum_sq, n), grad in zip(entries, ctx.gradients(), strict=True):
-            values.append(sum_sq / n - (grad**2).sum())
-        return torch.stack(values).tolist()
+        if not entries:
+            return []
+        undefined = defined.first(*(defined.samples(n) for _, _, n in entries))
+        if undefined is not None:
+            return undefined
+        means, squares, coarsest = [], [], entries[0][0].dtype
+        for (sum_sq, grad_sq, n), grad, param in zip(
+            entries, ctx.gradients(), ctx.params, strict=True
+        ):
+            means.append(sum_sq / n)
+            if grad_sq is None:  # ||g_p||^2 from .grad, rounded to the param's dtype
+                grad_sq = (grad**2).sum()
+                if defined.eps(param.dtype) > defined.eps(coarsest):
+                    coarsest = param.dtype
+            squares.append(grad_sq.to(sum_sq.dtype))
+        means, squares = torch.stack(means), torch.stack(squares)
+        spread = defined.difference(means, squares, coarsest, floor=True)
+        return spread if isinstance(spread, Missing) else spread.tolist()
