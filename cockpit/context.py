@@ -15,6 +15,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from cockpit.errors import CockpitWarning
+
 #: The ``info`` keys cockpit's own quantities read, and what each must hold.
 KNOWN_INFO_KEYS = {
     "loss": "the mean-reduced mini-batch loss (a scalar tensor)",
@@ -166,6 +168,7 @@ def get_loss(global_step: int) -> Any:
         warnings.warn(
             f"[Step {global_step}] Mini-batch loss is {loss}. This may break the "
             "computation of quantities.",
+            CockpitWarning,
             stacklevel=2,
         )
     return loss

@@ -439,6 +439,15 @@ def zero_results(
     return ParamResults(individual, batch_l2, second_moment, curvatures)
 
 
+def stored_per_sample(param: Tensor) -> Tensor:
+    """BackPACK's ``BatchGrad`` result left on ``param`` (1.0.2-style readers).
+
+    Raises:
+        AttributeError: If no ``BatchGrad`` ran for ``param`` in this step.
+    """
+    return getattr(param, GRAD_BATCH)
+
+
 def free_buffers(param: Tensor, fields: Iterable[str]) -> None:
     """Delete the given BackPACK savefields from ``param`` where present."""
     for name in fields:

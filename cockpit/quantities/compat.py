@@ -90,7 +90,7 @@ class Helpers102:
     per-parameter results are combined over parameters (concatenated, or summed for
     per-sample norms and dot products), as 1.0.2 did. They read what is on the
     parameters: ``.grad``, and the BackPACK results of the extensions a 1.0.2
-    quantity returns from ``extensions(global_step)`` (``grad_batch``,
+    quantity returns from ``extensions(global_step)`` (``BatchGrad``'s,
     ``batch_l2``, ``batch_dot``, ``sum_grad_squared``, a curvature diagonal).
     """
 
@@ -108,9 +108,14 @@ class Helpers102:
 
     @staticmethod
     def _fetch_batch_grad(params, aggregate=False):
-        """BackPACK's ``grad_batch`` per parameter (``[N, D]`` if ``aggregate``)."""
-        grad_batch = [p.grad_batch for p in params]
-        return _concat(grad_batch, start_dim=1) if aggregate else grad_batch
+        """BackPACK's per-sample gradients (``BatchGrad``) per parameter.
+
+        ``[N, D]`` over all parameters if ``aggregate``.
+        """
+        from cockpit.engines.backpack import stored_per_sample
+
+        per_sample = [stored_per_sample(p) for p in params]
+        return _concat(per_sample, start_dim=1) if aggregate else per_sample
 
     @staticmethod
     def _fetch_batch_l2_squared(params, aggregate=False):

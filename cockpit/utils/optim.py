@@ -24,9 +24,10 @@ class ComputeStep:
 
     @staticmethod
     def compute_update_step(optimizer, parameter_ids):
-        """The update of plain SGD, ``-lr * sum_i grad_batch_i``, per parameter id.
+        """The update of plain SGD, ``-lr * sum_i g_i``, per parameter id.
 
-        Reads BackPACK's ``grad_batch`` (``BatchGrad``) off the parameters, as 1.0.2.
+        Reads BackPACK's per-sample gradients (``BatchGrad``) off the parameters,
+        as 1.0.2.
 
         Raises:
             NotImplementedError: For any other optimizer (as 1.0.2).
@@ -40,13 +41,16 @@ class ComputeStep:
 
     @staticmethod
     def update_sgd_default_kwargs(optimizer, parameter_ids):
-        """``{id(p): -lr * p.grad_batch.sum(0)}`` for the given parameter ids."""
+        """``{id(p): -lr * (sum of p's per-sample gradients)}`` for the given ids."""
+        from cockpit.engines.backpack import stored_per_sample
+
         wanted = set(parameter_ids)
         updates = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) in wanted:
-                    updates[id(p)] = -group["lr"] * p.grad_batch.sum(0).detach()
+                    per_sample = stored_per_sample(p)
+                    updates[id(p)] = -group["lr"] * per_sample.sum(0).detach()
         missing = wanted - set(updates)
         if missing:
             raise ValueError(
