@@ -21,7 +21,6 @@ import importlib.util
 import inspect
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from backpack import extend
 from cockpit import Cockpit, CockpitPlotter, quantities
 from cockpit.utils import schedules
 from cockpit.utils.configuration import configuration
+from tests.utils.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "compat102"
@@ -60,20 +60,42 @@ def _script(name):
     return sys.modules[module_name]
 
 
-def _run_script(name, tmp_path, steps):
+#: The scripts run as programs, with their ``--steps``.
+PROGRAMS = {"basic": 3, "advanced": 4, "custom_quantity": 4}
+#: What they all import (torch._dynamo with the first optimizer), imported once by
+#: the interpreter they are forked from.
+PRELOAD = [
+    "torch", "torch._dynamo", "backpack", "sklearn.datasets", "matplotlib.pyplot",
+    "cockpit",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """``{name: (folder, result)}``: ``python tests/compat102/<name>.py --steps N
+    --outdir FOLDER`` run in FOLDER, each in a process of its own
+    (:func:`tests.utils.forked.run_forked`)."""
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
     env["PYTHONWARNINGS"] = "ignore:Full backward hook is firing"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / f"{name}.py"), "--steps", str(steps)]
-        + ["--outdir", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    folders = {name: tmp_path_factory.mktemp(name) for name in PROGRAMS}
+    cases = [
+        {
+            "path": str(SCRIPTS / f"{name}.py"),
+            "argv": ["--steps", str(steps), "--outdir", str(folders[name])],
+            "cwd": str(folders[name]),
+        }
+        for name, steps in PROGRAMS.items()
+    ]
+    outputs = tmp_path_factory.mktemp("outputs")
+    results = run_forked(cases, outputs, PRELOAD, env=env)
+    return {name: (folders[name], r) for name, r in zip(PROGRAMS, results, strict=True)}
+
+
+def _run_script(programs, name):
+    """The folder the script ran in, and its result (which must be a success)."""
+    folder, result = programs[name]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
+    return folder, result
 
 
 def _train(
@@ -130,8 +152,8 @@ def full_run():
 
 
 # --- the scripts, end to end ---
-def test_basic_script_runs(tmp_path):
-    _run_script("basic", tmp_path, steps=3)
+def test_basic_script_runs(programs):
+    tmp_path, _ = _run_script(programs, "basic")
     log = tmp_path / "basic_log.json"
     assert log.is_file()
     assert json.loads(log.read_text())  # readable standard JSON
@@ -153,8 +175,8 @@ def configuration_classes(label):
     return quantities_cls_for_configuration(label)
 
 
-def test_advanced_script_runs(tmp_path):
-    _run_script("advanced", tmp_path, steps=4)
+def test_advanced_script_runs(programs):
+    tmp_path, _ = _run_script(programs, "advanced")
     logdir = tmp_path / "logfiles"
     assert (logdir / "cockpit_output.json").is_file()
     assert (logdir / "cockpit_output").is_dir()
@@ -179,8 +201,8 @@ def test_advanced_script_in_process(tmp_path):
     assert len(np.asarray(output[0]["GradHist1d"]["hist"])) == 10
 
 
-def test_custom_quantity_script_runs(tmp_path):
-    result = _run_script("custom_quantity", tmp_path, steps=4)
+def test_custom_quantity_script_runs(programs):
+    tmp_path, result = _run_script(programs, "custom_quantity")
     assert "MaxIndividualGradNorm" in result.stdout
     assert (tmp_path / "custom_log.json").is_file()
 

@@ -11,13 +11,12 @@ program would, set-up first, then its imports.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
+
+from tests.utils.forked import run_forked
 
 SCRIPT = textwrap.dedent(
     """
@@ -48,52 +47,14 @@ SCRIPT = textwrap.dedent(
 )
 
 
-#: Runs each case of ``sys.argv[1]`` (JSON) in a child forked from this interpreter:
-#: code as ``python -c`` runs it, or a module as ``python -m`` does, its output and
-#: exit status going to files.
-FORKING = textwrap.dedent(
+#: Run by the interpreter that forks the cases, after importing torch and BackPACK.
+UNCONFIGURED = textwrap.dedent(
     """
-    import json, logging, os, runpy, sys, traceback
-
-    import torch
-    import backpack
+    import logging, sys
 
     assert not logging.root.handlers, logging.root.handlers
     assert not logging.root.manager.loggerDict.get("cockpit")
     assert not [name for name in sys.modules if name.split(".")[0] == "cockpit"]
-
-    def run(case):
-        if "module" in case:
-            sys.argv = [case["module"], *case["argv"]]
-            runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = ["-c"]
-            exec(compile(case["code"], "<string>", "exec"), {"__name__": "__main__"})
-
-    for case in json.loads(sys.argv[1]):
-        pid = os.fork()
-        if pid:
-            os.waitpid(pid, 0)
-            continue
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        status = 0
-        try:
-            run(case)
-        except SystemExit as stop:
-            status = stop.code if isinstance(stop.code, int) else 0
-            if stop.code is not None and not isinstance(stop.code, int):
-                print(stop.code, file=sys.stderr)
-                status = 1
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with open(case["status"], "w") as f:
-            f.write(str(status))
-        os._exit(status)
     """
 )
 
@@ -117,31 +78,18 @@ DEMO = "demo"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{set-up (or DEMO): its run's returncode, stdout and stderr}``."""
-    cases = {}
-    for i, setup in enumerate(["", FORMATTED, *ABOVE_INFO, *OTHER_HANDLERS, DEMO]):
-        folder = tmp_path_factory.mktemp(f"case{i}")
-        case = {name: str(folder / name) for name in ("stdout", "stderr", "status")}
+    setups = ["", FORMATTED, *ABOVE_INFO, *OTHER_HANDLERS, DEMO]
+    cases = []
+    for i, setup in enumerate(setups):
+        out = tmp_path_factory.mktemp(f"case{i}")
         if setup == DEMO:
-            case["module"] = "cockpit"
-            case["argv"] = ["demo", "--steps", "3", "--out", str(folder / "demo")]
+            argv = ["demo", "--steps", "3", "--out", str(out / "demo")]
+            cases.append({"module": "cockpit", "argv": argv})
         else:
-            case["code"] = SCRIPT.format(setup=setup, log=str(folder / "log"))
-        cases[setup] = case
-    done = subprocess.run(
-        [sys.executable, "-c", FORKING, json.dumps(list(cases.values()))],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    results = {}
-    for setup, case in cases.items():
-        read = {}
-        for name in ("stdout", "stderr", "status"):
-            with open(case[name]) as f:  # no status: the child died
-                read[name] = f.read()
-        results[setup] = SimpleNamespace(
-            returncode=int(read["status"]), stdout=read["stdout"], stderr=read["stderr"]
-        )
-    return results
+            cases.append({"code": SCRIPT.format(setup=setup, log=str(out / "log"))})
+    folder = tmp_path_factory.mktemp("outputs")
+    results = run_forked(cases, folder, ["torch", "backpack"], UNCONFIGURED)
+    return dict(zip(setups, results, strict=True))
 
 
 def _run(runs, setup: str) -> SimpleNamespace:
