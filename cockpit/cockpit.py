@@ -139,7 +139,8 @@ class Cockpit(Records):
         self.recorder = Recorder(sent_missing=self.history.missing_at)
         self.recorder.subscribe(HistoryWriter(self.history))
         writer = self.is_writer
-        self._stream = LogStream(logpath) if logpath is not None and writer else None
+        stream = logpath is not None and writer
+        self._stream = LogStream(logpath, self.history.items) if stream else None
         if self._stream is not None:
             self.recorder.subscribe(StreamWriter(self._stream))
         #: The live diagnosis (:class:`cockpit.diagnosis.LiveDiagnosis`) or ``None``.

@@ -19,6 +19,7 @@ Nothing here imports torch or BackPACK: logs can be read without them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -427,10 +428,12 @@ class History:
             with open(tmp, "w", encoding="utf-8") as handle:
                 handle.write(text)
             os.replace(tmp, path)
-        except OSError as error:
-            if os.path.exists(tmp):
+        except BaseException as error:  # a crash, an interrupt: no tmp file stays
+            with contextlib.suppress(OSError):
                 os.remove(tmp)
-            raise unwritable_error(path, error) from error
+            if isinstance(error, OSError):
+                raise unwritable_error(path, error) from error
+            raise
         return path
 
     @classmethod

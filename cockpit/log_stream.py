@@ -24,17 +24,31 @@ dropped, since the resumed run writes them again.
 ``to_dataframe``, the plotter and ``cockpit plot`` read streamed logs as they are.
 Data reaches the operating system at each step (``flush``), which survives the death
 of the process; it is not ``fsync``-ed, so a power cut may lose the last steps.
+
+A log has one writer: a second :class:`LogStream` on the same file while the first
+is open is refused (:class:`~cockpit.log_lock.LogInUseError` names the writer and
+the fix; the lock is on the file itself, see :mod:`cockpit.log_lock`). A log file
+deleted or replaced during the run is noticed at the next write: a
+:class:`~cockpit.errors.CockpitWarning` says so once, the file is started afresh
+and everything recorded so far is written to it again (what the cockpit holds in
+memory; a stream without it writes again the records of the last write, which
+may have gone to the removed file). A failed write (a full disk) never stops
+training, and neither does :meth:`LogStream.close` afterwards: both warn and say
+how to write the complete log from memory (``cockpit.write(path)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
-from typing import Any, Iterable, Iterator, Mapping
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from cockpit.errors import CockpitWarning, LogFileError, unwritable_error
 from cockpit.log_format import compact, decode, pack, parse_json_log
+from cockpit.log_lock import LogInUseError, WriterLock
 
 #: Name and version in the header line. Version 2 packs large arrays
 #: (:func:`cockpit.log_format.pack`); this reader reads versions 1 and 2.
@@ -80,35 +94,52 @@ def record_line(global_step: int, values: Mapping[str, Any]) -> str:
 class LogStream:
     """Writes the history of a run to a JSON-lines file as the run goes.
 
-    The path is checked when the stream is created, so an unwritable path fails
-    before training starts. The file is opened at the first write: a new run
-    replaces an existing file, a run resumed with :meth:`resume` appends to it.
+    The path is checked and the log's lock taken (:mod:`cockpit.log_lock`) when the
+    stream is created, so an unwritable path or a second writer fails before
+    training starts. The file is opened at the first write: a new run replaces an
+    existing file, a run resumed with :meth:`resume` appends to it. The lock is
+    released by :meth:`close`, or when the stream is dropped.
 
     Args:
         logpath: Log path; see :func:`stream_path` for the suffix.
+        replay: Returns ``(step, values)`` of everything recorded so far (the
+            history in memory): written again to a log file that was deleted or
+            replaced during the run.
 
     Raises:
+        LogInUseError: If another writer has the log open (the message names it).
         OSError: If the file cannot be created or written (message names the path
             and the fix).
     """
 
-    def __init__(self, logpath: str | os.PathLike):
+    def __init__(
+        self,
+        logpath: str | os.PathLike,
+        replay: Callable[[], Iterable[tuple[int, Mapping[str, Any]]]] | None = None,
+    ):
         self.path = stream_path(logpath)
         self._handle = None
         self._resuming = False
         self._resume_after: int | None = None
+        self._replay = replay
+        self._last = ""  # the text of the last write
+        self._told: set[str] = set()  # warnings given
         #: The error that stopped streaming, if writing failed during the run.
         self.error: OSError | None = None
+        self._lock = WriterLock(self.path)
         try:
             if os.path.isdir(self.path):
                 raise IsADirectoryError(21, "Is a directory")
             parent = os.path.dirname(self.path)
             if parent:
                 os.makedirs(parent, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8"):
-                pass
+            self._lock.acquire()  # creates the file if missing, never truncates
+        except LogInUseError:
+            raise
         except OSError as error:
+            self._lock.release()
             raise unwritable_error(self.path, error) from error
+        weakref.finalize(self, self._lock.release)
 
     # --- writing -------------------------------------------------------------------
     def resume(self, after_step: int | None) -> None:
@@ -142,44 +173,112 @@ class LogStream:
         if self.error is not None:
             return
         try:
+            if self._handle is not None and self._lost():
+                text = self._again() + text
             if self._handle is None:
                 text = self._open() + text
             self._handle.write(text)
             self._handle.flush()
+            self._last = text
         except OSError as error:
             self.error = error
-            warnings.warn(
+            self._warn(
+                "failed",
                 f"Streaming the cockpit log to {self.path!r} failed ({error}); "
                 "streaming is off for the rest of the run, the history stays in "
                 "memory. Fix: free space or pick another path, and call "
-                "cockpit.write(path) to save the history.",
-                CockpitWarning,
-                stacklevel=3,
+                f"{self._write_hint()} to save the history.",
             )
+
+    def _warn(self, what: str, message: str) -> None:
+        if what not in self._told:
+            self._told.add(what)
+            warnings.warn(message, CockpitWarning, stacklevel=4)
+
+    def _write_hint(self) -> str:
+        """``cockpit.write(...)`` with a path beside the log."""
+        return f"cockpit.write({os.path.splitext(self.path)[0] + '_complete'!r})"
+
+    def _lost(self) -> bool:
+        """Whether the file was deleted or replaced since it was opened."""
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        here = os.fstat(self._handle.fileno())
+        return (here.st_ino, here.st_dev) != (there.st_ino, there.st_dev)
+
+    def _again(self) -> str:
+        """Start a deleted or replaced file afresh; return what to write again."""
+        self._warn(
+            "lost",
+            f"The cockpit log {self.path!r} was deleted or replaced during the run. "
+            "cockpit started it afresh and wrote every step recorded so far to it "
+            "again. Fix: leave the log file alone while the run writes it (read or "
+            "copy it as you like).",
+        )
+        self._close_handle()
+        self._resuming = False  # a new file: the header, then the records again
+        if self._replay is None:
+            return self._last
+        return "".join(
+            record_line(step, values) for step, values in self._replay() if values
+        )
 
     def _open(self) -> str:
         """Open the file and return the lines that must precede the first record."""
+        # the file as it is now, before touching it (after close, or after it
+        # was deleted or replaced, it is locked anew)
+        self._lock.acquire()
         if not self._resuming:
             self._handle = open(self.path, "w", encoding="utf-8")
             return _HEADER + "\n"
         prefix = _prepare_for_append(self.path)
+        self._lock.acquire()  # a written log converted to a stream is a new file
         self._handle = open(self.path, "a", encoding="utf-8")
         if self._resume_after is not None:
             prefix += _line({"resume_after": int(self._resume_after)})
         return prefix
 
+    def _close_handle(self) -> OSError | None:
+        """Close the file; return the error instead of raising it."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return None
+        try:
+            handle.close()
+        except OSError as error:
+            return error
+        return None
+
     def close(self) -> None:
-        """Close the file (records are on disk already; writing later reopens it)."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
-            self._resuming = True
-            self._resume_after = None
+        """Close the file and let go of the lock; never raises.
+
+        Records are on disk already (writing later reopens the file). After a
+        failed write it warns where the complete log can still be written from
+        memory (``cockpit.write(path)``).
+        """
+        error = self._close_handle()
+        if error is not None and self.error is None:
+            self.error = error
+        if self.error is not None:
+            self._warn(
+                "incomplete",
+                f"The cockpit log {self.path!r} lacks the steps after its write "
+                f"failed ({self.error}). The complete history is in memory: write "
+                f"it with {self._write_hint()} (on a disk with space).",
+            )
+        self._resuming = True
+        self._resume_after = None
+        self._lock.release()
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle is not None:
-            handle.close()
+            try:
+                handle.close()
+            except OSError:
+                pass
 
 
 def _prepare_for_append(path: str) -> str:
@@ -195,11 +294,16 @@ def _prepare_for_append(path: str) -> str:
         with open(path, "rb") as handle:
             log = parse_json_log(path, handle.read())
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(_HEADER + "\n")
-            for step in sorted(log):
-                handle.write(record_line(step, log[step]))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(_HEADER + "\n")
+                for step in sorted(log):
+                    handle.write(record_line(step, log[step]))
+            os.replace(tmp, path)
+        except BaseException:  # a crash, an interrupt: no tmp file stays
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         return ""
     with open(path, "rb+") as handle:
         end = handle.seek(0, os.SEEK_END)
