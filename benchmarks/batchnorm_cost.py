@@ -272,9 +272,12 @@ def child_time(config: dict) -> dict:
     }
     del exact, u
     vector = [torch.randn_like(model.get_parameter(n)) for n in routed]
-    start = time.process_time()
-    designs.inner_products(model, batch[0], batch[1], loss, routed, vector)
-    result["design_c"] = {"jvp_s": time.process_time() - start}
+    seconds = []
+    for _ in range(2):  # the first pays torch.func's start
+        start = time.process_time()
+        designs.inner_products(model, batch[0], batch[1], loss, routed, vector)
+        seconds.append(time.process_time() - start)
+    result["design_c"] = {"jvp_s": seconds[-1]}
     result["design_c"]["ratio"] = result["design_c"]["jvp_s"] / plain_cpu
     return result
 
