@@ -228,7 +228,9 @@ def _ratios(times: dict) -> dict:
 
 def _rank(correction) -> dict:
     """Singular values of an ``[N, D]`` correction: its rank at 1e-4 of the largest."""
-    s = correction.double().flatten(1).svd(compute_uv=False)[1]
+    import torch
+
+    s = torch.linalg.svdvals(correction.double().flatten(1))
     top = float(s[0])
     return {
         "shape": list(correction.flatten(1).shape),
@@ -239,16 +241,24 @@ def _rank(correction) -> dict:
 
 def child_time(config: dict) -> dict:
     """Rounds of every variant, then the other designs' parts and the rank."""
+    case = Case(config)
+    case.route()
+    times = _rounds(case, list(VARIANTS), config["rounds"], config["warmup"])
+    result = {"times": times, "ratios": _ratios(times), "routed": len(case.routed)}
+    try:  # a failure here keeps the timings
+        result.update(_designs(case, config, result["ratios"]["cpu_median_s"]["plain"]))
+    except Exception as error:  # noqa: BLE001 - reported in the record
+        result["designs_error"] = repr(error)
+    return result
+
+
+def _designs(case: Case, config: dict, plain_cpu: float) -> dict:
+    """Design A's parts, the rank of the correction, design C's pass."""
     import torch
 
     from benchmarks import batchnorm_designs as designs
 
-    case = Case(config)
-    case.route()
-    times = _rounds(case, list(VARIANTS), config["rounds"], config["warmup"])
-    result = {"times": times, "ratios": _ratios(times)}
-    plain_cpu = result["ratios"]["cpu_median_s"]["plain"]
-    result["routed"] = len(case.routed)
+    result = {}
     model = case.plain_model
     names = [n for n, _ in model.named_parameters()]
     routed = [names[i] for i in case.routed]
@@ -277,8 +287,7 @@ def child_time(config: dict) -> dict:
         start = time.process_time()
         designs.inner_products(model, batch[0], batch[1], loss, routed, vector)
         seconds.append(time.process_time() - start)
-    result["design_c"] = {"jvp_s": seconds[-1]}
-    result["design_c"]["ratio"] = result["design_c"]["jvp_s"] / plain_cpu
+    result["design_c"] = {"jvp_s": seconds[-1], "ratio": seconds[-1] / plain_cpu}
     return result
 
 
@@ -337,11 +346,14 @@ def spawn(config: dict, args) -> dict:
 
 
 def measure_all(args) -> dict:
+    """Every child, one at a time; the results so far go to ``--out``.partial."""
     saved = {"time": {}, "memory": {}}
+    partial = Path(str(args.out) + ".partial")
     for n, rounds in zip(args.batches, args.rounds, strict=True):
         print(f"[batch {n}] timing ({rounds} rounds)", file=sys.stderr, flush=True)
         result = spawn(_child_config(args, mode="time", batch=n, rounds=rounds), args)
         saved["time"][str(n)] = result
+        partial.write_text(json.dumps(saved) + "\n")
         if "error" in result:
             print(f"  error: {result['error']}", file=sys.stderr)
         else:
@@ -358,6 +370,7 @@ def measure_all(args) -> dict:
             config = _child_config(args, mode="memory", batch=n, kind=kind)
             result = spawn(config, args)
             saved["memory"][str(n)][kind] = result
+            partial.write_text(json.dumps(saved) + "\n")
             said = result.get("peak_rss_mib", result.get("error"))
             print(f"[batch {n}] memory {kind}: {said}", file=sys.stderr, flush=True)
     return saved
@@ -418,7 +431,8 @@ def table(saved: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for n, result in saved["time"].items():
-        if "error" in result:
+        if "error" in result or "design_a" not in result:
+            lines.append(f"| {n} | {result.get('designs_error', 'no result')} |")
             continue
         a = result["design_a"]
         r = a["ratios"]
