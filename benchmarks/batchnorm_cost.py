@@ -210,7 +210,13 @@ def _rounds(case: Case, names, rounds: int, warmup: int) -> dict:
             if r >= warmup:
                 cpu[name].append(c1 - c0)
                 wall[name].append(w1 - w0)
-        print(f"  round {r + 1}/{warmup + rounds} done", file=sys.stderr, flush=True)
+            if os.environ.get("BATCHNORM_COST_TRACE"):
+                print(
+                    f"  {name}: {c1 - c0:.2f} s, peak RSS "
+                    f"{measure.peak_rss_mib():.0f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return {"cpu_s": cpu, "wall_s": wall}
 
 
@@ -246,10 +252,12 @@ def child_time(config: dict) -> dict:
     case.route()
     times = _rounds(case, list(VARIANTS), config["rounds"], config["warmup"])
     result = {"times": times, "ratios": _ratios(times), "routed": len(case.routed)}
+    result["peak_rss_mib"] = {"rounds": measure.peak_rss_mib()}
     try:  # a failure here keeps the timings
         result.update(_designs(case, config, result["ratios"]["cpu_median_s"]["plain"]))
     except Exception as error:  # noqa: BLE001 - reported in the record
         result["designs_error"] = repr(error)
+    result["peak_rss_mib"]["designs"] = measure.peak_rss_mib()
     return result
 
 

@@ -136,15 +136,27 @@ def no_counters(model: torch.nn.Module):
             layer.track_running_stats = True
 
 
+def _split(model, names) -> tuple[dict, dict]:
+    """Detached ``names`` (differentiated) and the other parameters (held).
+
+    Every parameter is detached: a result that kept a graph to one of them would
+    record each later in-place update of it.
+    """
+    wanted = set(names)
+    primals, fixed = {}, {}
+    for name, param in model.named_parameters():
+        (primals if name in wanted else fixed)[name] = param.detach()
+    return primals, fixed
+
+
 def _frozen_pass(model, names, stats, x, y, loss_fn):
     """``u_i`` (per parameter name) and ``c_ik`` (``[N, 2 C_k]`` per call ``k``)."""
-    params = dict(model.named_parameters())
-    primals = {n: params[n].detach() for n in names}
+    primals, fixed = _split(model, names)
     held = [(m.detach(), v.detach()) for m, v in stats.recorded]
 
     def one(ps, st, xi, yi):
         stats.start(st)
-        out = functional_call(model, ps, (xi.unsqueeze(0),))
+        out = functional_call(model, {**fixed, **ps}, (xi.unsqueeze(0),))
         return loss_fn(out, yi.unsqueeze(0)).sum()
 
     with no_counters(model), stats.patch():
@@ -213,7 +225,7 @@ def stats_jacobian_gradients(
             )
             for i, j in enumerate(jk):
                 if j is not None:
-                    g[i] += (ck[:, rows] @ j.flatten(1)).view_as(g[i])
+                    g[i].view(len(g[i]), -1).addmm_(ck[:, rows], j.flatten(1))
     return g
 
 
@@ -270,7 +282,7 @@ def stats_jacobian_parts(
         start = clock()
         for i, j in enumerate(jk):
             if j is not None:
-                g[i] += (ck[:, chosen] @ j.flatten(1)).view_as(g[i])
+                g[i].view(len(g[i]), -1).addmm_(ck[:, chosen], j.flatten(1))
         product += (clock() - start) * total / len(chosen)
         total_rows += total
         timed_rows += len(chosen)
@@ -308,12 +320,11 @@ def inner_products(
     Returns:
         ``[N]``: ``sum over names of <d l_i / d p, v_p>``.
     """
-    params = dict(model.named_parameters())
-    primals = {n: params[n].detach() for n in names}
-    tangents = dict(zip(names, vector, strict=True))
+    primals, fixed = _split(model, names)
+    tangents = {n: v.detach() for n, v in zip(names, vector, strict=True)}
 
     def losses(ps):
-        return loss_fn(functional_call(model, ps, (x,)), y)
+        return loss_fn(functional_call(model, {**fixed, **ps}, (x,)), y)
 
     with no_counters(model):
         _, products = jvp(losses, (primals,), (tangents,))

@@ -989,3 +989,32 @@ def test_the_statistics_jacobian_design_is_exact(case):
     for k, (name, g) in enumerate(zip(names, got, strict=True)):
         want = torch.stack([row[k] for row in rows])
         torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_large_batches_get_fewer_samples_per_batched_backward(monkeypatch):
+    """The chunk shrinks to ``pairs // N`` samples (the batched backward's memory
+    stays that of ``pairs`` samples), and the values stay exact."""
+    from cockpit.engines import autograd
+
+    assert autograd.chunk_size(32) == 8 and autograd.chunk_size(128) == 2
+    assert autograd.chunk_size(4096) == 1 and autograd.chunk_size(64, chunk=3) == 3
+    ranges = []
+    original = autograd._chunk
+
+    def counted(losses, params, start, stop):
+        ranges.append((start, stop))
+        return original(losses, params, start, stop)
+
+    monkeypatch.setattr(autograd, "_chunk", counted)
+    torch.manual_seed(0)
+    model = _batchnorm_net().double()
+    x, y = _mse_batch(_features(3))
+    params = list(model.parameters())
+    losses = ((model(x) - y) ** 2).mean(1)
+    got = dict(autograd.per_sample_gradients(losses, params, chunk=8, pairs=12))
+    assert ranges == [(0, 2), (2, 4), (4, 6)]
+    for k, p in enumerate(params):
+        want = torch.stack(
+            [torch.autograd.grad(li, p, retain_graph=True)[0] for li in losses]
+        )
+        torch.testing.assert_close(got[k], want, rtol=1e-10, atol=1e-12)
