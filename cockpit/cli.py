@@ -114,6 +114,7 @@ def _demo(args: argparse.Namespace) -> int:
         quantities,
         logpath=os.path.join(out, "log"),
         steps=args.steps,
+        lr=args.lr,
         progress=not args.no_progress,
         dashboard=os.path.join(out, "dashboard.png"),
         live_every=args.live,
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="cockpit_demo", help="output folder")
     demo.add_argument("--steps", type=_POSITIVE_INT, default=200, help="training steps")
+    demo.add_argument(
+        "--lr", type=_POSITIVE, default=0.1, help="SGD learning rate (default 0.1)"
+    )
     demo.add_argument("--config", default="full", help="economy | business | full")
     demo.add_argument(
         "--interval", type=_POSITIVE_INT, default=1, help="track every k steps"
