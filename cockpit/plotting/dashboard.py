@@ -309,8 +309,9 @@ class CockpitPlotter:
         sources = list(source) if several else [source]
         if several and not sources:
             raise ValueError("Nothing to plot: the list of runs is empty.")
-        names = (check_labels(labels, len(sources)) or default_labels(sources)
-                 if several else [""])  # fmt: skip
+        names = (check_labels(labels, len(sources)) if several else None) or (
+            default_labels(sources)
+        )
         known = {id(run.data.history): run.data for run in self.runs}
         runs, titles, folders, configured = [], [], [], []
         for index, item in enumerate(sources):
@@ -347,6 +348,31 @@ class CockpitPlotter:
         self.discard = discard
         self._default_savedir = folders[0]
         return self.data
+
+    def write_html(self, path: str | os.PathLike) -> str:
+        """Write the loaded run(s) as an interactive HTML dashboard.
+
+        The same gauges, laid out as on the primary (and, where something was
+        tracked for it, the secondary) screen, in one file that opens without
+        a server or network access: zoom and pan on steps, values on hover,
+        runs switched on and off, the diagnosis with its evidence (see
+        :mod:`cockpit.plotting.html`).
+
+        Args:
+            path: The ``.html`` file (parent folders are created).
+
+        Returns:
+            The path written.
+
+        Raises:
+            RuntimeError: If nothing was loaded yet.
+        """
+        from cockpit.plotting.html import payload, render, save_page
+
+        self._require_data("write_html()")
+        data = payload(self.runs, self.layout(), self.title, self.discard,
+                       self.left_out("primary"))  # fmt: skip
+        return save_page(render(data), path)
 
     def gauge_source(self) -> Any:
         """What the gauges draw: :attr:`data` for one run, :attr:`runs` for several.
