@@ -131,10 +131,12 @@ class Browser:
             if event.get("method") == method:
                 return event
 
-    # --- what the tests use --------------------------------------------------------------
+    # --- what the tests use ----------------------------------------------------------
     def open(self, url: str) -> None:
         """Load a page and wait until it has loaded."""
-        self.events = [e for e in self.events if e.get("method") != "Page.loadEventFired"]
+        self.events = [
+            e for e in self.events if e.get("method") != "Page.loadEventFired"
+        ]
         self.call("Page.navigate", url=url)
         self.wait_for("Page.loadEventFired")
 

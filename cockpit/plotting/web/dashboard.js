@@ -451,7 +451,8 @@
     const limit = Math.max(1.5, 1.15 * Math.max(...values));
     const shape = new uPlot({
       width: 200, height: 200, legend: { show: false }, cursor: { show: false },
-      scales: { x: { time: false, range: () => [-limit, limit] }, y: { range: () => [-limit, limit] } },
+      scales: { x: { time: false, range: (u) => { const r = Math.max((u.bbox.width || 1) / (u.bbox.height || 1), 1); return [-limit * r, limit * r]; } },
+                y: { range: () => [-limit, limit] } },
       axes: [{ label: "latest, unit circle = 1", labelSize: 14, size: 30, values: (u, v) => v.map(short) },
              { size: 36, values: (u, v) => v.map(short) }],
       series: [{}, { paths: () => null, points: { show: false } }],
