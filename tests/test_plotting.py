@@ -451,7 +451,7 @@ def test_timelapse_writes_an_animated_gif(tmp_path):
     with Image.open(path) as gif:
         assert gif.format == "GIF"
         assert gif.n_frames == 2
-        assert gif.size == (960, 540)
+        assert gif.size == (1280, 720)  # text of 11 pixels and more: readable
     with pytest.raises(ValueError, match="no tracked steps"):
         make_timelapse(History(), tmp_path / "empty.gif")
 
