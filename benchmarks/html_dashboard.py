@@ -36,6 +36,7 @@ import tempfile
 
 import numpy as np
 
+from benchmarks.internals import new_history
 from benchmarks.measure import CHILD_ENV, REPO
 
 DEFAULT_OUT = REPO / "benchmarks" / "html_dashboard_results.md"
@@ -44,11 +45,9 @@ MIB = 2**20
 
 def write_log(path: str, steps: int, seed: int) -> str:
     """A streamed-size log shaped like an ``economy`` run's (see the docstring)."""
-    from cockpit.history import History
-
     rng = np.random.default_rng(seed)
     edges = np.linspace(-2, 2, 101).tolist()
-    history = History()
+    history = new_history()
     norms = np.abs(rng.normal(1, 0.1, 4))
     distance = np.zeros(4)
     for step in range(steps):

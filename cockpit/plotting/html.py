@@ -1,11 +1,11 @@
 """The dashboard as one interactive HTML file: zoom, pan, hover, runs on and off.
 
-:func:`write_html` (``cockpit plot LOG... --html out.html``,
-:meth:`CockpitPlotter.write_html <cockpit.plotting.CockpitPlotter.write_html>`)
-writes the gauges of the PNG dashboard, laid out as there (only what was tracked),
-for one run or several side by side, into a single file that needs no server and
-no network: the data (:func:`payload`, JSON), the plotting library uPlot (MIT,
-inlined from ``cockpit/plotting/vendor``) and the page's own script
+:meth:`CockpitPlotter.write_html <cockpit.plotting.CockpitPlotter.write_html>`
+(``cockpit plot LOG... --html out.html``) writes the gauges of the PNG
+dashboard, laid out as there (only what was tracked), for one run or several
+side by side, into a single file that needs no server and no network: the data
+(:func:`payload`, JSON), the plotting library uPlot (MIT, inlined from
+``cockpit/plotting/vendor``) and the page's own script
 (``cockpit/plotting/web/dashboard.js``) are all inside.
 
 In the page: drag across a gauge to zoom into those steps (every gauge drawn
@@ -238,39 +238,6 @@ def render(data: dict) -> str:
             "",
         ]
     )
-
-
-def write_html(
-    source: Any,
-    path: str | os.PathLike,
-    labels: Sequence[str] | None = None,
-    title: str | None = None,
-    discard: int | None = None,
-) -> str:
-    """Write the interactive HTML dashboard of one run or several.
-
-    Args:
-        source: What :meth:`CockpitPlotter.plot
-            <cockpit.plotting.CockpitPlotter.plot>` takes: one run, or a list of
-            runs to compare.
-        path: The ``.html`` file (parent folders are created).
-        labels: Names of several runs (default: the log files' names).
-        title: The page's title (default as the PNG's).
-        discard: Show only steps up to this one.
-
-    Returns:
-        The path written.
-
-    Raises:
-        LogFileError: If a log cannot be read or has no tracked steps.
-        ValueError: If another source has no tracked steps, or the labels do
-            not fit.
-    """
-    from cockpit.plotting.dashboard import CockpitPlotter
-
-    plotter = CockpitPlotter()
-    plotter.load(source, discard=discard, plot_title=title, stream=True, labels=labels)
-    return plotter.write_html(path)
 
 
 def save_page(text: str, path: str | os.PathLike) -> str:
