@@ -50,8 +50,7 @@ def _variant(case, label: str):
     """``step(kwargs, targets)`` of one variant and the cockpit (or ``None``)."""
     from backpack import extend
 
-    from cockpit import Cockpit
-    from cockpit.utils.configuration import configuration
+    from benchmarks.internals import make_cockpit, make_quantities
 
     model = copy.deepcopy(case.model)
     loss_fn = copy.deepcopy(case.loss_fn)
@@ -59,7 +58,7 @@ def _variant(case, label: str):
     if label != "plain":
         model = extend(model)
         loss_fn = extend(loss_fn) if loss_fn is not None else None
-        cockpit = Cockpit(model.parameters(), quantities=configuration(label))
+        cockpit = make_cockpit(model.parameters(), make_quantities(label))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = {"step": 0}
 

@@ -16,6 +16,7 @@ sample's loss of one full forward pass, differentiated alone by plain autograd
 from __future__ import annotations
 
 import logging
+import pickle
 import warnings
 
 import numpy as np
@@ -290,3 +291,30 @@ def test_the_bert_example_writes_log_dashboard_and_coverage(tmp_path):
     assert {"Alpha", "GradNorm", "GradHist2d", "Loss"} <= set(history.keys)
     assert found["sentences"][0] > 200 and found["sentences"][1] > 50
     assert "(1 from autograd, 40 from backpack)" in found["coverage"]
+
+
+def _hooks(model):
+    return [
+        (list(m._forward_hooks.values()), list(m._backward_hooks.values()))
+        for m in model.modules()
+    ]
+
+
+def test_the_rewiring_is_undone_when_the_last_cockpit_closes():
+    """Two cockpits share the rewiring; BackPACK's hooks come back in their order."""
+    case = build("bert")
+    extended = _hooks(case.model)
+    first = Cockpit(case.model.parameters(), quantities=first_order(lean=True))
+    rewired = _hooks(case.model)
+    assert rewired != extended
+    second = Cockpit(case.model.parameters(), quantities=first_order(lean=True))
+    assert _hooks(case.model) == rewired  # not rewired twice
+    first.close()
+    assert _hooks(case.model) == rewired  # the second still holds it
+    copy = pickle.loads(pickle.dumps(case.model))  # e.g. torch.save(model)
+    kwargs, _ = case.batch(N, 0)
+    copy(**kwargs).logits.sum().backward()  # its moved hooks run, nothing breaks
+    second.close()
+    assert _hooks(case.model) == extended
+    with pytest.raises(TypeError, match="child module 'output'"):
+        case.model(**kwargs)  # BackPACK's own hooks again
