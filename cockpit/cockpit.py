@@ -150,6 +150,7 @@ class Cockpit(Records):
         self._router = Router(self.params)
         self._router.start()  # e.g. in-place modules off, replay watches on
         self._coverage: Coverage | None = None
+        self._said = False  # the coverage line
         self._plan: StepPlan | None = None
         self._open: StepRun | None = None
         self.last_step: int | None = None
@@ -291,8 +292,6 @@ class Cockpit(Records):
         if run.coverage is None:
             return
         if self._coverage is None:
-            if self.is_writer:  # one line per run, not one per process
-                LOG.info(run.coverage.summary())
             self._coverage = run.coverage
         else:
             self._coverage = self._coverage.merged(run.coverage)
@@ -323,6 +322,9 @@ class Cockpit(Records):
             run.close()
             if run.coverage_changed:  # e.g. no double backward: now missing
                 self._merge_coverage(run)
+            if run.coverage is not None and self.is_writer and not self._said:
+                self._said = True  # once the first step is known in full
+                LOG.info(self._coverage.summary())  # one line per run
         finally:
             self._router.forget()  # the step's recorded module calls
         self.last_step = run.step

@@ -100,10 +100,7 @@ def _fit(tmp_path, quantities, attention="sdpa", **kwargs):
 
 def _plain_loop(quantities, epochs: int = 2, attention="sdpa") -> Cockpit:
     """The README's loop: same model, data order, optimizer, schedule, clipping."""
-    model = _model(attention)
-    for module in model.modules():
-        if isinstance(module, nn.Linear):  # BERT's attention has a child "output",
-            extend(module)  # which BackPACK's extend of the whole model overwrites
+    model = extend(_model(attention))
     loss_fn = extend(nn.CrossEntropyLoss())
     individual_loss_fn = nn.CrossEntropyLoss(reduction="none")
     opt, scheduler = _optimizer(model)
@@ -281,10 +278,7 @@ def _plain_accumulating_loop(make_model, quantities, k: int, steps: int) -> Cock
     first micro-batch of each window, with its mean loss; then that gradient
     divided by the window's micro-batches, the others' ``loss / n`` added, the
     optimizer step."""
-    model = make_model()
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            extend(module)
+    model = extend(make_model())
     loss_fn = extend(nn.CrossEntropyLoss())
     individual_loss_fn = nn.CrossEntropyLoss(reduction="none")
     opt = _sgd(model)

@@ -194,7 +194,7 @@ class CockpitTrainerMixin:
         params = self.cockpit_params
         if params is None:
             params = _layer_parameters(model)
-        _extend_owners(model, params)
+        extend(model)  # the cockpit keeps BackPACK's hooks from breaking the model
         logpath = self.cockpit_logpath or default_logpath(args.output_dir)
         if self.state.global_step > 0:  # resumed: keep the first run's log
             logpath = f"{logpath}_from_step_{self.state.global_step}"
@@ -432,19 +432,6 @@ def _factor(loss: Tensor, mean: Tensor) -> Tensor | None:
 
 
 _SCALINGS = ("DivBackward0", "MulBackward0")
-
-
-def _extend_owners(model: nn.Module, params: Iterable) -> None:
-    """``backpack.extend`` the modules that own the tracked parameters.
-
-    Only those: BackPACK stores ``module.output`` on every module it extends, which
-    clashes with submodules named ``output`` (as in BERT's attention blocks), and
-    first-order quantities need no hooks elsewhere.
-    """
-    ids = {id(p[1] if isinstance(p, tuple) else p) for p in params}
-    for module in model.modules():
-        if any(id(p) in ids for p in module.parameters(recurse=False)):
-            extend(module)
 
 
 def _layer_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
