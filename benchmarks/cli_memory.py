@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-gb", type=float, default=6.0)
     parser.add_argument("--dir", default=None, help="where logs are written")
     parser.add_argument("--keep", action="store_true", help="keep the logs")
+    parser.add_argument(
+        "--reuse", action="store_true", help="use logs already in --dir (and keep them)"
+    )
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
@@ -163,7 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             path = os.path.join(folder, f"{kind}-{mb:g}mb.{suffix}")
             steps = big_logs.steps_for(mb, kind)
             t = time.perf_counter()
-            size = big_logs.write_log(path, kind, steps)
+            if args.reuse and os.path.exists(path):  # written by an earlier run
+                size = os.path.getsize(path)
+                steps = (
+                    sum(1 for _ in open(path, "rb")) // 2 if kind == "stream" else steps
+                )
+            else:
+                size = big_logs.write_log(path, kind, steps)
             print(f"{path}: {steps} steps, {size / 1e6:.1f} MB in "
                   f"{time.perf_counter() - t:.0f} s", flush=True)  # fmt: skip
             try:
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(result)
                         print(json.dumps(result), flush=True)
             finally:
-                if not args.keep:
+                if not (args.keep or args.reuse):
                     os.remove(path)
     if not args.keep and args.dir is None:
         shutil.rmtree(folder, ignore_errors=True)

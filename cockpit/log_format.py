@@ -120,14 +120,22 @@ def _leaf_kind(items: list | tuple) -> tuple[type | None, int]:
     ``None`` means the leaves mix types or are not all numbers. Also returns the
     number of leaves seen.
     """
-    kinds = set(map(type, items))  # a flat list of one type: the common case
-    if len(kinds) == 1 and (float in kinds or int in kinds):
-        return kinds.pop(), len(items)
     kind: type | None = None
     count = 0
     stack = [items]
     while stack:
-        for item in stack.pop():
+        level = stack.pop()
+        kinds = set(map(type, level))
+        if kinds <= {float} or kinds <= {int}:  # numbers of one type: at once
+            if kinds:
+                leaf = kinds.pop()
+                if kind is None:
+                    kind = leaf
+                elif kind is not leaf:
+                    return None, count
+            count += len(level)
+            continue
+        for item in level:
             if isinstance(item, (list, tuple)):
                 stack.append(item)
                 continue

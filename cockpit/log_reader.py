@@ -336,6 +336,7 @@ class LogHistory(History):
             steps = np.frombuffer(column.steps, dtype=np.int64)
             index = _latest_per_step(records, steps, _valid(records, steps, markers))
             history._stored[key] = _stored(column, index, steps)
+            column.records = None  # (its buffer is no longer needed)
             history._key_order.append(key)
             steps_everywhere.append(history._stored[key].steps)
         latest: dict[str, tuple[int, int]] = {}
@@ -665,17 +666,23 @@ class _Rows(Mapping):
 
 
 def _stored(column: _Column, index: np.ndarray, steps: np.ndarray) -> _Stored:
-    """The kept entries ``index`` of a column, sorted by step."""
-    kept_steps = steps[index].copy()
+    """The kept entries ``index`` of a column, sorted by step.
+
+    Where every entry is kept in the order read (a log without resumes or values
+    written twice), the arrays read are used as they are, not copied.
+    """
+    whole = len(index) == len(steps) and bool(
+        np.array_equal(index, np.arange(len(steps)))
+    )
+    kept_steps = steps if whole else steps[index].copy()
     if column.kind == "object":
-        return _Stored(
-            "object", 0, kept_steps, objects=[column.objects[i] for i in index]
-        )
+        objects = column.objects if whole else [column.objects[i] for i in index]
+        return _Stored("object", 0, kept_steps, objects=objects)
     dtype = np.float64 if column.kind.startswith("float") else np.int64
     numbers = np.frombuffer(column.numbers, dtype=dtype)
     if column.width:
         numbers = numbers.reshape(-1, column.width)
-    values = numbers[index].copy()
+    values = numbers if whole else numbers[index].copy()
     values.flags.writeable = False
     return _Stored(column.kind, column.width, kept_steps, values=values)
 
