@@ -65,7 +65,7 @@ def run_command(command: str, log: str, source: str | None, limit_gb: float) -> 
     """Run one command in a child process; its wall and CPU time, peak memory."""
     out = tempfile.mkdtemp(prefix="cockpit-cli-")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    if source is not None:
+    if source is not None:  # another checkout's cockpit
         env["PYTHONPATH"] = source
     limit = int(limit_gb * 2**30)
 
@@ -74,8 +74,8 @@ def run_command(command: str, log: str, source: str | None, limit_gb: float) -> 
 
     argv = [sys.executable, "-m", "cockpit", *_argv(command, log, out)]
     start = time.perf_counter()
-    child = subprocess.Popen(
-        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    child = subprocess.Popen(  # in an empty folder: ``-m`` puts it on sys.path
+        argv, env=env, cwd=out, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         preexec_fn=cap,
     )  # fmt: skip
     _, status, usage = os.wait4(child.pid, 0)

@@ -287,7 +287,8 @@ def run(
 
 
 #: What a reader command may say instead of drawing or reporting: no step yet, or
-#: a new run rewrote the log while it was read.
+#: a new run rewrote the log while it was read (and, before the first writer made
+#: the file, that there is none).
 ALLOWED = ("is empty", "holds no tracked step", "changed while it was read")
 
 
@@ -308,6 +309,10 @@ def problems(outcome: dict[str, Any]) -> list[str]:
         said = entry["stderr"]
         if "Traceback" in said or entry["rc"] not in (0, 1):
             found.append(f"{entry['command']} crashed: {said[-2000:]}")
+        elif entry["rc"] == 1 and "no such file" in said:
+            began = _rewrites(writers[0])  # the first Cockpit makes the file
+            if began is None or entry["start"] > began[0]:
+                found.append(f"{entry['command']}: no file after it was made")
         elif entry["rc"] == 1 and not any(text in said for text in ALLOWED):
             found.append(f"{entry['command']} failed: {said.strip()}")
         elif entry["rc"] == 1 and "changed while" in said:
