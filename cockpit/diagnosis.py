@@ -50,6 +50,7 @@ from cockpit.errors import CockpitWarning
 from cockpit.history import History, to_builtin
 from cockpit.log_files import open_log
 from cockpit.log_keys import NONFINITE_KEY
+from cockpit.running_median import running_median
 
 #: Severities, mildest first.
 SEVERITIES = ("info", "warning", "error")
@@ -605,10 +606,8 @@ def _check_vanishing(signals: Signals, th: Thresholds) -> _Outcome:
 
 
 def _running_median(values: np.ndarray, width: int) -> np.ndarray:
-    if len(values) < width:
-        return np.array([np.median(values)])
-    windows = np.lib.stride_tricks.sliding_window_view(values, width)
-    return np.median(windows, axis=1)
+    # linear in the run's length (numpy's median of every window copies them all)
+    return running_median(values, width)
 
 
 def _check_exploding(signals: Signals, th: Thresholds) -> _Outcome:

@@ -168,9 +168,19 @@ class Series:
     def truncate(self, first_step: int) -> None:
         """Forget all entries at ``first_step`` and later."""
         self._n = int(np.searchsorted(self.steps, first_step, side="left"))
+        self._own()
+
+    def _own(self) -> None:
+        """Copy arrays shared with a log's columns before writing into them."""
+        for name in ("_steps", "_values", "_ema", "_errors"):
+            array = getattr(self, name)
+            if not array.flags.writeable:
+                setattr(self, name, array.copy())
 
     def append(self, step: int, value: float, error: float = math.nan) -> None:
         """Add a value (and its standard error, if estimated) at a later step."""
+        if self._n < len(self._steps):
+            self._own()
         if self._n == len(self._steps):
             size = 2 * len(self._steps)
             for name in ("_steps", "_values", "_errors"):
@@ -182,6 +192,54 @@ class Series:
         self._values[self._n] = value
         self._errors[self._n] = error
         self._n += 1
+
+    def extend(self, steps: np.ndarray, values: np.ndarray, errors=None) -> None:
+        """Append many values at once (as :meth:`append` would, one by one).
+
+        Args:
+            steps: Increasing steps, after the last one held.
+            values: One float per step.
+            errors: Standard errors (``None``: every value exact).
+        """
+        n = len(steps)
+        if not n:
+            return
+        if not self._n:  # new: hold the arrays (the steps shared with the column)
+            self._steps = np.asarray(steps, dtype=np.int64)
+            self._values = np.array(values, dtype=np.float64)
+            self._errors = _nan(n) if errors is None else np.array(errors, float)
+            self._ema = np.empty(n)
+            self._n = 0
+            self._fill_ema(0, n)
+            self._n = n
+            return
+        self._own()
+        total = self._n + n
+        if total > len(self._steps):
+            for name in ("_steps", "_values", "_ema", "_errors"):
+                old = getattr(self, name)
+                new = np.empty(total, dtype=old.dtype)
+                new[: self._n] = old[: self._n]
+                setattr(self, name, new)
+        part = slice(self._n, total)
+        self._steps[part] = steps
+        self._values[part] = values
+        self._errors[part] = math.nan if errors is None else errors
+        self._fill_ema(self._n, total)
+        self._n = total
+
+    def _fill_ema(self, start: int, stop: int) -> None:
+        """The moving average of values ``start:stop`` (the recurrence of append)."""
+        previous = self._ema[start - 1] if start else math.nan
+        keep, new = 1.0 - EMA_ALPHA, []
+        for value in self._values[start:stop].tolist():
+            if value - value == 0.0:  # finite; NaN and infinities keep the average
+                if previous != previous:  # no average yet
+                    previous = value
+                else:
+                    previous = EMA_ALPHA * value + keep * previous
+            new.append(previous)
+        self._ema[start:stop] = new
 
     def view(
         self, upto: int | None = None, max_points: int | None = MAX_POINTS
@@ -267,6 +325,20 @@ def trend(
     return y_mean + slope * (x[where] - x_mean)
 
 
+_NANS: dict[int, np.ndarray] = {}
+
+
+def _nan(n: int) -> np.ndarray:
+    """A read-only array of ``n`` NaNs, shared by the exact series of a run."""
+    found = _NANS.get(n)
+    if found is None:
+        found = np.full(n, math.nan)
+        found.flags.writeable = False
+        _NANS.clear()  # one length at a time: a run's series share it
+        _NANS[n] = found
+    return found
+
+
 def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
     """Indices of at most about ``max_points`` of ``n`` points, always the last.
 
@@ -348,6 +420,9 @@ class DashboardData:
         steps = self.history.steps
         if not steps:
             return
+        if self._resume is None and _columns(self.history):  # a log read once
+            self._read_log_history(steps)
+            return
         start = 0 if self._resume is None else bisect_left(steps, self._resume)
         new = steps[start:]
         if not new:
@@ -367,6 +442,20 @@ class DashboardData:
                     self._latest[key] = (step, value)
         self._resume = new[-1]
 
+    def _read_log_history(self, steps: list[int]) -> None:
+        """The first refresh of a :class:`~cockpit.log_reader.LogHistory`.
+
+        Its latest mapping of each key is asked for, not found by reading every
+        step (whose mappings are read from the file when asked for).
+        """
+        history = self.history
+        for key in history.mapping_keys():
+            found = history.latest_mapping(key)
+            if found is not None:
+                self._latest[key] = found
+        self.entries_read += history.entry_count()
+        self._resume = steps[-1]
+
     def series(self, key: str, reduce: str = "scalar") -> Series:
         """Return the series of ``key`` reduced with ``reduce`` (see :data:`REDUCERS`).
 
@@ -380,6 +469,10 @@ class DashboardData:
             raise ValueError(
                 f"Unknown reduction {reduce!r}; choose one of {sorted(REDUCERS)}."
             )
+        if (key, reduce) not in self._series and _columns(self.history):
+            series = _column_series(self.history, key, reduce, self._resume)
+            if series is not None:
+                self._series[(key, reduce)] = series
         if (key, reduce) not in self._series:
             series = Series()
             steps, values = self.history.stored_series(key, last=self._resume)
@@ -411,6 +504,8 @@ class DashboardData:
             return found
         if upto is None:
             return None
+        if _columns(self.history):
+            return self.history.latest_mapping(key, min(upto, self._resume))
         steps = self.history.steps
         for step in reversed(steps[: bisect_left(steps, upto + 1)]):
             value = _entries(self.history, step).get(key)
@@ -428,6 +523,47 @@ class DashboardData:
     def last_step(self) -> int | None:
         """The newest step read so far."""
         return self._resume
+
+
+def _columns(history: History) -> bool:
+    """Whether ``history`` keeps its numbers in columns (a log read once)."""
+    return callable(getattr(history, "column", None))
+
+
+def _column_series(history, key: str, reduce: str, last: int | None) -> Series | None:
+    """The series of a numeric column, made at once (``None``: not a column).
+
+    The values are those :meth:`DashboardData.series` computes value by value:
+    the same reductions, row by row, and the same moving average.
+    """
+    found = history.column(key)
+    if found is None:
+        return None
+    steps, values = found
+    if last is not None:
+        end = int(np.searchsorted(steps, last, "right"))
+        steps, values = steps[:end], values[:end]
+    reducer = REDUCERS[reduce]
+    if values.ndim == 1:
+        reduced = np.abs(values) if reduce == "norm" else values
+        reduced = reduced.astype(np.float64)
+    elif reduce == "scalar" and values.shape[1] != 1:
+        reduced = np.full(len(values), math.nan)
+    else:
+        reduced = np.array([reducer(row) for row in values], dtype=np.float64)
+    series = Series()
+    errors = None
+    estimates = history.stored_series(key + ESTIMATE_SUFFIX, last=last)
+    if estimates[0]:
+        errors = np.full(len(steps), math.nan)
+        where = np.searchsorted(steps, estimates[0])
+        for index, step, estimate in zip(where, *estimates):
+            if index < len(steps) and steps[index] == step:
+                error, bound = estimate_error(estimate, reduce)
+                errors[index] = error
+                series.error_bound |= bound
+    series.extend(steps, reduced, errors)
+    return series
 
 
 def _append(series: Series, step: int, value: Any, estimate: Any, reduce: str):
