@@ -31,9 +31,17 @@ Two disjoint sets:
   (RMSprop, SGD with Nesterov momentum, step decay, a longer warm-up, batches of
   8 to 128, every fifth step tracked), and other injected bugs.
 
-Run (about 30-60 minutes on one core)::
+Run (about 9 CPU minutes, one thread)::
 
-    python -m benchmarks.diagnosis_validation --out benchmarks/diagnosis_results.md
+    python -m benchmarks.diagnosis_validation --out benchmarks/diagnosis_results.md \
+        --json benchmarks/diagnosis_results.json
+
+The committed results were made in two parts, the tuning set first and the held-out
+set once the checks were frozen, and rendered together::
+
+    python -m benchmarks.diagnosis_validation --render \
+        benchmarks/diagnosis_results_tuning.json \
+        benchmarks/diagnosis_results_held_out.json --out benchmarks/diagnosis_results.md
 
 ``--sets tuning`` runs one set; ``--families mlp-digits,quickstart`` and ``--seeds
 0`` make shorter runs; ``--json FILE`` keeps the raw record of every run (ids,
@@ -665,13 +673,15 @@ def machine() -> str:
     return f"commit {commit}, {cpu}, torch {torch.__version__}, one thread"
 
 
-def render(records: list[dict[str, Any]], command: str, note: str = "") -> str:
+def render(
+    records: list[dict[str, Any]], command: str, where: str | None = None
+) -> str:
     """The results file: how it was made, then the tables."""
     cpu = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     spent = f", {sum(cpu) / 60:.0f} CPU minutes of training" if cpu else ""
     return (
         "# Diagnosis validation\n\n"
-        f"Written by `{command}` ({machine()}{spent}). Every run is the plain "
+        f"Written by `{command}` ({where or machine()}{spent}). Every run is the plain "
         'cockpit loop with `configuration("economy")` and the live diagnosis on; '
         "**live** counts what the live diagnosis announced while training, "
         "**final** what `cockpit report` finds in the whole log (warning or "
@@ -680,10 +690,7 @@ def render(records: list[dict[str, Any]], command: str, note: str = "") -> str:
         "announced an id the final report does not hold. The checks were chosen "
         "on the **tuning** runs only; the **held-out** runs (other networks, "
         "optimizers, schedules, batch sizes and bugs, other seeds) were run "
-        "afterwards, once.\n\n"
-        + (note + "\n\n" if note else "")
-        + table(records)
-        + "\n"
+        "afterwards, once.\n\n" + table(records) + "\n"
     )
 
 
@@ -695,7 +702,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--seeds", default="", help="comma-separated, for all sets")
     parser.add_argument("--out", default=RESULTS, help="Markdown file to write")
     parser.add_argument("--json", help="also write the raw records here")
-    parser.add_argument("--render", help="rewrite --out from a --json file")
+    parser.add_argument(
+        "--render", nargs="+", help="rewrite --out from --json files (merged)"
+    )
     parser.add_argument("--cache", help="keep every run's log in this folder")
     parser.add_argument("--replay", help="diagnose the logs of a --cache folder")
     args = parser.parse_args(argv)
@@ -703,9 +712,15 @@ def main(argv: list[str] | None = None) -> str:
         sys.argv[1:] if argv is None else argv
     )
     if args.render:
-        with open(args.render, encoding="utf-8") as handle:
-            saved = json.load(handle)
-        text = render(saved["records"], saved["command"])
+        records, commands, machines = [], [], []
+        for path in args.render:
+            with open(path, encoding="utf-8") as handle:
+                saved = json.load(handle)
+            records += saved["records"]
+            commands.append(saved["command"])
+            machines.append(saved.get("machine", "machine not recorded"))
+        where = "; ".join(dict.fromkeys(machines))
+        text = render(records, "` and `".join(commands), where)
     else:
         torch.set_num_threads(1)
         families = set(filter(None, args.families.split(",")))
@@ -737,7 +752,8 @@ def main(argv: list[str] | None = None) -> str:
         text = render(records, command)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump({"command": command, "records": records}, handle, indent=1)
+                saved = {"command": command, "machine": machine(), "records": records}
+                json.dump(saved, handle, indent=1)
     print("\n" + text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
