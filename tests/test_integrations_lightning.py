@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 
@@ -617,33 +616,6 @@ def test_ddp_strategies_are_accepted(tmp_path):
         callback = CockpitCallback()
         trainer = _trainer(tmp_path, callback, strategy=strategy, devices=2)
         callback.setup(trainer, Classifier(_net()), "fit")
-
-
-def test_the_lightning_example_runs(tmp_path, capsys):
-    pytest.importorskip("sklearn")
-    from tests.test_examples import assert_png, load_example
-
-    module = load_example("lightning_digits")
-    assert "python examples/lightning_digits.py" in module.__doc__
-    paths = module.main(steps=4, out=str(tmp_path / "out"))
-    assert_png(paths["dashboard"])
-    history = History.from_json(paths["log"])
-    assert history.steps == [0, 1, 2, 3]
-    assert {"Alpha", "GradHist1d", "learning_rate", "valid_accuracy"} <= set(
-        history.keys
-    )
-    valid_loss, valid_accuracy = history[3]["valid_loss"], history[3]["valid_accuracy"]
-    assert math.isfinite(valid_loss) and valid_loss > 0  # a cross-entropy
-    assert 0.0 <= valid_accuracy <= 1.0
-    # `cockpit report` reads the log the callback streamed
-    from cockpit.cli import main
-
-    capsys.readouterr()  # what the example printed
-    assert main(["report", paths["log"]]) == 0
-    assert capsys.readouterr().out.strip()
-    assert main(["report", paths["log"], "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)  # one JSON object, nothing else
-    assert isinstance(report, dict) and isinstance(report["findings"], list)
 
 
 def test_the_lightning_example_runs_with_accumulation(tmp_path):

@@ -532,18 +532,6 @@ def test_a_training_step_without_the_accelerators_backward_is_named(tmp_path):
     assert "backward" not in trainer.accelerator.__dict__
 
 
-def test_the_huggingface_example_runs(tmp_path):
-    from tests.test_examples import load_example
-
-    module = load_example("huggingface_tiny_bert")
-    assert "python examples/huggingface_tiny_bert.py" in module.__doc__
-    paths = module.main(steps=3, out=str(tmp_path / "out"))
-    history = History.from_json(paths["log"])
-    assert history.steps == [0, 1, 2]
-    assert {"GradNorm", "learning_rate"} <= set(history.keys)
-    assert "missing" not in history[0] and "Alpha" in history[0]  # all it updates
-
-
 def test_the_huggingface_example_runs_with_accumulation(tmp_path):
     from tests.test_examples import load_example
 
