@@ -1071,9 +1071,15 @@ def _needs(signal: str, key: str, count: int | None = None):
 def _check_vanishing(signals: Signals, th: Thresholds) -> _Outcome:
     if not signals.has("grad_norm"):
         return _Outcome(missing="GradNorm")
-    return _needs("layer_ratio", "GradNorm of at least 4 parameter tensors")(
-        signals, th
-    )
+    if not signals.has("layer_ratio"):
+        return _Outcome(missing="GradNorm of at least 4 parameter tensors")
+    return _needs("layer_ratio", "GradNorm", "layer_steps")(signals, th)
+
+
+def _check_exploding(signals: Signals, th: Thresholds) -> _Outcome:
+    if _went_nonfinite(signals):  # the detector judged what the blow-up left
+        return _needs("grad_norm", "GradNorm")(signals, th)
+    return _needs("grad_norm", "GradNorm", "min_steps")(signals, th)
 
 
 def _check_noise(signals: Signals, th: Thresholds) -> _Outcome:
@@ -1179,7 +1185,7 @@ _CHECKS: dict[str, Callable[[Signals, Thresholds], _Outcome]] = {
     "step_size_too_small": _check_step_size_too_small,
     "inputs_misscaled": _needs("edge_fraction", "GradHist1d"),
     "vanishing_gradients": _check_vanishing,
-    "exploding_gradients": _needs("grad_norm", "GradNorm"),
+    "exploding_gradients": _check_exploding,
     "gradient_noise_dominates": _check_noise,
     "loss_plateau": _check_plateau,
 }

@@ -208,6 +208,14 @@ def test_missing_quantities_are_named_instead_of_guessed():
     assert "UpdateSize" in checks["step_size_too_small"]
 
 
+def test_settled_checks_with_too_few_steps_say_so():
+    checks = next(f for f in diagnose(made_up(6)) if f.id == NOT_CHECKED).evidence[
+        "checks"
+    ]
+    assert checks["vanishing_gradients"] == "at least 10 GradNorm values"
+    assert checks["exploding_gradients"] == "at least 10 GradNorm values"
+
+
 def test_finding_is_frozen_data_with_a_json_form():
     finding = Finding("loss_plateau", "warning", (3, 9), "m", {"x": math.inf}, "a")
     with pytest.raises(dataclasses.FrozenInstanceError):
