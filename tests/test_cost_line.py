@@ -142,3 +142,14 @@ def test_only_the_logs_writer_speaks():
     assert cost._speaks(Step())
     Step.communicator = None
     assert cost._speaks(Step())
+
+
+def test_a_toy_models_step_is_never_worth_a_line():
+    """20x an untracked step, but 10 ms: no line; the same ratio at 1 s: a line."""
+    for scale, said in ((0.01, False), (1.0, True)):
+        tracked = [cost._Tracked(s, 0.2 * scale, 0.1 * scale, 0.65 * scale,
+                                 0.05 * scale) for s in (1, 2)]  # fmt: skip
+        untracked = [cost._Untracked(s, 0.01 * scale, 0.04 * scale) for s in (3, 4)]
+        line = cost.cost_line(tracked, untracked, 5)
+        assert (line is not None) == said
+        assert line is None or "(20x;" in line

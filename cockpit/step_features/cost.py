@@ -19,8 +19,10 @@ first frees what BackPACK stored): the line then gives the parts, and tracking i
 expensive if the ``with`` block costs at least :data:`BLOCK_RATIO` times the rest
 of the loop. A plain backward pass costs about one to three forward passes, and
 the forward pass is part of the rest, so a plain block is at most about three
-times the rest: such a step costs at least about three plain ones. The first
-tracked step (one-time set-up) is not a measurement.
+times the rest (usually less: the rest also holds the optimizer step and the
+data). A tracked step shorter than :data:`MIN_SECONDS` never gets a line (a toy
+model's step is cheap whatever the ratio). The first tracked step (one-time
+set-up) is not a measurement.
 
 The line goes to the ``cockpit`` logger at INFO, like the coverage line (one per
 run, from the process that writes the log), with what makes tracking cheaper: a
@@ -40,11 +42,14 @@ from cockpit.console import LOG
 from cockpit.step_features.base import StepFeature, register_feature
 
 #: A tracked iteration at least this many times an untracked one is worth a line.
-COST_RATIO = 10.0
+COST_RATIO = 5.0
 
 #: Every step tracked: a ``with`` block at least this many times the rest of the
 #: loop is worth a line.
-BLOCK_RATIO = 10.0
+BLOCK_RATIO = 5.0
+
+#: A tracked step shorter than this (seconds) is never worth a line (toy models).
+MIN_SECONDS = 0.05
 
 #: Tracked steps measured after the first (whose set-up is left out).
 TRACKED_STEPS = 2
@@ -205,6 +210,8 @@ def cost_line(tracked: list, untracked: list, step: int) -> str | None:
         step: The step at which the line is printed.
     """
     cost = median(r.total for r in tracked)
+    if cost < MIN_SECONDS:
+        return None
     own = median(r.cockpit for r in tracked)
     backward = median(r.backward for r in tracked)
     rest = median(r.rest for r in tracked)
