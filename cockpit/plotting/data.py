@@ -29,9 +29,10 @@ from cockpit.history import History
 from cockpit.log_files import locate_log, open_log
 from cockpit.log_keys import ESTIMATE_SUFFIX
 
-#: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
-#: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
-EMA_ALPHA = 0.2
+#: Number of neighbouring points of the trend line's local fits (see :func:`trend`):
+#: about the smoothing of the exponential moving average of cockpit-for-pytorch
+#: (``alpha = 0.2``, a span of 9 points), but centred, so it does not lag.
+TREND_POINTS = 9
 
 #: Upper bound on the number of points a gauge draws per series; longer series are
 #: thinned to the extremes of power-of-two blocks (so the kept points do not jump
@@ -131,17 +132,16 @@ def estimate_error(estimate: Any, reduce: str) -> tuple[float, bool]:
 
 
 class Series:
-    """One quantity as growing arrays of steps, values and their moving average.
+    """One quantity as growing arrays of steps and values.
 
     Non-finite values are kept in :attr:`values` (so steps line up) but skipped by
-    the moving average and by :meth:`view`. :attr:`errors` holds the standard
-    error of each estimated value (NaN for exact ones).
+    :meth:`view` and by its trend line. :attr:`errors` holds the standard error of
+    each estimated value (NaN for exact ones).
     """
 
     def __init__(self) -> None:
         self._steps = np.empty(64, dtype=np.int64)
         self._values = np.empty(64, dtype=np.float64)
-        self._ema = np.empty(64, dtype=np.float64)
         self._errors = np.empty(64, dtype=np.float64)
         self._n = 0
         #: Whether some error is only an upper bound (see :func:`estimate_error`).
@@ -161,11 +161,6 @@ class Series:
         return self._values[: self._n]
 
     @property
-    def ema(self) -> np.ndarray:
-        """Exponential moving average of the finite values so far (a view)."""
-        return self._ema[: self._n]
-
-    @property
     def errors(self) -> np.ndarray:
         """Standard error of each value: NaN where it is exact (a view)."""
         return self._errors[: self._n]
@@ -178,31 +173,25 @@ class Series:
         """Add a value (and its standard error, if estimated) at a later step."""
         if self._n == len(self._steps):
             size = 2 * len(self._steps)
-            for name in ("_steps", "_values", "_ema", "_errors"):
+            for name in ("_steps", "_values", "_errors"):
                 old = getattr(self, name)
                 new = np.empty(size, dtype=old.dtype)
                 new[: self._n] = old[: self._n]
                 setattr(self, name, new)
-        previous = self._ema[self._n - 1] if self._n else math.nan
-        if not math.isfinite(value):
-            ema = previous
-        elif math.isnan(previous):
-            ema = value
-        else:
-            ema = EMA_ALPHA * value + (1.0 - EMA_ALPHA) * previous
         self._steps[self._n] = step
         self._values[self._n] = value
-        self._ema[self._n] = ema
         self._errors[self._n] = error
         self._n += 1
 
     def view(
         self, upto: int | None = None, max_points: int | None = MAX_POINTS
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Return ``(steps, values, ema)`` to draw: finite, up to a step, thinned.
+        """Return ``(steps, values, trend)`` to draw: finite, up to a step, thinned.
 
-        A longer series is thinned by :func:`extremes_index`: spikes and dips
-        stay visible, and so does the last point.
+        ``trend`` is :func:`trend` of the finite values up to ``upto`` (computed
+        before thinning, at the points kept). A longer series is thinned by
+        :func:`extremes_index`: spikes and dips stay visible, and so does the
+        last point.
 
         Args:
             upto: Last step to include (``None``: all).
@@ -220,17 +209,62 @@ class Series:
         """Like :meth:`view`, plus the standard errors of the values drawn.
 
         Returns:
-            ``(steps, values, ema, errors)`` of equal length; ``errors[i]``
+            ``(steps, values, trend, errors)`` of equal length; ``errors[i]``
             belongs to ``values[i]`` (NaN where it is exact).
         """
         n = self._n if upto is None else int(np.searchsorted(self.steps, upto, "right"))
-        index = extremes_index(self._values[:n], max_points)
-        steps = self._steps[:n][index]
-        values = self._values[:n][index]
-        ema = self._ema[:n][index]
-        errors = self._errors[:n][index]
-        keep = np.isfinite(values)
-        return steps[keep], values[keep], ema[keep], errors[keep]
+        keep = np.isfinite(self._values[:n])
+        steps = self._steps[:n][keep]
+        values = self._values[:n][keep]
+        errors = self._errors[:n][keep]
+        index = extremes_index(values, max_points)
+        smooth = trend(steps, values, at=index)
+        return steps[index], values[index], smooth, errors[index]
+
+
+def trend(
+    steps: np.ndarray,
+    values: np.ndarray,
+    points: int = TREND_POINTS,
+    at: slice | np.ndarray | None = None,
+) -> np.ndarray:
+    """The trend line of a series: at each point, a local straight-line fit.
+
+    Point ``i``'s trend is the least-squares line through the ``points``
+    neighbours centred on it (fewer near the ends: the window stays ``points``
+    wide and is moved inwards), evaluated at its step. Unlike an exponential
+    moving average it does not lag behind the points, however sparse the
+    schedule (an average over 9 points of a schedule that tracks every 10th step
+    lags 40 steps behind a trend), and a straight run of points is its own
+    trend, also at the ends. Steps need not be evenly spaced (logarithmic
+    schedules).
+
+    Args:
+        steps: Increasing steps (finite values only).
+        values: The values at them.
+        points: Width of the window in points.
+        at: Compute the trend only at these indices (default: all); memory and
+            time are proportional to their number times ``points``.
+
+    Returns:
+        The trend at the steps chosen (``values`` itself for fewer than 3 points).
+    """
+    n = len(values)
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(values, dtype=np.float64)
+    where = np.arange(n)[slice(None) if at is None else at]
+    width = min(points, n)
+    if width < 3:
+        return y[where].copy()
+    start = np.clip(where - width // 2, 0, n - width)
+    windows = start[:, None] + np.arange(width)
+    xs, ys = x[windows], y[windows]
+    x_mean, y_mean = xs.mean(axis=1), ys.mean(axis=1)
+    dx = xs - x_mean[:, None]
+    spread = np.einsum("ij,ij->i", dx, dx)
+    slope = np.divide(np.einsum("ij,ij->i", dx, ys - y_mean[:, None]), spread,
+                      out=np.zeros(len(where)), where=spread > 0)  # fmt: skip
+    return y_mean + slope * (x[where] - x_mean)
 
 
 def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
