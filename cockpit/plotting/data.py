@@ -172,7 +172,7 @@ class Series:
 
     def _own(self) -> None:
         """Copy arrays shared with a log's columns before writing into them."""
-        for name in ("_steps", "_values", "_ema", "_errors"):
+        for name in ("_steps", "_values", "_errors"):
             array = getattr(self, name)
             if not array.flags.writeable:
                 setattr(self, name, array.copy())
@@ -208,15 +208,12 @@ class Series:
             self._steps = np.asarray(steps, dtype=np.int64)
             self._values = np.array(values, dtype=np.float64)
             self._errors = _nan(n) if errors is None else np.array(errors, float)
-            self._ema = np.empty(n)
-            self._n = 0
-            self._fill_ema(0, n)
             self._n = n
             return
         self._own()
         total = self._n + n
         if total > len(self._steps):
-            for name in ("_steps", "_values", "_ema", "_errors"):
+            for name in ("_steps", "_values", "_errors"):
                 old = getattr(self, name)
                 new = np.empty(total, dtype=old.dtype)
                 new[: self._n] = old[: self._n]
@@ -225,21 +222,7 @@ class Series:
         self._steps[part] = steps
         self._values[part] = values
         self._errors[part] = math.nan if errors is None else errors
-        self._fill_ema(self._n, total)
         self._n = total
-
-    def _fill_ema(self, start: int, stop: int) -> None:
-        """The moving average of values ``start:stop`` (the recurrence of append)."""
-        previous = self._ema[start - 1] if start else math.nan
-        keep, new = 1.0 - EMA_ALPHA, []
-        for value in self._values[start:stop].tolist():
-            if value - value == 0.0:  # finite; NaN and infinities keep the average
-                if previous != previous:  # no average yet
-                    previous = value
-                else:
-                    previous = EMA_ALPHA * value + keep * previous
-            new.append(previous)
-        self._ema[start:stop] = new
 
     def view(
         self, upto: int | None = None, max_points: int | None = MAX_POINTS
