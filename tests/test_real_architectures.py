@@ -16,6 +16,7 @@ sample's loss of one full forward pass, differentiated alone by plain autograd
 from __future__ import annotations
 
 import logging
+import pickle
 import warnings
 
 import numpy as np
@@ -27,6 +28,7 @@ from torch.func import functional_call
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
+from cockpit.history import History
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 from tests.utils.any_model import alpha_reference, first_order_reference
@@ -271,3 +273,48 @@ def check_coverage_line(line, cockpit, name):
         if status.kind == "not covered":  # with its fix (or the reason)
             fix = status.how.partition("Fix: ")[2].rstrip(".")
             assert (fix or status.how) in line, (name, key, line)
+
+
+def test_the_bert_example_writes_log_dashboard_and_coverage(tmp_path):
+    from tests.test_examples import assert_png, load_example
+
+    module = load_example("bert_docstrings")
+    assert "python examples/bert_docstrings.py" in module.__doc__
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CockpitWarning)  # curvature not covered
+        found = module.main(
+            steps=3, out=str(tmp_path / "bert"), batch_size=8, track_every=2
+        )
+    assert_png(found["dashboard"])
+    history = History.from_json(found["log"])
+    assert history.steps == [0, 2]  # tracked (and logged)
+    assert {"Alpha", "GradNorm", "GradHist2d", "Loss"} <= set(history.keys)
+    assert found["sentences"][0] > 200 and found["sentences"][1] > 50
+    assert "(1 from autograd, 40 from backpack)" in found["coverage"]
+
+
+def _hooks(model):
+    return [
+        (list(m._forward_hooks.values()), list(m._backward_hooks.values()))
+        for m in model.modules()
+    ]
+
+
+def test_the_rewiring_is_undone_when_the_last_cockpit_closes():
+    """Two cockpits share the rewiring; BackPACK's hooks come back in their order."""
+    case = build("bert")
+    extended = _hooks(case.model)
+    first = Cockpit(case.model.parameters(), quantities=first_order(lean=True))
+    rewired = _hooks(case.model)
+    assert rewired != extended
+    second = Cockpit(case.model.parameters(), quantities=first_order(lean=True))
+    assert _hooks(case.model) == rewired  # not rewired twice
+    first.close()
+    assert _hooks(case.model) == rewired  # the second still holds it
+    copy = pickle.loads(pickle.dumps(case.model))  # e.g. torch.save(model)
+    kwargs, _ = case.batch(N, 0)
+    copy(**kwargs).logits.sum().backward()  # its moved hooks run, nothing breaks
+    second.close()
+    assert _hooks(case.model) == extended
+    with pytest.raises(TypeError, match="child module 'output'"):
+        case.model(**kwargs)  # BackPACK's own hooks again
