@@ -4,7 +4,8 @@ Where BackPACK cannot form the curvature (a model it cannot backpropagate
 through), a quantity that accepts an unbiased estimate (``Quantity.estimable``)
 reads an estimate of the Hessian diagonal made from Hessian-vector products
 (:mod:`cockpit.trace_estimators`), with its standard error; the ledger records
-both. Two ways, chosen per step:
+both. Two ways, chosen per step (the first is off, :data:`SHARE_LANCZOS`, so
+today every estimate is Hutchinson's):
 
 * the step runs HessMaxEV's Lanczos anyway (the user's backward pass carries the
   graph, ``create_graph=True``): after the backward pass, that Lanczos run is done
@@ -76,6 +77,13 @@ def deflated_probes(probes: int, share: float | None) -> int:
     return min(probes, max(MIN_DEFLATED_PROBES, math.ceil(share * probes)))
 
 
+#: Off: measured on GPT-2 (benchmarks/curvature_cost_results.md), the deflated
+#: estimate was no more precise than Hutchinson's (standard error 250 vs 243 at 16
+#: probes) and made full 1.3x slower, and it made one process's HessTrace differ
+#: from a data-parallel run's on the same batch (which uses Hutchinson).
+SHARE_LANCZOS = False
+
+
 def shared_solver(run, plan=None) -> HessMaxEV | None:
     """The HessMaxEV whose Lanczos run the step's estimate can share, if any.
 
@@ -87,7 +95,7 @@ def shared_solver(run, plan=None) -> HessMaxEV | None:
         plan: Its plan (default: ``run.plan``).
     """
     plan = run.plan if plan is None else plan
-    if not plan.create_graph or run.communicator is not None:
+    if not SHARE_LANCZOS or not plan.create_graph or run.communicator is not None:
         return None
     for quantity in plan.active:
         if (
