@@ -124,6 +124,8 @@ class Ledger:
             self.leave_out(quantity, value.reason, steps=[save_step], abort=False)
             return
         self.recorder.record(save_step, quantity.key, value)
+        for key, extra in quantity.companions(save_step).items():
+            self.recorder.record(save_step, key, extra)
         errors = self.entries.get(id(quantity), Entry()).errors
         if errors is not None:
             errors = quantity.estimate_error(save_step, errors)

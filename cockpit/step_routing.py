@@ -29,7 +29,7 @@ from cockpit.engines.coverage import (
 )
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults
-from cockpit.step_features.estimators import hutchinson_method
+from cockpit.step_features.estimators import estimate_method
 
 MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
@@ -61,9 +61,11 @@ def double_backward_reason(key: str, error: Exception) -> tuple[str, Status]:
     reason = (
         f"{key} needs second derivatives (Hessian-vector products), but "
         f"PyTorch has no double backward for an operation of the model "
-        f"({error}). Fix: for fused attention (F.scaled_dot_product_attention, "
-        "nn.MultiheadAttention, nn.TransformerEncoderLayer) run the forward "
-        "pass of tracked steps inside `with torch.nn.attention.sdpa_kernel("
+        f"({error}). Fix: for fused attention that cockpit cannot differentiate "
+        "twice itself (it wraps torch.nn.functional.scaled_dot_product_attention, "
+        "see cockpit.attention; not a reference bound before the cockpit was made, "
+        "nor a fused kernel with attention dropout) run the forward pass of "
+        "tracked steps inside `with torch.nn.attention.sdpa_kernel("
         "torch.nn.attention.SDPBackend.MATH):`; otherwise drop the quantity."
     )
     status = Status(
@@ -184,7 +186,7 @@ class StepRouting:
             if not wanted or run.ledger.out(q):
                 continue
             if self.engine_step.losses is not None and wanted <= q.estimable:
-                run.ledger.estimate(q, hutchinson_method(run.probes))
+                run.ledger.estimate(q, estimate_method(run, plan))
                 continue
             reason, fix = decline.message, decline.fix
             if q.not_estimable is not None and Need.DIAG_H in wanted:

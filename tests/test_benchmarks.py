@@ -77,8 +77,11 @@ def test_only_internals_imports_cockpit():
             "diagnosis_validation.py",
             "kernels.py",
             "step_trace.py",
+            "curvature_cost.py",
+            "ggn_estimate_se.py",
         ):
-            continue  # validation, step trace: the public API; kernels test internals
+            continue  # validation, step trace: the public API; kernels, curvature_cost
+            # (a converged Lanczos reference) and ggn_estimate_se measure internals
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -134,7 +134,7 @@ def test_logs_of_1_0_2_streamed_jsonl_and_plain_json_mix(tmp_path, capsys):
     assert _run_gids(norm) == {0, 1, 2}
     assert _run_gids(curvature) == {1, 2}  # 1.0.2's log lacks it: named
     assert curvature._cockpit_missing_runs == ["old"]
-    assert "no HessMaxEV: old" in _gauge_text(curvature)
+    assert "no HessMaxEV/HessMaxEV_largest: old" in _gauge_text(curvature)
     # the command line: the HTML of all three (no PNG without -o), named by --label
     page = tmp_path / "all.html"
     labels = ["--label", "1.0.2", "--label", "json", "--label", "jsonl"]

@@ -250,9 +250,20 @@ _GAUGE_LIST = (
             "(default ``log10(count + 1)``); empty bins stay blank.",
         },
     ),
-    _series("max_ev", "Max Eigenvalue", "HessMaxEV", "λ_max",
-            "the largest Hessian eigenvalue vs iteration (log scale when positive "
-            "over more than two decades)."),
+    Gauge(
+        "max_ev", "Max Eigenvalue", "series",
+        "the Hessian eigenvalue of largest magnitude (``HessMaxEV``, as in 1.0.2: "
+        "negative where the most negative eigenvalue is the larger in magnitude) "
+        "and, where that one is negative, the largest eigenvalue (the sharpness, "
+        "``HessMaxEV_largest``) vs iteration (log scale when positive over more "
+        "than two decades).",
+        (_key("key", "HessMaxEV", "the eigenvalue of largest magnitude"),
+         _key("largest_key", "HessMaxEV_largest",
+              "the largest eigenvalue, where it differs")),
+        (Line("key", "λ of largest |λ|"),
+         Line("largest_key", "largest λ", color=COLORS["orange"], ema_color="#8a4410")),
+        ylabel="eigenvalue", hint="track {key}",
+    ),
     _series("trace", "Trace", "HessTrace", "trace",
             "trace of the (diagonal) curvature, summed over parameters. Values "
             "estimated by Hutchinson's method (models BackPACK has no exact "

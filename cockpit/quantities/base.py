@@ -378,6 +378,16 @@ class Quantity(Helpers102, abc.ABC):
     def probe_traces(self, traces: Tensor) -> None:  # noqa: B027
         """See the per-probe traces ``[probes, params]`` of this step's estimate."""
 
+    def companions(self, global_step: int) -> dict[str, Any]:
+        """Entries recorded beside the value stored under ``global_step``.
+
+        E.g. HessMaxEV's largest eigenvalue where it differs from the value.
+
+        Returns:
+            ``{history key: value}`` (default: none).
+        """
+        return {}
+
     def estimate_error(self, global_step: int, errors):
         """The standard errors of an estimated value stored under ``global_step``.
 

@@ -26,12 +26,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cockpit import attention
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.precision import compute_dtype
 from cockpit.quantities.base import NothingToShare, SingleStepQuantity, TrackContext
 
 HVP = Callable[[Tensor], Tensor]
+
+#: Suffix of the key under which :class:`HessMaxEV` records the largest (algebraic)
+#: eigenvalue where it differs from the value (the eigenvalue of largest magnitude).
+LARGEST_SUFFIX = "_largest"
 
 
 @dataclass
@@ -48,6 +53,10 @@ class EigenResult:
             values of largest magnitude (no more than the Lanczos steps taken), one
             per row, the returned one first (shape ``(k, dim)``); what a warm start
             of the next step builds on.
+        top: The largest (algebraic) Ritz value, where asked for (``top=True``);
+            equal to ``eigenvalue`` when that is the largest.
+        top_residual: Its residual ``||H y - top y||``.
+        krylov: The Lanczos decomposition, where asked for (``keep_basis=True``).
     """
 
     eigenvalue: float
@@ -56,6 +65,43 @@ class EigenResult:
     converged: bool
     residual: float
     ritz_vectors: Tensor | None = None
+    top: float | None = None
+    top_residual: float | None = None
+    krylov: Krylov | None = None
+
+
+@dataclass
+class Krylov:
+    """The Lanczos decomposition ``H Q = Q T + w e_k^T`` of a finished run.
+
+    ``Q`` (``k`` orthonormal rows) spans the Krylov space, ``T = Q^T H Q`` is the
+    tridiagonal with ``alphas`` on its diagonal and ``betas`` beside it, and the
+    tail ``w`` (orthogonal to the rows) is what the last product left outside the
+    space. The relation holds to rounding (full re-orthogonalisation), so a
+    trace estimator can take ``Q^T H Q`` as exact and estimate only the rest
+    (:mod:`cockpit.trace_estimators`).
+
+    Attributes:
+        blocks: The rows of ``Q``, block by block (views of the Lanczos basis).
+        alphas: The diagonal of ``T`` (``k`` values).
+        betas: Its off-diagonal (``k - 1`` values).
+        tail: ``w`` (flat), or ``None`` where the space became invariant.
+    """
+
+    blocks: list[Tensor]
+    alphas: list[float]
+    betas: list[float]
+    tail: Tensor | None
+
+    @property
+    def size(self) -> int:
+        """``k``, the number of rows."""
+        return len(self.alphas)
+
+    def rows(self):
+        """The rows of ``Q`` one by one (views)."""
+        for block in self.blocks:
+            yield from block
 
 
 def _tolerance(theta: float, rtol: float, atol: float) -> float:
@@ -202,6 +248,8 @@ def lanczos_max_ev(
     atol: float = 1e-6,
     max_iter: int = 50,
     num_vectors: int = 1,
+    top: bool = False,
+    keep_basis: bool = False,
 ) -> EigenResult:
     """Lanczos iteration for the eigenvalue of largest magnitude of a symmetric ``H``.
 
@@ -239,6 +287,12 @@ def lanczos_max_ev(
         max_iter: Budget of Hessian-vector products (basis size).
         num_vectors: How many Ritz vectors to return at most (largest magnitudes
             first); at least 1.
+        top: Also converge the largest (algebraic) eigenvalue: where the answer is
+            negative, go on until the largest Ritz value's residual is at most
+            ``rtol * |theta| + atol`` too (``theta`` the answer: the same absolute
+            accuracy, relative to the spectral radius), and return it as ``top``.
+        keep_basis: Return the Lanczos decomposition as ``krylov`` (its basis
+            stays allocated as long as the result is kept).
 
     Returns:
         The estimate, its Ritz vector(s) and the number of products.
@@ -284,10 +338,13 @@ def lanczos_max_ev(
             other = 0 if best == len(alphas) - 1 else len(alphas) - 1
             theta = float(values[best])
             residual = float(residuals[best])
+            tolerance = _tolerance(theta, rtol, atol)
             settled = other == best or float(
                 magnitudes[other] + residuals[other]
             ) <= abs(theta)
-            if settled and residual <= _tolerance(theta, rtol, atol):
+            # the largest eigenvalue, where the answer is another one
+            top_done = not top or best == len(alphas) - 1 or residuals[-1] <= tolerance
+            if settled and residual <= tolerance and top_done:
                 converged = True
                 break
             invariant = beta <= breakdown * float(magnitudes.max())
@@ -300,7 +357,15 @@ def lanczos_max_ev(
         order = [best] + rest[: max(0, num_vectors - 1)]
         coefficients = torch.from_numpy(vectors[:, order]).to(v0.device, v0.dtype)
         ritz = basis.combine(coefficients)  # rows: the Ritz vectors
-        return EigenResult(theta, ritz[0].clone(), count, converged, residual, ritz)
+        result = EigenResult(theta, ritz[0].clone(), count, converged, residual, ritz)
+        if top:
+            result.top, result.top_residual = float(values[-1]), float(residuals[-1])
+        if keep_basis:
+            invariant = beta <= breakdown * float(magnitudes.max())
+            result.krylov = Krylov(
+                basis.filled(), list(alphas), list(betas), None if invariant else w
+            )
+        return result
 
 
 class HessMaxEV(NothingToShare, SingleStepQuantity):
@@ -396,33 +461,97 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self._previous: Tensor | None = None
         #: Hessian-vector products spent at the last computation.
         self.last_num_hvps = 0
+        self._solved: dict[int, EigenResult | Exception] = {}
+        self._largest: dict[int, float] = {}
+        #: Where a trace estimate shared this quantity's Lanczos run: the part of
+        #: Hutchinson's variance its rest still had (it sets the next step's
+        #: number of probes, :func:`cockpit.step_features.estimators.deflated_probes`).
+        self.residual_share: float | None = None
+
+    def bind(self, history) -> None:
+        """Also let fused attention be differentiated twice (``cockpit.attention``)."""
+        super().bind(history)
+        if not getattr(self, "_holds_attention", False):
+            self._holds_attention = True
+            attention.hold(self)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
-        params = list(ctx.params)
-        shared = ctx.comm
-        if shared is not None and shared.graph_gradients is not None:
-            grads = list(shared.graph_gradients)  # this shard's, with their graph
-        else:
-            grads = _graph_gradients(params, self.key, global_step)
-        dtype = _common_dtype(params)
-        device = params[0].device
-        hvp = _make_hvp(params, grads, dtype, device)
-        if shared is not None:  # the joined batch's Hessian: shards by their share
-            local_hvp = hvp
+        result = self._solved.pop(global_step, None)
+        if isinstance(result, Exception):  # the step's shared solve failed
+            raise result
+        if result is None:
+            params = list(ctx.params)
+            shared = ctx.comm
+            if shared is not None and shared.graph_gradients is not None:
+                grads = list(shared.graph_gradients)  # this shard's, with their graph
+            else:
+                grads = _graph_gradients(params, self.key, global_step)
+            dtype = _common_dtype(params)
+            device = params[0].device
+            hvp = _make_hvp(params, grads, dtype, device)
+            if shared is not None:  # the joined batch's Hessian: shards by their share
+                local_hvp = hvp
 
-            def hvp(vector: Tensor) -> Tensor:
-                return shared.mean(local_hvp(vector), "a Hessian-vector product")
+                def hvp(vector: Tensor) -> Tensor:
+                    return shared.mean(local_hvp(vector), "a Hessian-vector product")
 
-        v0 = self._start_vector(global_step, sum(p.numel() for p in params))
-        v0 = v0.to(device=device, dtype=dtype)
+            dim = sum(p.numel() for p in params)
+            result = self._solve(global_step, hvp, dim, dtype, device)
+            del hvp, grads
+        if result.top is not None and result.top != result.eigenvalue:
+            self._largest[global_step] = result.top
+        return float(result.eigenvalue)
+
+    def solve(
+        self, global_step: int, hvp: HVP, dim: int, dtype: torch.dtype, device
+    ) -> EigenResult:
+        """Run this step's eigensolver now, for a caller that shares its products.
+
+        The step's trace estimate (:mod:`cockpit.trace_estimators`) reuses the
+        Lanczos basis (``keep_basis``); the tracked value is this result. A
+        failure is kept and raised when the value is tracked.
+
+        Args:
+            global_step: The step.
+            hvp: ``v -> H v`` on flat vectors (all parameters).
+            dim: Their length.
+            dtype: The vectors' dtype (:func:`_common_dtype` of the parameters).
+            device: Their device.
+
+        Returns:
+            The result, with its Lanczos decomposition (``krylov``) unless power
+            iteration is used.
+        """
+        try:
+            result = self._solve(global_step, hvp, dim, dtype, device, keep_basis=True)
+        except Exception as error:
+            self._solved[global_step] = error
+            raise
+        self._solved[global_step] = result
+        return result
+
+    def _solve(
+        self,
+        global_step: int,
+        hvp: HVP,
+        dim: int,
+        dtype: torch.dtype,
+        device,
+        keep_basis: bool = False,
+    ) -> EigenResult:
+        v0 = self._start_vector(global_step, dim).to(device=device, dtype=dtype)
         options = {"rtol": self.rtol, "atol": self.atol, "max_iter": self.max_iter}
         if self.use_power:
             result = power_max_ev(hvp, v0, **options)
         else:
             result = lanczos_max_ev(
-                hvp, v0, num_vectors=self.WARM_START_VECTORS, **options
+                hvp,
+                v0,
+                num_vectors=self.WARM_START_VECTORS,
+                top=True,
+                keep_basis=keep_basis,
+                **options,
             )
-        del hvp, grads
         self.last_num_hvps = result.num_hvps
         if self.warm_start:
             self._previous = _unit_sum(result.ritz_vectors.detach())
@@ -433,16 +562,33 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
                 f"{result.residual:.3g}); returning the last estimate. Raise max_iter "
                 "or loosen rtol/atol.",
                 CockpitWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         elif self.verbose:
             warnings.warn(
                 f"{self.key} at step {global_step}: {result.eigenvalue:.6g} after "
                 f"{result.num_hvps} Hessian-vector products.",
                 CockpitWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return float(result.eigenvalue)
+        return result
+
+    def companions(self, global_step: int) -> dict[str, float]:
+        """``{"<key>_largest": value}`` where the largest eigenvalue is another one.
+
+        ``HessMaxEV`` is the eigenvalue of largest magnitude (1.0.2's meaning);
+        where that is negative, the largest (algebraic) eigenvalue, what is read
+        as sharpness, is recorded beside it (Lanczos converges both ends of the
+        spectrum; its error is within ``rtol * |HessMaxEV| + atol``).
+        """
+        value = self._largest.pop(global_step, None)
+        return {} if value is None else {f"{self.key}{LARGEST_SUFFIX}": value}
+
+    def abort_step(self, global_step: int) -> None:
+        """Forget the step's shared solve and companions."""
+        self._solved.pop(global_step, None)
+        self._largest.pop(global_step, None)
+        super().abort_step(global_step)
 
     def _start_vector(self, global_step: int, dim: int) -> Tensor:
         generator = torch.Generator().manual_seed(self.seed + global_step)
@@ -460,12 +606,13 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         return previous.reshape(-1) / norm + self.WARM_START_NOISE * noise
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the warm-start vector (flat, or ``None``)."""
-        return {"previous": self._previous}
+        """Return the warm-start vector (flat, or ``None``) and the trace's share."""
+        return {"previous": self._previous, "residual_share": self.residual_share}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the warm-start vector."""
+        """Restore the warm-start vector and the trace's share."""
         self._previous = state.get("previous")
+        self.residual_share = state.get("residual_share")
 
 
 def _unit_sum(rows: Tensor) -> Tensor:

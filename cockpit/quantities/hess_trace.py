@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cockpit import attention
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
@@ -42,6 +43,17 @@ class HessTrace(SingleStepQuantity):
         self.curvature = curvature
 
     _curvature = Alias102("curvature")  # 1.0.2's name
+
+    def bind(self, history) -> None:
+        """Also let fused attention be differentiated twice (:mod:`cockpit.attention`).
+
+        The Hessian's estimate differentiates the gradient again; the exact
+        diagonals of BackPACK and the GGN choices need no such pass.
+        """
+        super().bind(history)
+        if self.curvature == "diag_h" and not getattr(self, "_holds_attention", False):
+            self._holds_attention = True
+            attention.hold(self)
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum the parameter's curvature diagonal."""

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from cockpit import attention
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
@@ -247,6 +248,13 @@ class TICTrace(_TIC):
             frozenset({Need.DIAG_H}) if curvature == "diag_h" else frozenset()
         )
         self._errors: dict[int, float] = {}
+
+    def bind(self, history) -> None:
+        """Also let fused attention be differentiated twice (``cockpit.attention``)."""
+        super().bind(history)
+        if self.estimable and not getattr(self, "_holds_attention", False):
+            self._holds_attention = True
+            attention.hold(self)
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum this parameter's second moment and curvature (each where shown)."""

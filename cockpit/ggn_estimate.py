@@ -1,0 +1,210 @@
+"""The generalised Gauss-Newton of a cross-entropy loss, estimated on any model.
+
+BackPACK forms the GGN's diagonal only for models it can backpropagate through.
+For the rest, the GGN of a loss built on log-probabilities is estimated from
+first-order passes alone (no second derivative of the network, so fused attention
+needs nothing special):
+
+The loss ``L`` is read off its autograd graph: it must reach the parameters only
+through one ``log_softmax`` (``F.cross_entropy``, ``nn.CrossEntropyLoss``, a custom
+sequence loss) and be linear in its output ``log p`` (checked: the second
+derivative of ``L`` with respect to ``log p`` vanishes). Then
+``L = sum_r w_r^T log p_r`` over the rows ``r`` (tokens, samples) with
+``w_r = dL / d log p_r``, and since every component of ``log_softmax`` has the
+Hessian ``-(diag p - p p^T)`` in the logits ``z``, the GGN is exactly::
+
+    G = sum_r c_r J_r^T (diag p_r - p_r p_r^T) J_r,   c_r = -sum_k w_rk >= 0
+
+(any label smoothing, class weights or ignored rows are in ``c_r``). With a label
+``y_r`` drawn from ``p_r``, ``s_r = sqrt(c_r) (p_r - e_{y_r})`` has
+``E[s_r s_r^T] = c_r (diag p_r - p_r p_r^T)``, and ``v = sum_r J_r^T s_r`` is one
+vector-Jacobian product, from ``log p`` with ``-sqrt(c_r) e_{y_r}`` (the backward of
+``log_softmax`` turns it into ``s_r``). Rows are drawn independently and ``s_r`` has
+mean zero, so ``E[v o v] = diag(G)``: the Monte-Carlo GGN, averaged over ``samples``
+draws (one batched backward pass). Each draw's per-parameter ``||v_p||**2`` is an
+unbiased trace; their spread is the standard error.
+
+Not used by any quantity yet: tested against the dense float64 GGN
+(``tests/test_ggn_estimate.py``), to be wired in as a curvature source for
+HessTrace / TIC where the Hessian cannot be formed or is too noisy.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from cockpit.precision import compute_dtype, upcast
+from cockpit.trace_estimators import TraceEstimate, _block_sums, _split
+
+#: Draws of the Monte-Carlo GGN per step (``2 * Cockpit.HUTCHINSON_PROBES``: a draw
+#: is one backward pass, a Hessian-vector product about two).
+SAMPLES_PER_PROBE = 2
+
+
+class NotCrossEntropy(ValueError):
+    """The loss is not one the GGN estimate can read (the message says why)."""
+
+
+def _walk(root, stop=None):
+    """The nodes of the graph below ``root`` (not below ``stop``)."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        if node is not stop:
+            stack.extend(child for child, _ in node.next_functions)
+
+
+def log_probabilities(loss: Tensor, params: Sequence[Tensor]) -> tuple[Tensor, int]:
+    """The ``log_softmax`` output that ``loss`` reaches the parameters through.
+
+    Returns:
+        ``(log p, class dimension)``.
+
+    Raises:
+        NotCrossEntropy: Without exactly one ``log_softmax``, or where the loss
+            reaches a parameter another way (a penalty on the weights).
+    """
+    nodes = [
+        n for n in _walk(loss.grad_fn) if type(n).__name__ == "LogSoftmaxBackward0"
+    ]
+    if len(nodes) != 1:
+        raise NotCrossEntropy(
+            f"its loss has {len(nodes)} log_softmax operations in its graph, not "
+            "one (the GGN estimate needs a cross-entropy loss on the model's logits)"
+        )
+    (node,) = nodes
+    wanted = {id(p) for p in params}
+    for other in _walk(loss.grad_fn, stop=node):
+        variable = getattr(other, "variable", None)
+        if other is not node and variable is not None and id(variable) in wanted:
+            raise NotCrossEntropy(
+                "its loss depends on parameters other than through the model's "
+                "log-probabilities (e.g. a penalty on the weights), whose curvature "
+                "the GGN estimate leaves out"
+            )
+    log_p = node._saved_result
+    dim = node._saved_dim % log_p.dim()
+    return log_p, dim
+
+
+def row_weights(loss: Tensor, log_p: Tensor, dim: int) -> Tensor:
+    """``c_r = -sum_k dL / d log p_rk`` per row, checking ``L`` is linear in ``log p``.
+
+    Raises:
+        NotCrossEntropy: If ``L`` is not linear in ``log p`` or a weight is negative.
+    """
+    (grad,) = torch.autograd.grad(loss, log_p, retain_graph=True, create_graph=True)
+    if grad.grad_fn is not None:
+        direction = torch.randn_like(log_p)
+        (second,) = torch.autograd.grad(
+            grad, log_p, direction, retain_graph=True, allow_unused=True
+        )
+        if second is not None and bool(second.abs().max() > 0):
+            raise NotCrossEntropy(
+                "its loss is not linear in the log-probabilities (e.g. a focal "
+                "loss), so the GGN is not that of a cross-entropy"
+            )
+    weights = -grad.detach().sum(dim)
+    scale = float(grad.detach().abs().max())
+    if bool((weights < -1e-6 * scale).any()):
+        raise NotCrossEntropy(
+            "its loss has negative weights on log-probabilities, so its GGN is not "
+            "positive semi-definite"
+        )
+    return weights.clamp(min=0)
+
+
+def monte_carlo_ggn(
+    loss: Tensor,
+    params: Sequence[Tensor],
+    samples: int,
+    generator,
+    chunk: int = 4,
+) -> TraceEstimate:
+    """Estimate the GGN's diagonal of ``loss`` (see the module).
+
+    The graph of ``loss`` is kept (``retain_graph``) for the user's backward pass.
+
+    Args:
+        loss: The mini-batch loss, with its graph.
+        params: The parameters.
+        samples: Monte-Carlo draws (at least 2).
+        generator: Random source of the drawn labels (CPU).
+        chunk: Draws per batched backward pass (memory: ``chunk`` gradients).
+
+    Returns:
+        The estimate (``traces``: per draw, each parameter's ``||v_p||**2``).
+
+    Raises:
+        NotCrossEntropy: Where the loss is not a cross-entropy on log-probabilities.
+    """
+    samples = max(2, int(samples))
+    log_p, dim = log_probabilities(loss, params)
+    weights = row_weights(loss, log_p, dim)
+    moved = log_p.detach().movedim(dim, -1)
+    classes = moved.shape[-1]
+    probs = moved.reshape(-1, classes).to("cpu", torch.float64).exp()
+    root = weights.reshape(-1).to("cpu", torch.float64).sqrt()
+    sizes = [p.numel() for p in params]
+    shapes = [p.shape for p in params]
+    totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) for p in params]
+    traces = []
+    done = 0
+    while done < samples:
+        count = min(chunk, samples - done)
+        labels = torch.multinomial(probs, count, replacement=True, generator=generator)
+        outputs = torch.zeros(count, probs.shape[0], classes, dtype=torch.float64)
+        outputs.scatter_(2, labels.T.unsqueeze(2), -root.expand(count, -1).unsqueeze(2))
+        outputs = outputs.reshape(count, *moved.shape).movedim(-1, dim + 1)
+        outputs = outputs.to(device=log_p.device, dtype=log_p.dtype)
+        grads = _vector_jacobian(log_p, params, outputs)
+        for draw in range(count):
+            flat = []
+            for k, grad in enumerate(grads):
+                g = grad[draw] if grad is not None else torch.zeros_like(params[k])
+                square = upcast(g.detach()) ** 2
+                totals[k] += square
+                flat.append(square.reshape(-1))
+            traces.append(_block_sums(torch.cat(flat), sizes))
+        done += count
+    return TraceEstimate(
+        _split(torch.cat([t.reshape(-1) for t in totals]) / samples, shapes),
+        torch.stack(traces),
+        samples,
+        ggn_method(samples),
+    )
+
+
+def _vector_jacobian(log_p: Tensor, params, outputs: Tensor):
+    """Products of ``outputs`` (batched) with ``d log p / d params``, per draw."""
+    try:
+        return torch.autograd.grad(
+            log_p, params, outputs, retain_graph=True, allow_unused=True,
+            is_grads_batched=True,
+        )  # fmt: skip
+    except RuntimeError as error:  # an operator without a batching rule
+        if "vmap" not in str(error) and "batch" not in str(error).lower():
+            raise
+    rows = [
+        torch.autograd.grad(log_p, params, o, retain_graph=True, allow_unused=True)
+        for o in outputs
+    ]
+    return tuple(
+        None if pieces[0] is None else torch.stack(pieces)
+        for pieces in zip(*rows, strict=True)
+    )
+
+
+def ggn_method(samples: int) -> str:
+    """How a GGN estimate is made (the coverage report's words)."""
+    return (
+        f"Monte-Carlo GGN of the cross-entropy, {samples} drawn labels (one backward "
+        "pass each)"
+    )
