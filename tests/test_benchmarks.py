@@ -273,7 +273,8 @@ def test_any_model_benchmark_checks_the_engine_and_records_goals(tmp_path):
     proc = subprocess.run(
         [
             sys.executable, "-m", "benchmarks.any_model", "--quick",
-            "--configs", "economy,full", "--members", "", "--out", str(raw),
+            "--configs", "economy,full", "--members", "", "--memory-batches", "8",
+            "--out", str(raw),
         ],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -297,7 +298,7 @@ def test_any_model_benchmark_checks_the_engine_and_records_goals(tmp_path):
     assert engine["agreement"]["max_abs_diff"] <= engine["agreement"]["atol"]
     assert engine["default"]["ratio"] > 0 and engine["default"]["fwd_bwd_ratio"] > 0
     assert set(engine["chunks"]) == {"1"}
-    assert set(saved["memory"]) == {"8", "16"}
+    assert set(saved["memory"]) == {"8"}
     for row in saved["memory"].values():
         assert set(row) == {"plain", "economy", "engine", "vmap"}
         assert all(r["peak_rss_mib"] > 0 for r in row.values())
