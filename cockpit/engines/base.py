@@ -121,6 +121,8 @@ class EngineStep:
         needs: What the quantities of the step need (all of them: before a step).
         plan: The step's plan (``None`` for routes from the structure alone).
         user: The user's extra extensions of the step.
+        quiet: ``() -> context`` for an engine's own extra backward passes before
+            the user's (the other engines' hooks keep still), or ``None``.
     """
 
     global_step: int
@@ -135,6 +137,7 @@ class EngineStep:
     needs: frozenset = frozenset()
     plan: Any = None
     user: tuple = ()
+    quiet: Callable[[], Any] | None = None
 
 
 class Engine:
