@@ -316,6 +316,91 @@ def _cockpit_file() -> str:
     return cockpit.__file__
 
 
+def child_parts(args) -> dict:
+    """Each part of the per-sample work alone, against the plain step (the floors).
+
+    One tracked step keeps every parameter's per-sample results (as the engines
+    hand them on); then, interleaved with plain steps, each part runs alone over all
+    parameters: ``projections`` (``g_i . d`` onto a random direction ``d``: the step
+    after a tracked step), ``norms`` (``||g_i||^2``: Variance and NormTest),
+    ``form`` (every ``g_i`` formed, one parameter at a time) and ``histogram``
+    (GradHist1d's counts of formed values).
+    """
+    import torch
+
+    from cockpit import Cockpit
+    from cockpit.needs import Need
+    from cockpit.quantities.base import SingleStepQuantity
+    from cockpit.quantities.batch_statistics import PerParameter
+    from cockpit.quantities.grad_hist import histogram_1d, histogram_edges
+
+    load, batches = setup(args)
+    kept = {}
+
+    class Keep(SingleStepQuantity):
+        needs = frozenset({Need.PROJECTIONS})
+        Accumulator = PerParameter
+
+        def accumulate(self, global_step, view):
+            kept[view.index] = view.keep_individual()
+
+        def _compute(self, global_step, ctx):
+            return 0.0
+
+    plain = Variant("plain", load, batches)
+    tracked = Variant("plain", load, batches)
+    tracked.kind = "tracked"
+    from backpack import extend
+
+    tracked.model = extend(tracked.model)
+    tracked.loss_fn = extend(copy.deepcopy(load.loss_fn))
+    tracked.cockpit = Cockpit(tracked.model.parameters(), [Keep(every_step)])
+    tracked.optimizer = torch.optim.SGD(tracked.model.parameters(), lr=0.01)
+    tracked.step()
+    params = list(tracked.model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    directions = [torch.randn(p.shape, generator=gen) for p in params]
+    edges = histogram_edges(-2.0, 2.0, 100).to(torch.float32)
+    formed = {}
+
+    def projections():
+        for i, individual in kept.items():
+            individual.project(directions[i])
+
+    def norms():
+        for individual in kept.values():
+            individual.batch_l2()
+
+    def form():
+        for individual in kept.values():
+            for _ in individual.chunks(1 << 62):
+                pass
+
+    def histogram():
+        for i, individual in kept.items():
+            if i not in formed:
+                formed[i] = next(iter(individual.chunks(1 << 62)))
+            histogram_1d(formed[i], edges, (-2.0, 2.0))
+
+    parts = {"projections": projections, "norms": norms, "form": form}
+    parts["histogram"] = histogram
+    histogram()  # forms the values once, outside the timing
+    times = {k: [] for k in ("plain", *parts)}
+    for index in range(args.warmup + args.rounds):
+        for name, fn in (("plain", plain.step), *parts.items()):
+            cpu, _ = _timed(fn)
+            if index >= args.warmup:
+                times[name].append(cpu)
+    base = statistics.median(times["plain"])
+    return {
+        "times": times,
+        "ratio_cpu": {k: statistics.median(v) / base for k, v in times.items()},
+        "engines": _engines(tracked.cockpit),
+        "parameters": load.parameters,
+        "cockpit_file": _cockpit_file(),
+    }
+
+
 def child_memory(args) -> dict:
     """Peak RSS of a process running steps of one variant only."""
     load, batches = setup(args)
@@ -336,7 +421,7 @@ def child_memory(args) -> dict:
 def child_main(argv) -> None:
     """Measure in this process and print one result line."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.real_models_speed")
-    parser.add_argument("--child", choices=("time", "memory"), required=True)
+    parser.add_argument("--child", choices=("time", "memory", "parts"), required=True)
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--variants", required=True)
@@ -350,7 +435,8 @@ def child_main(argv) -> None:
     from benchmarks.measure import emit
 
     with contextlib.redirect_stdout(sys.stderr):  # the library's prints
-        result = child_time(args) if args.child == "time" else child_memory(args)
+        child = {"time": child_time, "memory": child_memory, "parts": child_parts}
+        result = child[args.child](args)
     emit(result)
 
 

@@ -455,13 +455,20 @@ class OuterTerm:
         return out
 
     def project(self, direction: Tensor) -> Tensor:
-        """``b_i . direction`` for every sample (``direction``: ``[R, C]``)."""
+        """``b_i . direction`` for every sample (``direction``: ``[R, C]``).
+
+        ``sum_t rows_it . (direction cols_it)``: one product of the size of the
+        layer's forward pass, mapped to the smaller of the two sides.
+        """
         direction = direction.to(self.cols.dtype)
         if self.indexed:
             picked = direction[self.rows]  # [N, T, C]
             return (picked * self.cols).sum(dim=(1, 2))
-        mapped = self.cols @ direction.T  # [N, T, R]
-        return (mapped * self.rows).sum(dim=(1, 2))
+        if self.num_rows < self.cols.shape[-1]:
+            mapped, other = self.cols @ direction.T, self.rows  # [N, T, R]
+        else:
+            mapped, other = self.rows @ direction, self.cols  # [N, T, C]
+        return mapped.mul_(other).sum(dim=(1, 2))
 
     def total(self) -> Tensor:
         """``sum_i b_i``, ``[R, C]``."""

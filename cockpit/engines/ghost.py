@@ -222,6 +222,30 @@ def layer_of(module: Module) -> Layer | None:
 _CONV1D = Conv1DLayer()
 
 
+class _Hook:
+    """The forward hook; a copied or pickled model gets an inert one."""
+
+    def __init__(self, engine):
+        self.engine = weakref.ref(engine)
+
+    def __call__(self, module, args, kwargs, output):
+        engine = self.engine()
+        if engine is not None:
+            engine.record(module, args, kwargs, output)
+
+    def __reduce__(self):
+        return (_no_hook, ())
+
+
+def _inert(*args, **kwargs):
+    """What a copied forward hook becomes: nothing."""
+    return None
+
+
+def _no_hook():
+    return _inert
+
+
 # --- calls ----------------------------------------------------------------------------
 class Call:
     """One call of a watched layer: its input, and the gradient at its output.
@@ -309,7 +333,7 @@ class GhostEngine(Engine):
                         watched[id(module)] = module
         self._calls: dict[int, list] = {key: [] for key in watched}
         self._handles = [
-            module.register_forward_hook(self._record, with_kwargs=True)
+            module.register_forward_hook(_Hook(self), with_kwargs=True)
             for module in watched.values()
         ]
         self._probed: dict[tuple, bool] = {}
@@ -324,7 +348,8 @@ class GhostEngine(Engine):
         self._failures: list[str] = []
 
     # --- the forward pass -------------------------------------------------------------
-    def _record(self, module, args, kwargs, output) -> None:
+    def record(self, module, args, kwargs, output) -> None:
+        """The forward hook: keep the call's input, listen at its output."""
         if not torch.is_grad_enabled() or _in_transform():
             return
         if not isinstance(output, Tensor) or output.grad_fn is None:
@@ -362,6 +387,7 @@ class GhostEngine(Engine):
                 Why.NO_RULE,
                 f"the ghost engine has no rule for {names} (it serves Linear, "
                 "Conv1D, Embedding, LayerNorm and RMSNorm)",
+                passive=True,
             )
         for module, _, layer in self._owners[index]:
             problem = layer.problem(module)
