@@ -196,7 +196,49 @@ class NormLayer(Layer):
         return delta.sum(dim=axes) if axes else delta
 
 
+class ScaleLayer(Layer):
+    """Another library's normalisation layer: ``y = w * f(x)`` elementwise.
+
+    Hugging Face's ``LlamaRMSNorm`` and ``T5LayerNorm``, for example: a module
+    whose class name ends in ``RMSNorm`` or ``LayerNorm``, with the one parameter
+    ``weight`` and no children. ``f(x)`` is the module's own ``forward`` with the
+    weight set to ones (no hooks run); the engine serves it only after checking,
+    for each module and input shape, that its output equals ``w * f(x)`` to
+    rounding (:meth:`GhostEngine.record`), so ``(1 + w) * f(x)`` and the like go
+    to the other engines.
+    """
+
+    params = ("weight",)
+
+    @staticmethod
+    def base(module: Module, x: Tensor) -> Tensor:
+        """``f(x)``: the module's forward with its weight set to ones."""
+        weight = module._parameters["weight"]
+        module._parameters["weight"] = torch.ones_like(weight.detach())
+        try:
+            with torch.no_grad():
+                return module.forward(x)
+        finally:
+            module._parameters["weight"] = weight
+
+    def fits(self, module: Module, x: Tensor, output: Tensor) -> bool:
+        """Whether ``output == weight * f(x)`` to rounding."""
+        with torch.no_grad():
+            want = module.weight * self.base(module, x)
+            if want.shape != output.shape or want.dtype != output.dtype:
+                return False
+            eps = torch.finfo(output.dtype).eps
+            return bool(torch.allclose(output, want, rtol=8 * eps, atol=0.0))
+
+    def term(self, module, attribute, x, delta):
+        """``sum_t delta * f(x)``, per sample."""
+        delta = delta * self.base(module, x)
+        axes = tuple(range(1, delta.dim() - module.weight.dim()))
+        return delta.sum(dim=axes) if axes else delta
+
+
 _NORM = NormLayer()
+_SCALE = ScaleLayer()
 #: Exact module types served, with their rules.
 LAYERS: dict[type, Layer] = {
     torch.nn.Linear: LinearLayer(),
@@ -216,6 +258,11 @@ def layer_of(module: Module) -> Layer | None:
     conv1d = getattr(pytorch_utils, "Conv1D", None)
     if conv1d is not None and type(module) is conv1d:
         return _CONV1D
+    name = type(module).__name__
+    if name.endswith(("RMSNorm", "LayerNorm")) and not module._modules:
+        own = list(module._parameters.items())
+        if [n for n, _ in own] == ["weight"] and own[0][1] is not None:
+            return _SCALE
     return None
 
 
@@ -337,6 +384,8 @@ class GhostEngine(Engine):
             for module in watched.values()
         ]
         self._probed: dict[tuple, bool] = {}
+        #: (module, input shape, dtype) -> whether ``y = w * f(x)`` (ScaleLayer).
+        self._scales: dict[tuple, bool] = {}
         self._listening = False
         self._probe: dict | None = None
         self._step: EngineStep | None = None
@@ -358,6 +407,10 @@ class GhostEngine(Engine):
         x = _first_tensor(args, kwargs, layer.input_name)
         if x is None:
             return
+        if layer is _SCALE:
+            key = (id(module), tuple(x.shape), x.dtype)
+            if key not in self._scales:
+                self._scales[key] = _SCALE.fits(module, x, output)
         call = Call(self, module, x, output.grad_fn, _autocast_on())
         output.register_hook(call.receive)
         calls = self._calls[id(module)]
@@ -386,7 +439,7 @@ class GhostEngine(Engine):
             return Decline(
                 Why.NO_RULE,
                 f"the ghost engine has no rule for {names} (it serves Linear, "
-                "Conv1D, Embedding, LayerNorm and RMSNorm)",
+                "Conv1D, Embedding, LayerNorm and RMSNorm layers)",
                 passive=True,
             )
         for module, _, layer in self._owners[index]:
@@ -465,6 +518,13 @@ class GhostEngine(Engine):
         for call in calls:
             if call.autocast:
                 return None, Decline(Why.AUTOCAST, Why.AUTOCAST.value)
+            key = (id(call.module), tuple(call.x.shape), call.x.dtype)
+            if layer_of(call.module) is _SCALE and not self._scales.get(key):
+                return None, Decline(
+                    Why.NO_RULE,
+                    f"the output of {describe(call.module)} is not its weight "
+                    "times a function of its input",
+                )
             size = call.x.shape[0] if call.x.dim() else "none"
             if size == 1 and n is not None and n > 1:
                 decline = self._broadcast(step, call, n)
