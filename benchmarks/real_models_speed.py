@@ -85,8 +85,9 @@ LIGHT = ("vmap", "vnt", "economy", "tracked", "after")
 #: Variants timed in few rounds (tens of seconds per GPT-2 step).
 HEAVY = ("business", "full")
 VARIANTS = ("plain", *LIGHT, *HEAVY)
-#: Variants of the memory children.
-MEMORY = ("plain", "vmap", "vnt", "economy", "after")
+#: Variants of the memory children (``extended``: plain steps of the extended
+#: model, what ``backpack.extend`` alone costs).
+MEMORY = ("plain", "extended", "vmap", "vnt", "economy", "after")
 #: Cockpit quantities of each cockpit variant.
 COCKPIT = {
     "vnt": ("Variance", "NormTest"),
@@ -136,11 +137,12 @@ class Variant:
         self.model = copy.deepcopy(load.model)
         self.steps = 0
         self.cockpit = None
-        if kind in COCKPIT:
+        if kind in COCKPIT or kind == "extended":
             from backpack import extend
 
             self.model = extend(self.model)
             self.loss_fn = extend(copy.deepcopy(load.loss_fn))
+        if kind in COCKPIT:
             self.cockpit = make_cockpit(self.model, COCKPIT[kind], kind)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         if kind == "vmap":
@@ -149,9 +151,10 @@ class Variant:
     def step(self) -> None:
         """One training step of this variant."""
         x, y = self.batches(self.steps)
-        if self.kind == "plain":
+        if self.kind in ("plain", "extended"):
+            loss_fn = self.loss_fn if self.kind == "extended" else self.load.loss_fn
             self.optimizer.zero_grad()
-            self.load.loss_fn(self.load.logits(self.model(x)), y).backward()
+            loss_fn(self.load.logits(self.model(x)), y).backward()
             self.optimizer.step()
         elif self.kind == "vmap":
             self.step_fn(x, y)

@@ -379,3 +379,17 @@ def test_variance_alone_forms_no_per_sample_gradient_and_nothing_stays(monkeypat
     assert len(inputs) == 4 and all(ref() is None for ref in inputs)  # none kept
     run(mixed_problem(), [Q.GradHist1d(linear(1))], steps=1)
     assert formed  # the histogram reads the elements
+
+
+def test_a_second_backward_pass_in_the_step_leaves_it_without_values():
+    problem = mixed_problem()
+    cockpit = Cockpit(problem.params, [Q.Variance(linear(1))])
+    x, y = problem.make_batch(0)
+    out = problem.model(x)
+    losses = problem.individual_loss_fn(out, y)
+    loss = losses.mean()
+    with pytest.warns(CockpitWarning, match="several backward passes"):
+        with cockpit(0, info={"loss": loss, "individual_losses": losses}):
+            loss.backward(retain_graph=True)
+            loss.backward()
+    assert "Variance" in cockpit.get_output()[0]["missing"]

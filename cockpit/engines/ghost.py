@@ -302,7 +302,8 @@ class Call:
     """
 
     __slots__ = ("module", "x", "node", "autocast", "delta", "engine",
-                 "consumer", "handle", "passed", "__weakref__")  # fmt: skip
+                 "consumer", "handle", "passed", "pending",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self, engine, module: Module, x: Tensor, node, autocast: bool):
         self.engine = weakref.ref(engine)
@@ -317,6 +318,8 @@ class Call:
         self.handle = None
         #: A backward pass the engine did not listen to went through the call.
         self.passed = False
+        #: Served parameters still to be shown that read this call.
+        self.pending: set[int] = set()
 
     def receive(self, grad: Tensor) -> None:
         """The output's tensor hook: keep ``delta`` if the engine is listening."""
@@ -395,6 +398,7 @@ class GhostEngine(Engine):
         self._dense = False
         self._batchnorms: list | None = None
         self._failures: list[str] = []
+        self._shown: set[int] = set()
 
     # --- the forward pass -------------------------------------------------------------
     def record(self, module, args, kwargs, output) -> None:
@@ -654,9 +658,12 @@ class GhostEngine(Engine):
                 calls += [c for c in self._live_calls(module) if c.node in step.nodes]
             served.calls[index] = calls
             served.attribute[index] = self._owners[index]
+            for call in calls:
+                call.pending.add(index)
         self._step, self._served = step, served
         self._dense = bool(step.needs & ELEMENT_NEEDS)
         self._failures = []
+        self._shown: set[int] = set()
         self._listening = True
         for index in indices:
             hook = self._leaf_hook(index)
@@ -679,6 +686,10 @@ class GhostEngine(Engine):
 
     def _show(self, index: int, grad: Tensor) -> None:
         step, served = self._step, self._served
+        if index in self._shown:  # a second backward pass in the step: say so
+            step.show(index, ParamResults())
+            return
+        self._shown.add(index)
         calls = served.calls.get(index, [])
         param = self.params[index]
         if any(c.delta is None for c in calls):
@@ -690,6 +701,10 @@ class GhostEngine(Engine):
         with torch.no_grad():
             results = self._results(index, calls, grad.detach())
         step.show(index, results)
+        for call in calls:  # free a layer's input and gradient once it is done
+            call.pending.discard(index)
+            if not call.pending:
+                call.release()
 
     def _results(self, index: int, calls: list[Call], grad: Tensor) -> ParamResults:
         param = self.params[index]
