@@ -114,6 +114,7 @@ def _demo(args: argparse.Namespace) -> int:
         quantities,
         logpath=os.path.join(out, "log"),
         steps=args.steps,
+        lr=args.lr,
         progress=not args.no_progress,
         dashboard=os.path.join(out, "dashboard.png"),
         live_every=args.live,
@@ -124,36 +125,95 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _log_title(args: argparse.Namespace) -> str:
-    return args.title or f"Cockpit: {os.path.basename(os.fspath(args.log))}"
+    log = args.log[0] if isinstance(args.log, list) else args.log
+    return args.title or f"Cockpit: {os.path.basename(os.fspath(log))}"
 
 
-def _default_output(log: str, suffix: str) -> str:
-    stem = os.path.splitext(os.path.basename(log))[0] or "cockpit"
-    return os.path.join(os.path.dirname(log), f"{stem}_dashboard{suffix}")
+def _default_output(logs: str | list[str], suffix: str) -> str:
+    """``<stem>_dashboard<suffix>`` next to the (first) log; ``a_vs_b_...`` for two."""
+    logs = [logs] if isinstance(logs, str) else logs
+    stems = [os.path.splitext(os.path.basename(log))[0] or "cockpit" for log in logs]
+    stem = stems[0]
+    if len(stems) == 2:
+        stem = f"{stems[0]}_vs_{stems[1]}"
+    elif len(stems) > 2:
+        stem = f"{stems[0]}_and_{len(stems) - 1}_more"
+    return os.path.join(os.path.dirname(logs[0]), f"{stem}_dashboard{suffix}")
+
+
+def _run_labels(logs: list[str], labels: list[str] | None) -> list[str]:
+    """The names of the runs of ``logs``: ``--label`` or the file names."""
+    from cockpit.plotting.runs import check_labels, default_labels
+
+    try:
+        return check_labels(labels, len(logs)) or default_labels(logs)
+    except ValueError as error:
+        raise _UserError(f"--label: {error}") from None
+
+
+def _html_path(path: str) -> str:
+    if not os.path.basename(path) or os.path.isdir(path):
+        raise _UserError(
+            f"{path}: is a folder. Fix: give --html a file name, e.g. "
+            f"{os.path.join(path, 'dashboard.html')}."
+        )
+    return path if os.path.splitext(path)[1] else path + ".html"
 
 
 def _plot(args: argparse.Namespace) -> int:
+    logs = list(args.log)
     # step by step, keeping only what is drawn; before importing matplotlib: bad
     # files fail fast
-    history = open_log(args.log, latest=True, upto=args.discard)
+    histories = [open_log(log, latest=True, upto=args.discard) for log in logs]
+    labels = _run_labels(logs, args.label)
     from cockpit.plotting import CockpitPlotter
 
-    out = _image_path(args.output or _default_output(args.log, ".png"), "-o")
+    several = len(logs) > 1
+    html = _html_path(args.html) if args.html is not None else None
+    out = None
+    if args.output is not None or html is None:
+        out = _image_path(args.output or _default_output(logs, ".png"), "-o")
     secondary = args.secondary
     if secondary is not None:
         secondary = _image_path(secondary, "--secondary")
-    plotter = CockpitPlotter(secondary_screen=args.secondary is not None)
-    plotter.plot(
-        history,
-        show_plot=False,
-        show_log_iter=args.log_iter,
-        discard=args.discard,
-        plot_title=_log_title(args),
-    )
-    kwargs = {} if args.dpi is None else {"dpi": args.dpi}
-    for path in plotter.save(out, secondary, **kwargs):
-        print(f"dashboard written to {path}")
+    plotter = CockpitPlotter(secondary_screen=secondary is not None)
+    source = histories if several else histories[0]
+    options = {
+        "discard": args.discard,
+        "plot_title": args.title or (None if several else _log_title(args)),
+        "labels": labels if several else None,
+    }
+    plotter.load(source, **options)
+    if secondary is not None and not _secondary_has_data(plotter, secondary):
+        secondary = None
+    if out is not None or secondary is not None:
+        plotter.plot(source, show_plot=False, show_log_iter=args.log_iter, **options)
+        kwargs = {} if args.dpi is None else {"dpi": args.dpi}
+        for path in plotter.save(out, secondary, **kwargs):
+            print(f"dashboard written to {path}")
+    if html is not None:
+        print(f"HTML dashboard written to {plotter.write_html(html)}")
     return 0
+
+
+def _secondary_has_data(plotter, path: str) -> bool:
+    """Whether the secondary screen has a gauge to show; warns (one line) if not."""
+    import warnings
+
+    from cockpit.errors import CockpitWarning
+
+    _, _, aux, layers = plotter.layout()
+    if aux or layers:
+        return True
+    needs = ", ".join(hint.removeprefix("track ") for _, hint in
+                      plotter.left_out("secondary"))  # fmt: skip
+    warnings.warn(
+        f"{path} not written: the log has none of the secondary screen's quantities. "
+        f"Fix: track {needs} (e.g. add them to the configuration) and plot again.",
+        CockpitWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 def _timelapse(args: argparse.Namespace) -> int:
@@ -198,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="cockpit_demo", help="output folder")
     demo.add_argument("--steps", type=_POSITIVE_INT, default=200, help="training steps")
+    demo.add_argument(
+        "--lr", type=_POSITIVE, default=0.1, help="SGD learning rate (default 0.1)"
+    )
     demo.add_argument("--config", default="full", help="economy | business | full")
     demo.add_argument(
         "--interval", type=_POSITIVE_INT, default=1, help="track every k steps"
@@ -212,13 +275,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_demo)
 
-    plot = sub.add_parser("plot", help="draw the dashboard of a log to an image")
-    _add_view_options(plot)
+    plot = sub.add_parser(
+        "plot",
+        help="draw the dashboard of a log (or of several, side by side) to an image "
+        "or an interactive HTML file",
+    )
+    plot.add_argument(
+        "log",
+        nargs="+",
+        help="cockpit log(s) (.json, streamed, or 1.0.2 logs); several: one colour "
+        "per run, aligned by step",
+    )
+    plot.add_argument("--title", default=None, help="figure title")
+    plot.add_argument(
+        "--log-iter", action="store_true", help="logarithmic iteration axes"
+    )
+    plot.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="name of a run in the legends, once per log in order (default: the "
+        "file names)",
+    )
     plot.add_argument(
         "-o",
         "--output",
         default=None,
-        help="image file (default: <log>_dashboard.png next to the log)",
+        help="image file (default: <log>_dashboard.png next to the (first) log; "
+        "none with --html alone)",
+    )
+    plot.add_argument(
+        "--html",
+        default=None,
+        metavar="PATH",
+        help="also (or, without -o, only) write the interactive HTML dashboard: "
+        "one file, no server or network needed",
     )
     plot.add_argument(
         "--secondary",
@@ -312,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # a bug, or a log with values of an odd shape
             if os.environ.get("COCKPIT_TRACEBACK"):
                 raise
-            message = _unexpected_message(error, getattr(args, "log", None))
+            log = getattr(args, "log", None)
+            log = ", ".join(log) if isinstance(log, list) else log
+            message = _unexpected_message(error, log)
             print(f"cockpit {args.command}: error: {message}", file=sys.stderr)
             return EXIT_ERROR
 

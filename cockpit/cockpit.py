@@ -122,7 +122,6 @@ class Cockpit(Records):
     ):
         self.strict = bool(strict)
         self._communicator = distributed.communicator(process_group, timeout)
-        self._setup_checked = False
         #: This process's rank in the data-parallel group (0 in a single process).
         self.rank = self._communicator.rank if self._communicator is not None else 0
         size = self._communicator.size if self.data_parallel else None
@@ -150,6 +149,7 @@ class Cockpit(Records):
         self._router = Router(self.params)
         self._router.start()  # e.g. in-place modules off, replay watches on
         self._coverage: Coverage | None = None
+        self._said = False  # the coverage line
         self._plan: StepPlan | None = None
         self._open: StepRun | None = None
         self.last_step: int | None = None
@@ -260,11 +260,10 @@ class Cockpit(Records):
             )
         step_info = as_info(as_step(global_step), info)
         check_step_order(step_info.global_step, self.last_step)
-        if self.data_parallel and not self._setup_checked:
-            distributed.check_setup(
-                self._communicator, self.quantities, self.params, step_info.global_step
+        if self.data_parallel:  # a broken run raises; the set-up is compared once
+            self._communicator.begin(
+                self.quantities, self.params, step_info.global_step
             )
-            self._setup_checked = True
         if step_info.has("optimizer"):
             self.optimizer_name = type(step_info.get("optimizer")).__name__
         plan = self._loop.before(self.plan(step_info.global_step), step_info)
@@ -291,8 +290,6 @@ class Cockpit(Records):
         if run.coverage is None:
             return
         if self._coverage is None:
-            if self.is_writer:  # one line per run, not one per process
-                LOG.info(run.coverage.summary())
             self._coverage = run.coverage
         else:
             self._coverage = self._coverage.merged(run.coverage)
@@ -323,8 +320,13 @@ class Cockpit(Records):
             run.close()
             if run.coverage_changed:  # e.g. no double backward: now missing
                 self._merge_coverage(run)
+            if run.coverage is not None and self.is_writer and not self._said:
+                self._said = True  # once the first step is known in full
+                LOG.info(self._coverage.summary())  # one line per run
         finally:
             self._router.forget()  # the step's recorded module calls
+        if self.data_parallel and not run.plan.active:  # did another track it?
+            self._communicator.after_untracked(run.step)
         self.last_step = run.step
         self._loop.after(run.plan, run.info)
 

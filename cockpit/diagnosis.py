@@ -7,14 +7,14 @@ it together with the threshold, and the advice a practitioner would give. Text,
 Markdown and JSON (:mod:`cockpit.report`) are renderings of the same records.
 
 Checks and the signals they read (all part of the ``economy`` configuration, plus
-the ``nonfinite`` records of the Cockpit and ``learning_rate`` from
-:meth:`cockpit.Cockpit.log`, used as evidence only):
+the ``nonfinite`` records of the Cockpit and the learning rates it records, used as
+evidence and to see a warm-up):
 
 ============================  =====================================================
 id                            reads
 ============================  =====================================================
 ``nonfinite``                 ``nonfinite`` records, Loss
-``step_size_too_large``       Alpha, Loss (blow-ups and the severity)
+``step_size_too_large``       Alpha, Loss
 ``step_size_too_small``       UpdateSize, GradNorm, Loss (Alpha as a cross-check)
 ``inputs_misscaled``          GradHist1d (first tracked steps)
 ``vanishing_gradients``       GradNorm (per parameter; at least 4 tensors)
@@ -23,12 +23,25 @@ id                            reads
 ``loss_plateau``              Loss
 ============================  =====================================================
 
+Two kinds of evidence, so that the live diagnosis never says what the report of the
+whole run takes back:
+
+* **settled** evidence is a closed stretch of steps that later steps cannot undo: a
+  non-finite value, the loss at twice its starting level, the gradient norm grown
+  a hundredfold, the first tracked steps (inputs on the wrong scale, vanishing
+  gradients, steps far too large or too small from the start), a stretch of
+  overshooting steps without progress. Streaming detectors with bounded memory
+  find it; the live diagnosis (:class:`LiveDiagnosis`) warns about these only.
+* **whole-run** evidence holds only once the run is over: medians over the run,
+  "noise dominates throughout", "the loss has stopped improving". Only the report
+  of a finished run (:func:`diagnose`, ``cockpit report``) reads it.
+
+The report replays the same detectors over the whole history, so every finding
+the live diagnosis announced is in the report too; it may hold more.
+
 A check whose signals were not tracked (or hold too few steps) does not guess: the
 result then holds one ``info`` finding with id ``not_checked`` that names the
 checks and what they miss.
-
-Use it after a run (:func:`diagnose`, or ``cockpit report LOG``) or while training
-(:class:`LiveDiagnosis`, which the cockpit notifies after each tracked step).
 
 The thresholds (:class:`Thresholds`) were chosen on one set of runs and validated
 on another (``python -m benchmarks.diagnosis_validation``; ``docs/diagnosis.md``).
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,7 +63,8 @@ import numpy as np
 from cockpit.errors import CockpitWarning
 from cockpit.history import History, to_builtin
 from cockpit.log_files import open_log
-from cockpit.log_keys import NONFINITE_KEY
+from cockpit.log_keys import LEARNING_RATES_KEY, NONFINITE_KEY
+from cockpit.running_median import running_median
 
 #: Severities, mildest first.
 SEVERITIES = ("info", "warning", "error")
@@ -116,26 +131,34 @@ class Thresholds:
     """The thresholds of the checks (chosen on the tuning runs of the benchmark).
 
     Attributes:
-        alpha_large: Median Alpha over the run at or above this: steps overshoot
-            the minimum along the step direction (0 lands in it, 1 at the mirror
-            point, where the loss is as high as before the step).
-        alpha_stretch: Running median of Alpha (over a tenth of the run, at
-            least 5 steps) at or above this somewhere: a stretch of overshooting
-            steps (e.g. an unstable start that later settles).
-        loss_rise: A running median of 5 losses at or above this multiple of
-            the first tracked losses also counts as steps too large (error).
+        alpha_large: Median Alpha at or above this, over the whole run or over
+            its first ``start_steps`` tracked values: steps overshoot the minimum
+            along the step direction (0 lands in it, 1 at the mirror point, where
+            the loss is as high as before the step; runs that train best have a
+            median between about 0 and 0.3).
+        start_steps: How many of the first tracked values describe the start of
+            a run (Alpha, the relative loss decrease per step).
+        alpha_stretch: Median Alpha over ``stretch_steps`` consecutive tracked
+            values at or above this, while the loss did not go down over them: a
+            stretch of overshooting steps without progress.
+        stretch_steps: See ``alpha_stretch``.
+        loss_rise: The median of 5 consecutive tracked losses at or above this
+            multiple of the median of the first 3: steps too large (error).
         progress_small: Median of ``UpdateSize * GradNorm / |Loss|`` (a first-order
-            bound on the relative loss decrease per step) below this: steps too
-            small to make progress.
+            bound on the relative loss decrease per step), over the run or over its
+            first ``start_steps`` (while the learning rate did not rise), below
+            this: steps too small to make progress.
         edge_fraction: Fraction of individual gradient elements in the two edge
             bins of GradHist1d (beyond its range) in the first tracked steps, at or
             above this: inputs (or weights) on the wrong scale.
         edge_steps: How many of the first tracked histograms are looked at.
-        layer_ratio_small: Median ratio of the gradient norm of the first two
-            parameter tensors (input side) to that of the last two (output side)
-            below this: vanishing gradients.
-        growth: Rise of the gradient norm (peak of a 5-step running median over
-            the median of the first 5 tracked steps) at or above this: exploding
+        layer_ratio_small: Median over the first ``layer_steps`` tracked steps of
+            the ratio of the largest gradient norm among the first quarter of the
+            parameter tensors (input side) to the largest among the last quarter
+            (output side) below this: vanishing gradients.
+        layer_steps: See ``layer_ratio_small``.
+        growth: Rise of the gradient norm (the median of 5 consecutive tracked
+            values over the median of the first 5) at or above this: exploding
             gradients.
         noise_fraction: Smallest running median (over a tenth of the run, at
             least 5 steps) of NormTest squared (about the share of sampling noise
@@ -148,19 +171,22 @@ class Thresholds:
             converged).
         plateau_rise: A loss that rose by more than this share over the second
             half is diverging, not on a plateau (see ``step_size_too_large``).
-        min_steps: Fewest tracked values a check needs; a run that turned
-            non-finite needs only ``min_steps_nonfinite`` finite values before
-            (a blow-up leaves few).
+        min_steps: Fewest tracked values a whole-run check needs; a run that
+            turned non-finite needs only ``min_steps_nonfinite`` finite values
+            before (a blow-up leaves few).
         min_steps_nonfinite: See ``min_steps``.
     """
 
-    alpha_large: float = 0.5
+    alpha_large: float = 0.3
+    start_steps: int = 30
     alpha_stretch: float = 1.0
+    stretch_steps: int = 30
     loss_rise: float = 2.0
     progress_small: float = 1e-3
     edge_fraction: float = 0.01
     edge_steps: int = 3
     layer_ratio_small: float = 1e-3
+    layer_steps: int = 10
     growth: float = 100.0
     noise_fraction: float = 0.9
     plateau_improvement: float = 0.05
@@ -178,6 +204,15 @@ def _float(value: Any) -> float | None:
         return None
 
 
+def _largest(value: Any) -> float | None:
+    """The largest of a list of numbers (the learning rates of the groups)."""
+    try:
+        array = np.asarray(value, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        return None
+    return float(np.max(array)) if array.size else None
+
+
 def _total_norm(value: Any) -> float | None:
     """Root sum of squares of a per-parameter list (or a scalar)."""
     try:
@@ -191,17 +226,25 @@ def _total_norm(value: Any) -> float | None:
 
 
 def _layer_ratio(value: Any) -> float | None:
-    """Gradient norm of the first two tensors over that of the last two."""
+    """Largest gradient norm of the first quarter of the tensors over the last's.
+
+    A quarter is at least two tensors (four at least are needed). The largest
+    norm of each end, not the first and last tensors alone: a transformer's first
+    tensors can be a query and key whose gradients are tiny at initialisation
+    (uniform attention) while the value and embedding gradients next to them are
+    not; gradients vanish when every tensor near the input has a small one.
+    """
     try:
         array = np.asarray(value, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError):
         return None
     if array.size < 4 or not np.all(np.isfinite(array)):
         return None
-    first, last = np.hypot(*array[:2]), np.hypot(*array[-2:])
+    quarter = max(2, array.size // 4)
+    first, last = float(np.max(array[:quarter])), float(np.max(array[-quarter:]))
     if last <= 0:
         return None
-    return float(first / last)
+    return first / last
 
 
 def _edge_fraction(value: Any) -> float | None:
@@ -229,6 +272,7 @@ _EXTRACT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "inner_test": ("InnerTest", _float),
     "ortho_test": ("OrthoTest", _float),
     "learning_rate": ("learning_rate", _float),
+    "learning_rates": (LEARNING_RATES_KEY, _largest),
     "nonfinite": (NONFINITE_KEY, lambda v: [str(x) for x in (v or [])] or None),
 }
 
@@ -285,16 +329,16 @@ class Signals:
         return bool(self.steps.get(signal))
 
 
-# --- checks -------------------------
+# --- shared pieces -------------------------
 @dataclass(frozen=True)
 class _Outcome:
-    """What one check returned: a finding, or why it could not run."""
+    """What one whole-run check returned: a finding, or why it could not run."""
 
     finding: Finding | None = None
     missing: str | None = None
 
 
-def _span(steps: np.ndarray) -> tuple[int, int]:
+def _span(steps) -> tuple[int, int]:
     return (int(steps[0]), int(steps[-1])) if len(steps) else (0, 0)
 
 
@@ -306,16 +350,24 @@ def _round(value: float, digits: int = 4) -> float | None:
     return float(f"{value:.{digits}g}")
 
 
-def _lr_note(signals: Signals, evidence: dict[str, Any]) -> str:
-    """Add the logged learning rate to the evidence; return it as text ("" if none)."""
-    steps, lrs = signals.series("learning_rate")
-    finite = lrs[np.isfinite(lrs)]
-    if finite.size:
-        lo, hi = float(finite.min()), float(finite.max())
+def _lr_text(lrs: Sequence[float], evidence: dict[str, Any]) -> str:
+    """Add learning rates to the evidence; return them as text ("" if none)."""
+    finite = [float(v) for v in lrs if math.isfinite(v)]
+    if finite:
+        lo, hi = min(finite), max(finite)
         evidence["learning_rate"] = _round(hi) if lo == hi else [_round(lo), _round(hi)]
         return f"{lo:.3g}" if lo == hi else f"{lo:.3g} to {hi:.3g}"
-    evidence["learning_rate"] = "not logged (Cockpit.log)"
+    evidence["learning_rate"] = "not logged (pass the optimizer in info)"
     return ""
+
+
+def _lr_note(signals: Signals, evidence: dict[str, Any]) -> str:
+    """The run's learning rate (``Cockpit.log``'s, else the groups' largest)."""
+    for signal in ("learning_rate", "learning_rates"):
+        _, lrs = signals.series(signal)
+        if lrs.size:
+            return _lr_text(lrs, evidence)
+    return _lr_text([], evidence)
 
 
 def _window(n: int) -> int:
@@ -334,6 +386,545 @@ def _fewest(signals: Signals, th: Thresholds) -> int:
     return th.min_steps_nonfinite if _went_nonfinite(signals) else th.min_steps
 
 
+def _finite(steps: np.ndarray, values: np.ndarray):
+    keep = np.isfinite(values)
+    return steps[keep], values[keep]
+
+
+def _running_median(values: np.ndarray, width: int) -> np.ndarray:
+    # linear in the run's length (numpy's median of every window copies them all)
+    return running_median(values, width)
+
+
+def _finding(check_id: str, severity: str, steps, message: str, evidence, advice):
+    return Finding(check_id, severity, _span(steps), message, evidence, advice)
+
+
+_ADVICE = {
+    "nonfinite": (
+        "Lower the learning rate (a factor of 10 is a good first try), clip the "
+        "gradient norm (torch.nn.utils.clip_grad_norm_), and check the data and the "
+        "loss for NaN, log(0) or division by zero. If the gradient norm grew before "
+        "the first non-finite step, see exploding_gradients."
+    ),
+    "step_size_too_large": (
+        "Lower the learning rate, by a factor of 3 to 10 to start with, or add a "
+        "warm-up; runs with a median Alpha slightly above 0 (about 0 to 0.3) "
+        "train best (Cockpit paper, Fig. 5)."
+    ),
+    "step_size_too_small": (
+        "Raise the learning rate (try 10x, then bisect; Alpha slightly above 0 is a "
+        "good target), check that a scheduler has not decayed it to nearly 0 and that "
+        "the optimizer holds all parameters."
+    ),
+    "inputs_misscaled": (
+        "Standardise the inputs (subtract the mean, divide by the standard deviation "
+        "of the training set; for images e.g. divide by 255 and normalise per "
+        "channel). If they are standardised, check the weight initialisation."
+    ),
+    "vanishing_gradients": (
+        "Use non-saturating activations (ReLU, GELU) instead of sigmoid or tanh in "
+        "deep stacks, an initialisation matched to the activation (He/Kaiming for "
+        "ReLU), normalisation layers or residual connections; check for dead ReLUs "
+        "(a first layer with exactly zero gradient)."
+    ),
+    "exploding_gradients": (
+        "Clip the gradient norm (torch.nn.utils.clip_grad_norm_), lower the learning "
+        "rate, and for deep or recurrent networks use an initialisation that keeps "
+        "the scale across layers, normalisation layers or residual connections."
+    ),
+    "gradient_noise_dominates": (
+        "Increase the batch size (or accumulate gradients over several batches), "
+        "lower the learning rate or decay it; if the batch is already large, check "
+        "the labels for noise (shuffled or wrong targets)."
+    ),
+}
+
+_ALPHA_MEANING = (
+    "Alpha 0 lands in the minimum along the step, +1 at the point of equal height "
+    "on the other side"
+)
+
+
+# --- settled evidence: streaming detectors -------------------------
+class _Detector:
+    """Finds one kind of settled evidence in a stream of per-step signals.
+
+    Steps are fed in order (:meth:`add`); a signal's values arrive in step order,
+    though a value may come with a later call than the step's other values (Alpha
+    and UpdateSize belong to the step before the one that records them). Memory
+    is bounded: a few values of the first steps and a window of the latest.
+    Once found, the evidence is final: no later step can undo it.
+    """
+
+    check_id = ""
+
+    def __init__(self, th: Thresholds):
+        self.th = th
+        self.finding: Finding | None = None
+
+    def add(self, step: int, signals: Mapping[str, Any]) -> Finding | None:
+        """Take one step's signals; return the finding the first time it is made."""
+        if self.finding is not None:
+            return None
+        self.finding = self._add(step, signals)
+        return self.finding
+
+    def _add(self, step: int, signals: Mapping[str, Any]) -> Finding | None:
+        raise NotImplementedError
+
+
+class _Start:
+    """The first ``n`` finite values of one signal, with their steps."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.steps: list[int] = []
+        self.values: list[float] = []
+
+    def add(self, step: int, value: float) -> bool:
+        """Keep the value if the start is not full yet; return whether it is now."""
+        if len(self.values) < self.n and math.isfinite(value):
+            self.steps.append(step)
+            self.values.append(value)
+            return len(self.values) == self.n
+        return False
+
+    @property
+    def full(self) -> bool:
+        return len(self.values) == self.n
+
+
+class _Recent:
+    """The latest values of one signal by step (for lookups by other detectors)."""
+
+    def __init__(self, size: int):
+        self.by_step: dict[int, float] = {}
+        self.order: deque[int] = deque()
+        self.size = size
+
+    def add(self, step: int, value: float) -> None:
+        if step not in self.by_step:
+            self.order.append(step)
+        self.by_step[step] = value
+        while len(self.order) > self.size:
+            self.by_step.pop(self.order.popleft(), None)
+
+    def at(self, steps: Iterable[int]) -> list[float]:
+        return [self.by_step[s] for s in steps if s in self.by_step]
+
+
+def _loss_went_up(losses: Sequence[float]) -> bool:
+    """Whether the last quarter of the losses is higher than the first quarter."""
+    finite = [v for v in losses if math.isfinite(v)]
+    if len(finite) < 2:
+        return False
+    k = max(1, len(finite) // 4)
+    return float(np.mean(finite[-k:])) > float(np.mean(finite[:k]))
+
+
+class _NonfiniteDetector(_Detector):
+    """A non-finite loss, or the cockpit's ``nonfinite`` record."""
+
+    check_id = "nonfinite"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.last_finite_loss: float | None = None
+        self.lr: float | None = None
+
+    def _add(self, step, signals):
+        for signal in ("learning_rate", "learning_rates"):
+            if signal in signals and math.isfinite(signals[signal]):
+                self.lr = signals[signal]
+        what = list(signals.get("nonfinite") or [])
+        loss = signals.get("loss")
+        if loss is not None and not math.isfinite(loss) and "loss" not in what:
+            what.append("loss")
+        if not what:
+            if loss is not None:
+                self.last_finite_loss = loss
+            return None
+        evidence: dict[str, Any] = {"first_nonfinite_step": step, "what": sorted(what)}
+        if self.last_finite_loss is not None:
+            evidence["last_finite_loss"] = _round(self.last_finite_loss)
+        lr = _lr_text([] if self.lr is None else [self.lr], evidence)
+        message = (
+            f"The {' and the '.join(sorted(what))} became NaN or infinite at step "
+            f"{step}{f' (learning rate {lr})' if lr else ''}."
+        )
+        return Finding(
+            "nonfinite", "error", (step, step), message, evidence, _ADVICE["nonfinite"]
+        )
+
+
+class _BlowupDetector(_Detector):
+    """The loss at a multiple of its start (a median of 5 against the first 3)."""
+
+    check_id = "step_size_too_large"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.start = _Start(3)
+        self.window: deque[tuple[int, float]] = deque(maxlen=5)
+
+    def _add(self, step, signals):
+        loss = signals.get("loss")
+        if loss is None or not math.isfinite(loss):
+            return None
+        self.start.add(step, loss)
+        self.window.append((step, loss))
+        if not self.start.full or len(self.window) < 5:
+            return None
+        start = float(np.median(self.start.values))
+        now = float(np.median([v for _, v in self.window]))
+        if start <= 0 or now < self.th.loss_rise * start:
+            return None
+        first, last = self.start.steps[0], self.window[-1][0]
+        evidence = {
+            "loss_start": _round(start),
+            "loss_running_median": _round(now),
+            "loss_rise": _round(now / start),
+            "threshold_loss_rise": self.th.loss_rise,
+        }
+        message = (
+            f"Steps overshoot: by step {last} the loss rose to {now / start:.3g} "
+            f"times its starting level ({start:.4g} over the first 3 tracked steps, "
+            f"{now:.4g} over the last 5; threshold {self.th.loss_rise:g} times); the "
+            "loss went up."
+        )
+        return Finding(
+            self.check_id, "error", (first, last), message, evidence,
+            _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+class _AlphaStartDetector(_Detector):
+    """Median Alpha of the first tracked values at or above ``alpha_large``."""
+
+    check_id = "step_size_too_large"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.start = _Start(th.start_steps)
+        self.losses = _Recent(th.start_steps + 8)
+
+    def _add(self, step, signals):
+        if "loss" in signals:
+            self.losses.add(step, signals["loss"])
+        alpha = signals.get("alpha")
+        if alpha is None or not self.start.add(step, alpha):
+            return None
+        median = float(np.median(self.start.values))
+        if median < self.th.alpha_large:
+            return None
+        steps = self.start.steps
+        rising = _loss_went_up(self.losses.at(steps))
+        evidence = {
+            "median_alpha_first_steps": _round(median),
+            "threshold_median": self.th.alpha_large,
+            "first_tracked_values": len(steps),
+            "share_alpha_above_1": _round(
+                float(np.mean(np.array(self.start.values) > 1))
+            ),
+        }
+        message = (
+            f"Steps overshoot from the start: over the first {len(steps)} tracked "
+            f"steps (steps {steps[0]}-{steps[-1]}) the median Alpha is "
+            f"{median:+.2f} (threshold {self.th.alpha_large:+.2f}). {_ALPHA_MEANING}"
+            + ("; the loss went up." if rising else ".")
+        )
+        return Finding(
+            self.check_id, "error" if rising else "warning", (steps[0], steps[-1]),
+            message, evidence, _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+class _AlphaStretchDetector(_Detector):
+    """A stretch of overshooting steps (median Alpha >= 1) without progress."""
+
+    check_id = "step_size_too_large"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.window: deque[tuple[int, float]] = deque(maxlen=th.stretch_steps)
+        self.losses = _Recent(th.stretch_steps + 8)
+
+    def _add(self, step, signals):
+        if "loss" in signals:
+            self.losses.add(step, signals["loss"])
+        alpha = signals.get("alpha")
+        if alpha is None or not math.isfinite(alpha):
+            return None
+        self.window.append((step, alpha))
+        if len(self.window) < self.th.stretch_steps:
+            return None
+        median = float(np.median([v for _, v in self.window]))
+        steps = [s for s, _ in self.window]
+        losses = [v for v in self.losses.at(steps) if math.isfinite(v)]
+        if median < self.th.alpha_stretch or len(losses) < len(steps) // 2:
+            return None
+        third = max(1, len(losses) // 3)
+        before = float(np.median(losses[:third]))
+        after = float(np.median(losses[-third:]))
+        if after < before:  # overshooting steps that still make progress
+            return None
+        evidence = {
+            "median_alpha_in_stretch": _round(median),
+            "threshold_stretch": self.th.alpha_stretch,
+            "stretch_steps": len(steps),
+            "loss_first_last_third": [_round(before), _round(after)],
+        }
+        message = (
+            f"Steps overshoot: over steps {steps[0]}-{steps[-1]} the median Alpha is "
+            f"{median:+.2f} (threshold {self.th.alpha_stretch:+.2f}) and the loss did "
+            f"not go down ({before:.4g} to {after:.4g}). {_ALPHA_MEANING}."
+        )
+        return Finding(
+            self.check_id, "error" if after > before else "warning",
+            (steps[0], steps[-1]), message, evidence, _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+class _SlowStartDetector(_Detector):
+    """Steps far too small from the start, at a learning rate that did not rise.
+
+    The relative loss decrease bound ``UpdateSize * GradNorm / |Loss|`` of the
+    first ``start_steps`` steps (UpdateSize of a step arrives with the next one).
+    A warm-up (a rising learning rate) says nothing yet; overshooting steps
+    (median Alpha at or above ``alpha_large``) are not too small.
+    """
+
+    check_id = "step_size_too_small"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.parts: dict[int, dict[str, float]] = {}
+        self.start = _Start(th.start_steps)
+        self.lrs: dict[str, list[float]] = {}  # the groups' (recorded), Cockpit.log's
+        self.alphas: list[float] = []
+        self.done = False
+
+    def _add(self, step, signals):
+        if self.done:
+            return None
+        for signal in ("learning_rates", "learning_rate"):
+            if signal in signals and math.isfinite(signals[signal]):
+                self.lrs.setdefault(signal, []).append(signals[signal])
+        if "alpha" in signals and len(self.alphas) < self.th.start_steps:
+            self.alphas.append(signals["alpha"])
+        for signal in ("update_size", "grad_norm", "loss"):
+            if signal in signals:
+                self.parts.setdefault(step, {})[signal] = signals[signal]
+        for at in sorted(self.parts):
+            part = self.parts[at]
+            if len(part) < 3:
+                continue
+            del self.parts[at]
+            if part["loss"] != 0:
+                progress = part["update_size"] * part["grad_norm"] / abs(part["loss"])
+                if self.start.add(at, progress):
+                    return self._judge()
+        while len(self.parts) > 8:  # steps that never got all three
+            del self.parts[min(self.parts)]
+        return None
+
+    def _judge(self) -> Finding | None:
+        self.done = True
+        median = float(np.median(self.start.values))
+        if median >= self.th.progress_small:
+            return None
+        lrs = self.lrs.get("learning_rates") or self.lrs.get("learning_rate") or []
+        if lrs and max(lrs) > lrs[0] * (1 + 1e-6):
+            return None  # a warm-up: the rate of the start is not the run's
+        finite = [a for a in self.alphas if math.isfinite(a)]
+        if finite and np.median(finite) >= self.th.alpha_large:
+            return None
+        steps = self.start.steps
+        evidence: dict[str, Any] = {
+            "median_relative_decrease_bound_first_steps": _round(median),
+            "threshold": self.th.progress_small,
+            "first_tracked_values": len(steps),
+        }
+        lr = _lr_text(lrs, evidence)
+        return Finding(
+            self.check_id, "warning", (steps[0], steps[-1]),
+            _small_message(median, lr, self.th, f"over the first {len(steps)} tracked "
+                           f"steps (steps {steps[0]}-{steps[-1]})"),
+            evidence, _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+def _small_message(median: float, lr: str, th: Thresholds, where: str) -> str:
+    if median <= 0:
+        return f"Parameters do not move ({where})."
+    return (
+        f"Steps are too small to make progress{f' at learning rate {lr}' if lr else ''}"
+        f": {where}, update size times gradient norm, a first-order bound on the "
+        f"loss decrease per step, is a median {median:.2g} of the loss (threshold "
+        f"{th.progress_small:.2g}); at that pace halving the loss takes at least "
+        f"{0.5 / median:.3g} steps."
+    )
+
+
+class _EdgeDetector(_Detector):
+    """Gradient elements at the histogram's edges in the first tracked histograms."""
+
+    check_id = "inputs_misscaled"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.seen: list[tuple[int, float]] = []
+        self.first_loss: float | None = None
+
+    def _add(self, step, signals):
+        if self.first_loss is None and "loss" in signals:
+            self.first_loss = signals["loss"]
+        edge = signals.get("edge_fraction")
+        if edge is None or len(self.seen) >= self.th.edge_steps:
+            return None
+        self.seen.append((step, edge))
+        if edge < self.th.edge_fraction:
+            return None
+        evidence: dict[str, Any] = {
+            "edge_bin_fraction": [_round(v) for _, v in self.seen],
+            "threshold": self.th.edge_fraction,
+            "first_tracked_steps": [s for s, _ in self.seen],
+        }
+        if self.first_loss is not None:
+            evidence["first_loss"] = _round(self.first_loss)
+        message = (
+            f"At the start of the run {edge:.1%} of the individual gradient elements "
+            "lie beyond the gradient histogram's range (threshold "
+            f"{self.th.edge_fraction:.0%}): per-sample gradients far larger than "
+            "usual, the signature of inputs on a raw scale (e.g. pixels in [0, 255]) "
+            "or, less often, of too large initial weights."
+        )
+        return Finding(
+            self.check_id, "warning", (self.seen[0][0], step), message, evidence,
+            _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+class _VanishingDetector(_Detector):
+    """Input-side gradients far below output-side ones over the first steps."""
+
+    check_id = "vanishing_gradients"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.start = _Start(th.layer_steps)
+
+    def _add(self, step, signals):
+        ratio = signals.get("layer_ratio")
+        if ratio is None or not self.start.add(step, ratio):
+            return None
+        median = float(np.median(self.start.values))
+        if median >= self.th.layer_ratio_small:
+            return None
+        steps = self.start.steps
+        evidence = {
+            "median_input_to_output_gradient_ratio": _round(median),
+            "threshold": self.th.layer_ratio_small,
+            "first_tracked_values": len(steps),
+        }
+        message = (
+            "Gradients vanish on their way to the input: over the first "
+            f"{len(steps)} tracked steps the largest gradient norm among the first "
+            "quarter of the parameter tensors is a median "
+            f"{median:.2g} times the largest among the last quarter (threshold "
+            f"{self.th.layer_ratio_small:.0e}); the first layers barely learn."
+        )
+        return Finding(
+            self.check_id, "warning", (steps[0], steps[-1]), message, evidence,
+            _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+class _GrowthDetector(_Detector):
+    """The gradient norm grown ``growth``-fold (a running median of 5 values).
+
+    A run that turns non-finite before 10 finite values settles what it has: the
+    growth up to the blow-up, with a window of a quarter of those values.
+    """
+
+    check_id = "exploding_gradients"
+
+    def __init__(self, th: Thresholds):
+        super().__init__(th)
+        self.start = _Start(5)
+        self.window: deque[tuple[int, float]] = deque(maxlen=5)
+        self.seen: list[tuple[int, float]] = []  # the first 10, for a blow-up
+
+    def _add(self, step, signals):
+        norm = signals.get("grad_norm")
+        loss = signals.get("loss")
+        broken = (norm is not None and not math.isfinite(norm)) or (
+            loss is not None and not math.isfinite(loss)
+        )
+        if broken or signals.get("nonfinite"):
+            return self._judge_blowup()
+        if norm is None:
+            return None
+        if len(self.seen) < 10:
+            self.seen.append((step, norm))
+        self.start.add(step, norm)
+        self.window.append((step, norm))
+        if not self.start.full or len(self.window) < 5:
+            return None
+        start = float(np.median(self.start.values))
+        peak = float(np.median([v for _, v in self.window]))
+        return self._judge(start, peak, self.start.steps[0], step)
+
+    def _judge_blowup(self) -> Finding | None:
+        if self.start.full and len(self.window) == 5 or len(self.seen) < 2:
+            return None  # judged at every step already / nothing to compare
+        values = np.array([v for _, v in self.seen])
+        width = max(1, len(values) // 4)
+        running = _running_median(values, width)
+        peak_at = int(np.argmax(running))
+        step = self.seen[min(peak_at + width - 1, len(values) - 1)][0]
+        return self._judge(
+            float(np.median(values[:width])), float(running[peak_at]),
+            self.seen[0][0], step,
+        )  # fmt: skip
+
+    def _judge(self, start, peak, first, step) -> Finding | None:
+        growth = peak / start if start > 0 else math.inf
+        if not growth >= self.th.growth:
+            return None
+        evidence = {
+            "initial_grad_norm": _round(start),
+            "peak_grad_norm": _round(peak),
+            "peak_step": step,
+            "growth": _round(growth),
+            "threshold": self.th.growth,
+        }
+        message = (
+            f"The gradient norm grew {growth:.3g}-fold, from {start:.3g} at the start "
+            f"to a running median of {peak:.3g} at step {step} (threshold "
+            f"{self.th.growth:.0f}-fold)."
+        )
+        return Finding(
+            self.check_id, "warning", (first, step), message, evidence,
+            _ADVICE[self.check_id],
+        )  # fmt: skip
+
+
+#: The detectors of settled evidence, in the order their findings are reported.
+DETECTORS: tuple[type[_Detector], ...] = (
+    _NonfiniteDetector,
+    _BlowupDetector,
+    _AlphaStartDetector,
+    _AlphaStretchDetector,
+    _SlowStartDetector,
+    _EdgeDetector,
+    _VanishingDetector,
+    _GrowthDetector,
+)
+
+
+# --- whole-run evidence -------------------------
 def _check_nonfinite(signals: Signals, th: Thresholds) -> _Outcome:
     if not (signals.has("loss") or signals.has("nonfinite") or "Loss" in signals.keys):
         return _Outcome(missing="Loss or the cockpit's nonfinite records")
@@ -371,24 +962,13 @@ def _check_nonfinite(signals: Signals, th: Thresholds) -> _Outcome:
         f"{f' (learning rate {lr})' if lr else ''}; {len(bad)} tracked step(s) are "
         "not finite."
     )
-    advice = (
-        "Lower the learning rate (a factor of 10 is a good first try), clip the "
-        "gradient norm (torch.nn.utils.clip_grad_norm_), and check the data and the "
-        "loss for NaN, log(0) or division by zero. If the gradient norm grew before "
-        "the first non-finite step, see exploding_gradients."
+    return _Outcome(
+        _finding("nonfinite", "error", bad, message, evidence, _ADVICE["nonfinite"])
     )
-    finding = Finding(
-        "nonfinite", "error", (bad[0], bad[-1]), message, evidence, advice
-    )
-    return _Outcome(finding)
-
-
-def _finite(steps: np.ndarray, values: np.ndarray):
-    keep = np.isfinite(values)
-    return steps[keep], values[keep]
 
 
 def _check_step_size_too_large(signals: Signals, th: Thresholds) -> _Outcome:
+    """Median Alpha over the whole run (blow-ups and stretches: the detectors)."""
     if not signals.has("alpha"):
         return _Outcome(missing="Alpha")
     steps, alpha = _finite(*signals.series("alpha"))
@@ -396,96 +976,37 @@ def _check_step_size_too_large(signals: Signals, th: Thresholds) -> _Outcome:
     if len(alpha) < fewest:
         return _Outcome(missing=f"at least {fewest} finite Alpha values")
     median = float(np.median(alpha))
-    w = min(_window(len(alpha)), len(alpha))
-    running = _running_median(alpha, w)
-    worst_at = int(np.argmax(running))
-    stretch = float(running[worst_at])
-    whole_run = median >= th.alpha_large
-    blowup = _loss_blowup(signals, th)
-    if not (whole_run or stretch >= th.alpha_stretch or blowup):
+    if median < th.alpha_large:
         return _Outcome()
-    if whole_run:
-        span = _span(steps)
-    elif stretch >= th.alpha_stretch:
-        span = (steps[worst_at], steps[worst_at + w - 1])
-    else:
-        span = blowup["steps"]
     evidence: dict[str, Any] = {
         "median_alpha": _round(median),
         "threshold_median": th.alpha_large,
-        "highest_running_median_alpha": _round(stretch),
-        "threshold_running_median": th.alpha_stretch,
-        "running_median_window": w,
         "share_alpha_above_1": _round(float(np.mean(alpha > 1))),
         "tracked_values": len(alpha),
     }
-    if blowup:
-        evidence["loss_rise"] = _round(blowup["rise"])
-        evidence["threshold_loss_rise"] = th.loss_rise
     lsteps, loss = _finite(*signals.series("loss"))
-    inside = (lsteps >= span[0]) & (lsteps <= span[1])
-    rising = bool(blowup)
-    if inside.sum() >= 2 and not blowup:
-        k = max(1, int(inside.sum()) // 4)
-        first = float(np.mean(loss[inside][:k]))
-        last = float(np.mean(loss[inside][-k:]))
-        evidence["loss_first_last_in_steps"] = [_round(first), _round(last)]
+    rising = False
+    if len(loss) >= 2:
+        k = max(1, len(loss) // 4)
+        first, last = float(np.mean(loss[:k])), float(np.mean(loss[-k:]))
+        evidence["loss_first_last_quarter"] = [_round(first), _round(last)]
         rising = last > first
     severity = "error" if rising or _went_nonfinite(signals) else "warning"
     lr = _lr_note(signals, evidence)
     at_lr = f" at learning rate {lr}" if lr else ""
-    if whole_run:
-        seen = (
-            f"the median Alpha is {median:+.2f}{at_lr} (threshold "
-            f"{th.alpha_large:+.2f})"
-        )
-    elif blowup and stretch < th.alpha_stretch:
-        seen = (
-            f"over steps {span[0]}-{span[1]} the loss rose to {blowup['rise']:.3g} "
-            f"times its starting level{at_lr} (threshold {th.loss_rise:g} times)"
-        )
-    else:
-        seen = (
-            f"over steps {span[0]}-{span[1]} the running median of Alpha reaches "
-            f"{stretch:+.2f}{at_lr} (threshold {th.alpha_stretch:+.2f})"
-        )
     message = (
-        f"Steps overshoot: {seen}. Alpha 0 lands in the minimum along the step, +1 "
-        "at the point of equal height on the other side"
+        f"Steps overshoot: the median Alpha of the run is {median:+.2f}{at_lr} "
+        f"(threshold {th.alpha_large:+.2f}). {_ALPHA_MEANING}"
         + ("; the loss went up." if rising else ".")
     )
-    advice = (
-        "Lower the learning rate, by a factor of 3 to 10 to start with, or add a "
-        "warm-up; runs with a median Alpha slightly above 0 (about 0 to 0.3) "
-        "train best (Cockpit paper, Fig. 5)."
-    )
     return _Outcome(
-        Finding("step_size_too_large", severity, span, message, evidence, advice)
-    )
+        _finding("step_size_too_large", severity, steps, message, evidence,
+                 _ADVICE["step_size_too_large"])
+    )  # fmt: skip
 
 
-def _loss_blowup(signals: Signals, th: Thresholds) -> dict[str, Any] | None:
-    """Where the loss rose far above its starting level (``None`` if it did not).
-
-    The running median of 5 finite losses is compared with the median of the
-    first 3 tracked losses.
-    """
-    steps, loss = _finite(*signals.series("loss"))
-    if len(loss) < 8:
-        return None
-    start = float(np.median(loss[:3]))
-    running = _running_median(loss, 5)
-    peak = int(np.argmax(running))
-    if start <= 0 or not running[peak] >= th.loss_rise * start:
-        return None
-    return {"rise": float(running[peak]) / start, "steps": (steps[0], steps[peak + 4])}
-
-
-def _check_step_size_too_small(signals: Signals, th: Thresholds) -> _Outcome:
-    needed = [s for s in ("update_size", "grad_norm", "loss") if not signals.has(s)]
-    if needed:
-        keys = {"update_size": "UpdateSize", "grad_norm": "GradNorm", "loss": "Loss"}
-        return _Outcome(missing=", ".join(keys[s] for s in needed))
+def _progress(signals: Signals) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and ``UpdateSize * GradNorm / |Loss|`` where all three are finite."""
     usteps, update = signals.series("update_size")
     gsteps, gnorm = signals.series("grad_norm")
     lsteps, loss = signals.series("loss")
@@ -494,7 +1015,15 @@ def _check_step_size_too_small(signals: Signals, th: Thresholds) -> _Outcome:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         progress = update[iu][ic] * gnorm[ig][ic] / np.abs(loss[il])
     keep = np.isfinite(progress)
-    steps, progress = common[keep], progress[keep]
+    return common[keep], progress[keep]
+
+
+def _check_step_size_too_small(signals: Signals, th: Thresholds) -> _Outcome:
+    needed = [s for s in ("update_size", "grad_norm", "loss") if not signals.has(s)]
+    if needed:
+        keys = {"update_size": "UpdateSize", "grad_norm": "GradNorm", "loss": "Loss"}
+        return _Outcome(missing=", ".join(keys[s] for s in needed))
+    steps, progress = _progress(signals)
     if len(progress) < th.min_steps:
         return _Outcome(
             missing=f"at least {th.min_steps} steps with UpdateSize, GradNorm, Loss"
@@ -515,59 +1044,27 @@ def _check_step_size_too_small(signals: Signals, th: Thresholds) -> _Outcome:
             if np.median(alpha) >= th.alpha_large:
                 return _Outcome()  # overshooting steps are not too small
     lr = _lr_note(signals, evidence)
-    message = (
-        f"Steps are too small to make progress"
-        f"{f' at learning rate {lr}' if lr else ''}: update size times gradient "
-        f"norm, a first-order bound on the loss decrease per step, is a median "
-        f"{median:.2g} of the loss (threshold {th.progress_small:.2g}); at that pace "
-        "halving the loss takes at least "
-        f"{0.5 / median:.3g} steps."
-        if median > 0
-        else "Parameters do not move."
-    )
-    advice = (
-        "Raise the learning rate (try 10x, then bisect; Alpha slightly above 0 is a "
-        "good target), check that a scheduler has not decayed it to nearly 0 and that "
-        "the optimizer holds all parameters."
-    )
+    message = _small_message(median, lr, th, "over the run")
     return _Outcome(
-        Finding(
-            "step_size_too_small", "warning", _span(steps), message, evidence, advice
-        )
-    )
+        _finding("step_size_too_small", "warning", steps, message, evidence,
+                 _ADVICE["step_size_too_small"])
+    )  # fmt: skip
 
 
-def _check_inputs_misscaled(signals: Signals, th: Thresholds) -> _Outcome:
-    if not signals.has("edge_fraction"):
-        return _Outcome(missing="GradHist1d")
-    steps, edge = signals.series("edge_fraction")
-    steps, edge = steps[: th.edge_steps], edge[: th.edge_steps]
-    peak = float(np.max(edge))
-    if peak < th.edge_fraction:
+def _needs(signal: str, key: str, count: int | None = None):
+    """A whole-run check that only says what a detector lacks (``None``: enough)."""
+
+    def check(signals: Signals, th: Thresholds) -> _Outcome:
+        if not signals.has(signal):
+            return _Outcome(missing=key)
+        if count is not None:
+            enough = getattr(th, count) if isinstance(count, str) else count
+            _, values = _finite(*signals.series(signal))
+            if len(values) < enough:
+                return _Outcome(missing=f"at least {enough} {key} values")
         return _Outcome()
-    evidence = {
-        "edge_bin_fraction": [_round(float(v)) for v in edge],
-        "threshold": th.edge_fraction,
-        "first_tracked_steps": [int(s) for s in steps],
-    }
-    lsteps, loss = signals.series("loss")
-    if len(loss):
-        evidence["first_loss"] = _round(float(loss[0]))
-    message = (
-        f"At the start of the run {peak:.1%} of the individual gradient elements "
-        f"lie beyond the gradient histogram's range (threshold {th.edge_fraction:.0%}"
-        "): per-sample gradients far larger than usual, the signature of inputs on "
-        "a raw scale (e.g. pixels in [0, 255]) or, less often, of too large initial "
-        "weights."
-    )
-    advice = (
-        "Standardise the inputs (subtract the mean, divide by the standard deviation "
-        "of the training set; for images e.g. divide by 255 and normalise per "
-        "channel). If they are standardised, check the weight initialisation."
-    )
-    return _Outcome(
-        Finding("inputs_misscaled", "warning", _span(steps), message, evidence, advice)
-    )
+
+    return check
 
 
 def _check_vanishing(signals: Signals, th: Thresholds) -> _Outcome:
@@ -575,87 +1072,13 @@ def _check_vanishing(signals: Signals, th: Thresholds) -> _Outcome:
         return _Outcome(missing="GradNorm")
     if not signals.has("layer_ratio"):
         return _Outcome(missing="GradNorm of at least 4 parameter tensors")
-    steps, ratio = signals.series("layer_ratio")
-    if len(ratio) < th.min_steps:
-        return _Outcome(missing=f"at least {th.min_steps} GradNorm values")
-    median = float(np.median(ratio))
-    if median >= th.layer_ratio_small:
-        return _Outcome()
-    evidence = {
-        "median_input_to_output_gradient_ratio": _round(median),
-        "threshold": th.layer_ratio_small,
-        "tracked_values": len(ratio),
-    }
-    message = (
-        "Gradients vanish on their way to the input: the gradient norm of the first "
-        f"two parameter tensors is a median {median:.2g} times that of the last two "
-        f"(threshold {th.layer_ratio_small:.0e}); the first layers barely learn."
-    )
-    advice = (
-        "Use non-saturating activations (ReLU, GELU) instead of sigmoid or tanh in "
-        "deep stacks, an initialisation matched to the activation (He/Kaiming for "
-        "ReLU), normalisation layers or residual connections; check for dead ReLUs "
-        "(a first layer with exactly zero gradient)."
-    )
-    return _Outcome(
-        Finding(
-            "vanishing_gradients", "warning", _span(steps), message, evidence, advice
-        )
-    )
-
-
-def _running_median(values: np.ndarray, width: int) -> np.ndarray:
-    if len(values) < width:
-        return np.array([np.median(values)])
-    windows = np.lib.stride_tricks.sliding_window_view(values, width)
-    return np.median(windows, axis=1)
+    return _needs("layer_ratio", "GradNorm", "layer_steps")(signals, th)
 
 
 def _check_exploding(signals: Signals, th: Thresholds) -> _Outcome:
-    if not signals.has("grad_norm"):
-        return _Outcome(missing="GradNorm")
-    steps, gnorm = signals.series("grad_norm")
-    finite = np.isfinite(gnorm)
-    fewest = _fewest(signals, th)
-    if finite.sum() < fewest:
-        return _Outcome(missing=f"at least {fewest} finite GradNorm values")
-    steps, gnorm = steps[finite], gnorm[finite]
-    width = min(5, max(1, len(gnorm) // 4))
-    start = float(np.median(gnorm[:width]))
-    running = _running_median(gnorm, width)
-    peak_index = int(np.argmax(running))
-    peak = float(running[peak_index])
-    growth = peak / start if start > 0 else math.inf
-    if not growth >= th.growth:
-        return _Outcome()
-    peak_step = int(steps[min(peak_index + width - 1, len(steps) - 1)])
-    evidence = {
-        "initial_grad_norm": _round(start),
-        "peak_grad_norm": _round(peak),
-        "peak_step": peak_step,
-        "growth": _round(growth),
-        "threshold": th.growth,
-    }
-    message = (
-        f"The gradient norm grew {growth:.3g}-fold, from {start:.3g} at the start to "
-        f"a running median of {peak:.3g} at step {peak_step} (threshold "
-        f"{th.growth:.0f}-fold)."
-    )
-    advice = (
-        "Clip the gradient norm (torch.nn.utils.clip_grad_norm_), lower the learning "
-        "rate, and for deep or recurrent networks use an initialisation that keeps "
-        "the scale across layers, normalisation layers or residual connections."
-    )
-    return _Outcome(
-        Finding(
-            "exploding_gradients",
-            "warning",
-            (int(steps[0]), peak_step),
-            message,
-            evidence,
-            advice,
-        )
-    )
+    if _went_nonfinite(signals):  # the detector judged what the blow-up left
+        return _needs("grad_norm", "GradNorm")(signals, th)
+    return _needs("grad_norm", "GradNorm", "min_steps")(signals, th)
 
 
 def _check_noise(signals: Signals, th: Thresholds) -> _Outcome:
@@ -688,21 +1111,10 @@ def _check_noise(signals: Signals, th: Thresholds) -> _Outcome:
         f"threshold {th.noise_fraction:.0%}), so steps follow the noise more than "
         "the true gradient."
     )
-    advice = (
-        "Increase the batch size (or accumulate gradients over several batches), "
-        "lower the learning rate or decay it; if the batch is already large, check "
-        "the labels for noise (shuffled or wrong targets)."
-    )
     return _Outcome(
-        Finding(
-            "gradient_noise_dominates",
-            "warning",
-            _span(steps),
-            message,
-            evidence,
-            advice,
-        )
-    )
+        _finding("gradient_noise_dominates", "warning", steps, message, evidence,
+                 _ADVICE["gradient_noise_dominates"])
+    )  # fmt: skip
 
 
 def _check_plateau(signals: Signals, th: Thresholds) -> _Outcome:
@@ -770,7 +1182,7 @@ _CHECKS: dict[str, Callable[[Signals, Thresholds], _Outcome]] = {
     "nonfinite": _check_nonfinite,
     "step_size_too_large": _check_step_size_too_large,
     "step_size_too_small": _check_step_size_too_small,
-    "inputs_misscaled": _check_inputs_misscaled,
+    "inputs_misscaled": _needs("edge_fraction", "GradHist1d"),
     "vanishing_gradients": _check_vanishing,
     "exploding_gradients": _check_exploding,
     "gradient_noise_dominates": _check_noise,
@@ -778,29 +1190,64 @@ _CHECKS: dict[str, Callable[[Signals, Thresholds], _Outcome]] = {
 }
 
 
+def _by_step(signals: Signals) -> list[tuple[int, dict[str, Any]]]:
+    """The signals regrouped step by step, in step order."""
+    steps: dict[int, dict[str, Any]] = {}
+    for signal, at in signals.steps.items():
+        for step, value in zip(at, signals.values[signal]):
+            steps.setdefault(int(step), {})[signal] = value
+    return sorted(steps.items())
+
+
+def settled(signals: Signals, thresholds: Thresholds | None = None) -> list[Finding]:
+    """The settled evidence of a run: what the detectors find, step by step.
+
+    This is what a :class:`LiveDiagnosis` fed the same steps announces (one
+    finding per detector that fired, in the order they fired).
+    """
+    th = thresholds or Thresholds()
+    detectors = [d(th) for d in DETECTORS]
+    found = []
+    for step, values in _by_step(signals):
+        for detector in detectors:
+            finding = detector.add(step, values)
+            if finding is not None:
+                found.append(finding)
+    return found
+
+
 def run_checks(signals: Signals, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Run every check on collected signals.
+    """Run every check on collected signals: settled and whole-run evidence.
 
     Args:
         signals: The per-step signals of a run.
         thresholds: Thresholds to use (default: :class:`Thresholds`).
 
     Returns:
-        The findings, most severe first (ties in :data:`CHECK_IDS` order), and
-        last, if any check could not run, one ``info`` finding ``not_checked``.
+        The findings, most severe first (ties in :data:`CHECK_IDS` order), one per
+        id (the most severe of its settled and whole-run evidence; the whole run's
+        at equal severity), and last, if any check could not run, one ``info``
+        finding ``not_checked``. Every id the live diagnosis announces for these
+        signals is among them.
     """
     th = thresholds or Thresholds()
-    findings: list[Finding] = []
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
+    chosen: dict[str, Finding] = {}
+    for finding in settled(signals, th):
+        known = chosen.get(finding.id)
+        if known is None or rank[finding.severity] > rank[known.severity]:
+            chosen[finding.id] = finding
     missing: dict[str, str] = {}
     for check_id, check in _CHECKS.items():
         outcome = check(signals, th)
-        if outcome.finding is not None:
-            findings.append(outcome.finding)
-        elif outcome.missing is not None:
+        finding, known = outcome.finding, chosen.get(check_id)
+        if finding is not None:
+            if known is None or rank[finding.severity] >= rank[known.severity]:
+                chosen[check_id] = finding
+        elif outcome.missing is not None and known is None:
             missing[check_id] = outcome.missing
-    rank = {s: i for i, s in enumerate(SEVERITIES)}
     order = {c: i for i, c in enumerate(CHECK_IDS)}
-    findings.sort(key=lambda f: (-rank[f.severity], order[f.id]))
+    findings = sorted(chosen.values(), key=lambda f: (-rank[f.severity], order[f.id]))
     if missing:
         steps = sorted({s for values in signals.steps.values() for s in values})
         names = "; ".join(f"{check} (needs {need})" for check, need in missing.items())
@@ -813,7 +1260,7 @@ def run_checks(signals: Signals, thresholds: Thresholds | None = None) -> list[F
                 {"checks": dict(missing)},
                 "Track the economy configuration "
                 "(configuration('economy')) on a schedule with consecutive steps, "
-                "e.g. linear(1), and log the learning rate with Cockpit.log.",
+                "e.g. linear(1), and pass the optimizer in info.",
             )
         )
     return findings
@@ -834,7 +1281,7 @@ def collect(history) -> Signals:
 
 
 def diagnose(history_or_path, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Diagnose a run.
+    """Diagnose a finished run: settled and whole-run evidence.
 
     Args:
         history_or_path: A :class:`cockpit.history.History`, a ``{step: {key:
@@ -867,25 +1314,47 @@ def worst(findings: Iterable[Finding]) -> str | None:
 
 
 # --- live use -------------------------
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside cockpit.
+
+    Counted from the caller of ``warnings.warn``; frames of cockpit and of the
+    frameworks that call it (torch, Lightning, transformers, accelerate) are
+    skipped, so the warning names the user's ``with cockpit(...)`` line, their
+    ``loss.backward()`` or their ``trainer.fit(...)``.
+    """
+    frame = sys._getframe(2)  # the caller of warnings.warn (stacklevel 1)
+    level = 2
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _LIBRARIES:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+#: Top-level packages whose frames a live warning skips (see _user_stacklevel).
+_LIBRARIES = frozenset(
+    {"cockpit", "torch", "lightning", "pytorch_lightning", "transformers",
+     "accelerate", "contextlib", "backpack"}
+)  # fmt: skip
+
+
 class LiveDiagnosis:
-    """Diagnose a run while it trains, with bounded memory and little work per step.
+    """Diagnose a run while it trains: settled evidence only, bounded memory.
 
     The cockpit calls :meth:`on_record` after each tracked step with the values it
-    recorded. The signals of the first ``head`` steps and of the latest ``window``
-    steps are kept (a few floats per step); every ``every`` records the checks run
-    on them (non-finite values are reported at once). Each finding id at
-    ``warning`` or ``error`` is announced once with a
-    :class:`~cockpit.errors.CockpitWarning`; :meth:`postfix` gives a short status
-    for a progress bar.
+    recorded; each detector of settled evidence (a closed stretch of steps that
+    later steps cannot undo, see the module docstring) keeps a few values of the
+    first steps and a window of the latest. Each finding id is announced once
+    with a :class:`~cockpit.errors.CockpitWarning` that points at the user's code;
+    :meth:`postfix` gives a short status for a progress bar. The report of the
+    finished run (:func:`diagnose`) holds every id announced here.
 
     Two-step values (Alpha, UpdateSize) belong to the step before the one they are
     recorded with; passing them with either step is fine.
 
     Args:
         thresholds: Thresholds to use (default: :class:`Thresholds`).
-        every: Run the checks after every this many records.
-        head: Number of first steps kept (the reference for growth and scaling).
-        window: Number of latest steps kept.
         warn: Emit a :class:`CockpitWarning` for each new finding id.
         silent: Finding ids announced elsewhere: recorded, but not warned about
             (the cockpit warns about non-finite steps itself).
@@ -894,82 +1363,45 @@ class LiveDiagnosis:
     def __init__(
         self,
         thresholds: Thresholds | None = None,
-        every: int = 25,
-        head: int = 20,
-        window: int = 200,
         warn: bool = True,
         silent: Sequence[str] = (),
     ):
-        if every < 1 or head < 1 or window < 1:
-            raise ValueError("every, head and window must be positive.")
         self.thresholds = thresholds or Thresholds()
-        self.every = every
         self.warn = warn
         self.silent = frozenset(silent)
-        self._head: list[tuple[int, dict[str, Any]]] = []
-        self._head_size = head
-        self._tail: deque[tuple[int, dict[str, Any]]] = deque(maxlen=window)
-        self._keys: set[str] = set()
-        self._records = 0
+        self._detectors = [d(self.thresholds) for d in DETECTORS]
         self._findings: dict[str, Finding] = {}
 
     def on_record(self, global_step: int, values: Mapping[str, Any]) -> None:
         """Take the values recorded for one tracked step.
 
         Several calls for the same step (e.g. the quantities, then
-        :meth:`cockpit.Cockpit.log`) are merged into one record.
+        :meth:`cockpit.Cockpit.log`) are fine: each signal is read once.
 
         Args:
             global_step: The step.
             values: ``{key: value}`` recorded at that step (tensors, arrays or
                 plain numbers; only a few scalars are kept).
         """
-        self._keys.update(values)
         signals = step_signals(values)
+        if not signals:
+            return
         step = int(global_step)
-        last = (
-            self._tail[-1] if self._tail else (self._head[-1] if self._head else None)
-        )
-        if last is not None and last[0] == step:
-            last[1].update(signals)
-        else:
-            if len(self._head) < self._head_size:
-                self._head.append((step, signals))
-            else:
-                self._tail.append((step, signals))
-            self._records += 1
-        urgent = "nonfinite" in signals or not all(
-            math.isfinite(signals[s]) for s in ("loss", "grad_norm") if s in signals
-        )
-        if urgent or self._records % self.every == 0:
-            self.check()
+        for detector in self._detectors:
+            finding = detector.add(step, signals)
+            if finding is not None and finding.id not in self._findings:
+                self._findings[finding.id] = finding
+                if self.warn and finding.id not in self.silent:
+                    warnings.warn(
+                        f"cockpit diagnosis [{finding.id}, step {finding.steps[1]}]: "
+                        f"{finding.message} Advice: {finding.advice}",
+                        CockpitWarning,
+                        stacklevel=_user_stacklevel(),
+                    )
 
     def check(self) -> list[Finding]:
-        """Run the checks on the signals kept so far; warn about new finding ids.
-
-        Returns:
-            The current findings at ``warning`` or ``error``.
-        """
-        signals = Signals()
-        signals.keys.update(self._keys)
-        for step, entry in [*self._head, *self._tail]:
-            for signal, value in entry.items():
-                signals.steps.setdefault(signal, []).append(step)
-                signals.values.setdefault(signal, []).append(value)
-        current = [
-            f for f in run_checks(signals, self.thresholds) if f.severity != "info"
-        ]
-        for finding in current:
-            new = finding.id not in self._findings
-            if new and self.warn and finding.id not in self.silent:
-                warnings.warn(
-                    f"cockpit diagnosis [{finding.id}, step {finding.steps[1]}]: "
-                    f"{finding.message} Advice: {finding.advice}",
-                    CockpitWarning,
-                    stacklevel=3,
-                )
-            self._findings.setdefault(finding.id, finding)
-        return current
+        """The findings at ``warning`` or ``error`` announced so far."""
+        return [f for f in self._findings.values() if f.severity != "info"]
 
     @property
     def findings(self) -> list[Finding]:
@@ -1010,6 +1442,7 @@ __all__ = [
     "diagnose",
     "load_history",
     "run_checks",
+    "settled",
     "step_signals",
     "worst",
 ]

@@ -17,9 +17,12 @@ single-process loop). At a tracked step the cockpit then
 3. hands the quantities a global ``info`` (the loss of the joined batch, all
    per-sample losses, the global batch size) and the joined batch's gradient.
 
-Untracked steps cost no communication. Every wait is bounded (``timeout``): a
-process that fails or tracks different steps makes the others raise a
-:class:`DistributedError` naming the step, instead of hanging.
+Untracked steps make no collective. cockpit's collectives run on a process group of
+their own, so they never pair with DDP's; which step every process tracks is agreed
+in the process group's key-value store (:mod:`cockpit.distributed_sync`). Every wait
+is bounded (``timeout``): processes that track different steps, a process that left
+a step with an error or stopped answering make every process raise a
+:class:`DistributedError` naming the ranks and the step, instead of hanging.
 
 Only cockpit's collectives live here; quantities see a :class:`StepComm`.
 """
@@ -28,11 +31,15 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from cockpit import distributed_sync
+from cockpit.distributed_sync import DistributedError, StepSync
 
 #: ``Cockpit(process_group=AUTO)``: data-parallel when ``torch.distributed`` runs.
 AUTO = "auto"
@@ -40,10 +47,6 @@ AUTO = "auto"
 DEFAULT_TIMEOUT = 300.0
 #: Steps ahead over which the quantities' schedules are compared across processes.
 SCHEDULE_HORIZON = 2048
-
-
-class DistributedError(RuntimeError):
-    """The processes of a data-parallel run disagree, or one did not answer."""
 
 
 def _dist():
@@ -100,10 +103,16 @@ def _digest(text: str) -> int:
 
 
 class Communicator:
-    """cockpit's collectives on one process group, each wait bounded.
+    """cockpit's collectives among the processes of one group, each wait bounded.
+
+    At the first step (:meth:`begin`) the processes compare their set-up in the
+    group's store and make a process group of cockpit's own over the same
+    processes, on the same backend: cockpit's collectives never pair with DDP's,
+    even when processes disagree, and a collective a failed step left behind
+    cannot meet a later one of DDP.
 
     Args:
-        group: The process group.
+        group: The process group (the processes whose batches are joined).
         timeout: Seconds to wait for the other processes at each collective.
     """
 
@@ -112,16 +121,95 @@ class Communicator:
 
     def __init__(self, group: Any, timeout: float = DEFAULT_TIMEOUT):
         dist = _dist()
-        self.group = group
+        self.user_group = group
+        #: cockpit's own process group (made at the first step).
+        self.group = None
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.timeout = float(timeout)
         self.backend = str(dist.get_backend(group))
+        #: The store's side: claims, notes, the failed flag (made at the first step).
+        self.sync: StepSync | None = None
         #: Bytes this process sent into cockpit's collectives (benchmarks).
         self.bytes_sent = 0
         #: Number of cockpit's collectives so far.
         self.calls = 0
 
+    # --- the run's state ------------------------------------------------------------
+    def begin(self, quantities, params, step: int) -> None:
+        """Before every step: raise if the run broke; compare the set-up once.
+
+        Raises:
+            DistributedError: If an earlier step broke the run, or the processes'
+                set-ups differ (:func:`check_setup`).
+        """
+        if self.sync is None:
+            dist = _dist()
+            ranks = dist.get_process_group_ranks(self.user_group)
+            self.sync = StepSync(
+                distributed_sync.default_store(),
+                distributed_sync.namespace(ranks),
+                self.rank,
+                self.size,
+                self.timeout,
+            )
+            self.sync.on_break = self._drop_group
+            check_setup(self, quantities, params, step)
+            self.group = dist.new_group(
+                ranks=ranks,
+                backend=self.backend,
+                timeout=datetime.timedelta(seconds=self.timeout + 60),
+                use_local_synchronization=True,
+            )
+        self.sync.check_alive()
+
+    def _drop_group(self) -> None:
+        """The run broke: stop using cockpit's own group (a collective may be in it).
+
+        DDP's group is untouched. A gloo group is only forgotten (destroying it
+        would wait for the collective left in it); an NCCL group is aborted, so
+        that its watchdog does not end the process over that collective.
+        """
+        group, self.group = self.group, None
+        if group is not None and self.backend == "nccl":
+            from torch.distributed import distributed_c10d
+
+            try:
+                distributed_c10d._abort_process_group(group)
+            except Exception:  # noqa: S110 - already failing; the error says why
+                pass
+
+    def claim(self, step: int, plan: int) -> bool:
+        """Claim this process's next tracked step (see :meth:`StepSync.claim`).
+
+        Returns:
+            ``False`` if the step stops after the backward pass.
+        """
+        return self.sync.claim(step, plan)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether this step stops after the backward pass (a conflict was found)."""
+        return self.sync is not None and self.sync.pending is not None
+
+    def after_backward(self) -> None:
+        """After a tracked step's backward pass (:meth:`StepSync.after_backward`)."""
+        self.sync.after_backward()
+
+    def untracked(self, step: int) -> None:
+        """Before an untracked step's backward pass: no other process tracks it?"""
+        self.sync.untracked(step)
+
+    def after_untracked(self, step: int) -> None:
+        """After an untracked step's backward pass: the same question again."""
+        self.sync.after_untracked(step)
+
+    def left(self, step: int, error: BaseException) -> None:
+        """This process leaves a tracked step with ``error``: tell the others."""
+        if self.sync is not None:
+            self.sync.left(step, error)
+
+    # --- collectives ------------------------------------------------------------------
     def _device(self, tensor: Tensor) -> torch.device:
         """Where a tensor must be for the group's backend."""
         if self.backend == "gloo":
@@ -131,23 +219,31 @@ class Communicator:
         return tensor.device
 
     def _wait(self, work, what: str, step: int | None) -> None:
-        at = f" at step {step}" if step is not None else ""
+        """Wait for ``work``: at most ``timeout``, and no longer once a process failed.
+
+        Raises:
+            DistributedError: On every process (see :meth:`StepSync.fail`).
+        """
+        self.sync.wait_for(work.is_completed, what, step)
         try:
-            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            raise DistributedError(
-                f"cockpit on rank {self.rank} of {self.size}: no answer from the other "
-                f"processes within {self.timeout:g} s{at} ({what}): {error}. Another "
-                "process probably failed inside this step, or the processes track "
-                "different steps. Fix: see the other processes' errors; every process "
-                "must create the Cockpit with the same quantities and enter "
-                "`with cockpit(step, ...)` at the same steps."
-            ) from error
-        if done is False:
-            raise DistributedError(
-                f"cockpit on rank {self.rank}: a collective{at} ({what}) did not "
-                "complete."
+            done = work.wait()
+        except RuntimeError as error:  # a process died: its connection broke
+            self.sync.fail(
+                f"the connection to another process broke at step {step} ({what}): "
+                f"{str(error).splitlines()[0]}",
+                step,
+                doing=f"waiting for the others ({what})",
+                fix=distributed_sync.FIX_SILENT,
             )
+        if done is False:
+            self.sync.fail(
+                f"a collective at step {step} ({what}) did not complete.", step
+            )
+
+    def _group(self):
+        """Return cockpit's own group (an error once the run broke)."""
+        self.sync.check_alive()
+        return self.group
 
     def all_reduce(
         self, tensor: Tensor, what: str, step: int | None, op: str = "sum"
@@ -157,7 +253,7 @@ class Communicator:
         device = self._device(tensor)
         buffer = tensor.detach().to(device, copy=True).contiguous()  # never in place
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        work = dist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=True)
+        work = dist.all_reduce(buffer, op=reduce_op, group=self._group(), async_op=True)
         self.calls += 1
         self.bytes_sent += buffer.numel() * buffer.element_size()
         self._wait(work, what, step)
@@ -183,7 +279,7 @@ class Communicator:
             device = torch.device("cuda", torch.cuda.current_device())
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
-        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        work = dist.all_gather(gathered, mine, group=self._group(), async_op=True)
         self.calls += 1
         self.bytes_sent += mine.numel() * mine.element_size()
         return PendingGather(self, work, gathered, what, step)
@@ -222,6 +318,27 @@ class LocalCommunicator(Communicator):
         self.group, self.rank, self.size = None, 0, 1
         self.timeout, self.backend = 0.0, "none"
         self.bytes_sent, self.calls = 0, 0
+
+    stopping = False
+
+    def begin(self, quantities, params, step):
+        """Nothing to agree on (one process)."""
+
+    def claim(self, step, plan):
+        """Nothing to claim (one process)."""
+        return True
+
+    def after_backward(self):
+        """Nothing to check (one process)."""
+
+    def untracked(self, step):
+        """Nothing to check (one process)."""
+
+    def after_untracked(self, step):
+        """Nothing to check (one process)."""
+
+    def left(self, step, error):
+        """Nobody to tell (one process)."""
 
     def all_reduce(self, tensor, what, step, op="sum"):
         """The tensor itself (one process)."""
@@ -262,26 +379,36 @@ def setup_fingerprint(quantities, params, first_step: int) -> dict[str, int]:
 def check_setup(comm: Communicator, quantities, params, first_step: int) -> None:
     """Compare the set-up of all processes once; raise on every process if it differs.
 
+    The fingerprints meet in the group's store (no collective: a process that
+    runs DDP's backward pass meanwhile cannot be paired with it).
+
     Raises:
         DistributedError: Naming what differs (quantities, schedules, parameters,
-            first step) and between which ranks.
+            first step) and between which ranks, or the ranks that did not come.
     """
     mine = setup_fingerprint(quantities, params, first_step)
-    rows = comm.all_gather_ints(
-        [first_step, *mine.values()], "comparing the set-up", first_step
+    texts = comm.sync.exchange(
+        "setup",
+        json.dumps([first_step, *mine.values()]),
+        first_step,
+        "comparing the set-up at the first `with cockpit(...)`",
     )
+    rows = [json.loads(text) for text in texts]
     labels = ["first step", *mine]
     for column, label in enumerate(labels):
         values = [row[column] for row in rows]
         if len(set(values)) > 1:
             odd = [r for r, v in enumerate(values) if v != values[0]]
-            raise DistributedError(
-                f"cockpit's set-up differs across processes: the {label} of rank(s) "
-                f"{odd} differ from rank 0's. Every process must create the Cockpit "
-                "with the same quantities (same classes, keys and schedules) over the "
-                "same parameters, and enter the first step together. Fix: build the "
-                "Cockpit from the same code on every process, or pass "
-                "Cockpit(..., process_group=None) for rank-local values."
+            comm.sync.stop(
+                DistributedError(
+                    f"cockpit's set-up differs across processes: the {label} of "
+                    f"rank(s) {odd} differ from rank 0's. Every process must create "
+                    "the Cockpit with the same quantities (same classes, keys and "
+                    "schedules) over the same parameters, and enter the first step "
+                    "together. Fix: build the Cockpit from the same code on every "
+                    "process, or pass Cockpit(..., process_group=None) for "
+                    "rank-local values."
+                )
             )
 
 
@@ -452,6 +579,9 @@ class StepComm:
                 self._set_counts(_check_header(rows, self.global_step))
             except DistributedError as error:
                 self._error = error
+                sync = getattr(self.communicator, "sync", None)
+                if sync is not None:  # every process raises it: the run is broken
+                    sync.stop(error)
                 raise
         return self
 
@@ -516,6 +646,22 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
+class _Stopping:
+    """The header of a step that stops after the backward pass: none was sent."""
+
+    def __init__(self, communicator: Communicator):
+        self.communicator = communicator
+
+    def ready(self) -> bool:
+        """Never: waiting for it raises the conflict."""
+        return False
+
+    def wait(self):
+        """Raise the conflict found when the step began."""
+        self.communicator.sync.raise_pending()
+        raise AssertionError("unreachable: a stopping step has a pending conflict")
+
+
 #: What cockpit's communicator calls the header collective.
 HEADER = "starting the step"
 
@@ -529,8 +675,13 @@ def start_header(
     it, or at the first read of the counts) waits for it and checks it, before any
     other collective of cockpit's in the step.
     """
+    plan = _digest(plan_text)
+    if not communicator.claim(global_step, plan):  # stops after the backward pass
+        return StepComm(
+            communicator, global_step, n_local=n_local, header=_Stopping(communicator)
+        )
     header = communicator.start_gather_ints(
-        [global_step, n_local, _digest(plan_text)], HEADER, global_step
+        [global_step, n_local, plan], HEADER, global_step
     )
     return StepComm(communicator, global_step, n_local=n_local, header=header)
 

@@ -9,6 +9,7 @@ every process computes the values of the joined batch.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import torch
@@ -53,16 +54,33 @@ class DataParallel(StepFeature):
     def __init__(self, run):
         super().__init__(run)
         self.comm = run.communicator
+        #: Whether the step is tracked (else the feature only checks the others).
+        self.tracked = bool(run.plan.active)
         #: ``.grad`` is this process's own gradient (inside DDP's ``no_sync()``).
         self.no_sync = bool(run.no_sync and not self.comm.local)
         self._captured: dict[int, Tensor] = {}
         self._hooks: list = []
-        run.shared = self._exchange_header()
+        #: Whether this process did its share of the step's collectives.
+        self.done = not self.tracked
+        if not self.tracked:  # did another process track this step?
+            self.comm.untracked(run.step)
+            return
+        try:
+            run.shared = self._exchange_header()
+        except BaseException as error:  # e.g. no batch_size: the others must know
+            self.comm.left(run.step, error)
+            raise
 
     @classmethod
     def applies(cls, run) -> bool:
-        """Whether the feature has work at this step."""
-        return run.communicator is not None and bool(run.plan.active)
+        """Whether the feature has work at this step.
+
+        Every step of a data-parallel run (an untracked one checks that no other
+        process tracks it); the tracked steps of a rank-local one.
+        """
+        if run.communicator is None:
+            return False
+        return bool(run.plan.active) or not run.communicator.local
 
     def _exchange_header(self) -> distributed.StepComm:
         """Send the step, this shard's size and the plan to the other processes."""
@@ -84,12 +102,16 @@ class DataParallel(StepFeature):
     def before_backward(self) -> None:
         """Hessian-vector products from this shard's graph; catch local gradients.
 
+        (Nothing at an untracked step.)
+
         DDP cannot run ``backward(create_graph=True)``, and the user's backward
         pass frees the forward graph: the quantities tracked after the cleanup
         (HessMaxEV) are computed here, from this shard's gradient with its graph.
         With shards of different sizes, or inside ``no_sync()``, each parameter's
         local gradient is caught on its way to DDP, to be joined afterwards.
         """
+        if not self.tracked or self.comm.stopping:  # (stops after the backward)
+            return
         run = self.run
         shared, step = run.shared, run.step
         last = [q for q in run.plan.last if not run.ledger.out(q)]
@@ -134,7 +156,8 @@ class DataParallel(StepFeature):
         """Combine the processes: the joined batch's gradient, info and sums."""
         run = self.run
         shared, info, step, params = run.shared, run.info, run.step, run.params
-        self.close()
+        self._unhook()
+        self.comm.after_backward()  # a conflict found at the start stops here
         shared.settle()
         if shared.uneven:
             run.diagnostics.warn_once(
@@ -182,6 +205,7 @@ class DataParallel(StepFeature):
                     lambda total, q=quantity: self._errors(q, total),
                 )
         bucket.reduce()
+        self.done = True  # this process's collectives of the step are over
         run.ctx = replace(ctx, info=StepInfo(step, joined))
 
     def _errors(self, quantity, total: Tensor) -> None:
@@ -212,8 +236,19 @@ class DataParallel(StepFeature):
                 _unsynchronised(shared.global_step, low, high)
             )
 
-    def close(self) -> None:
-        """Remove what the feature hooked."""
+    def _unhook(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def close(self) -> None:
+        """Remove what the feature hooked; say so if the step ends half-way.
+
+        A tracked step that ends before this process's collectives (an error in
+        the backward pass or in cockpit) leaves the others waiting: they are told
+        at once, with the error, instead of waiting for the timeout.
+        """
+        self._unhook()
+        if not self.done:
+            self.done = True
+            self.comm.left(self.run.step, sys.exc_info()[1])

@@ -56,6 +56,8 @@ def _draw(name: str, plotter: Any, fig: Any, gridspec: Any, **options: Any) -> A
             f"{type(plotter).__name__} without one. Fix: call plotter.plot(source) "
             "or plotter.load(source) first, then pass the plotter."
         )
+    if getattr(plotter, "several", False):
+        data = plotter.gauge_source()  # the runs side by side
     ax = fig.add_subplot(gridspec)
     with dashboard_style():
         draw_gauge(name, ax, data, show_log_iter=plotter.show_log_iter,

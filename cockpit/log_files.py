@@ -5,9 +5,11 @@
 open a log path with :func:`open_log`, so a file that cannot be used fails the same
 way everywhere: a :class:`~cockpit.errors.LogFileError` whose message names the
 file, says what is wrong with it and how to fix it. The reading itself is
-:meth:`cockpit.history.History.from_json` (or, for drawing,
-:meth:`~cockpit.history.History.from_json_latest`); what is added here is finding
-the file and turning "nothing there" into a message.
+:func:`cockpit.log_reader.read_log_history`: one pass over the file into a
+:class:`~cockpit.log_reader.LogHistory` (numbers in compact columns, histograms read
+back from the file when asked for), so a command's memory does not grow with the
+log's histograms; what is added here is finding the file and turning "nothing
+there" into a message.
 
 Nothing here imports torch or BackPACK.
 """
@@ -21,6 +23,7 @@ import warnings
 from cockpit.errors import LogFileError
 from cockpit.history import History
 from cockpit.log_format import LOG_SUFFIXES, find_log
+from cockpit.log_reader import read_log_history
 
 __all__ = ["empty_run_cause", "locate_log", "open_log"]
 
@@ -133,13 +136,17 @@ def open_log(
     Args:
         path: A log path, with or without ``.json``/``.jsonl``: written, streamed,
             or by cockpit-for-pytorch 1.0.2.
-        latest: Read step by step, keeping of mappings (histograms) only the latest
-            per key: what a dashboard draws
-            (:meth:`~cockpit.history.History.from_json_latest`).
+        latest: Keep of mappings (histograms) only the latest per key: what a
+            dashboard draws (as :meth:`~cockpit.history.History.from_json_latest`
+            reads). Without it every mapping can be read, back from the file when
+            asked for.
         upto: With ``latest``, ignore steps after this one.
 
     Returns:
-        The history; it holds at least one step.
+        The history, a :class:`~cockpit.log_reader.LogHistory` (an ordinary
+        :class:`~cockpit.history.History` for a file of an odd shape); it holds at
+        least one step. Its memory is about 8 bytes per number the log holds at
+        its steps, whatever its histograms.
 
     Raises:
         LogFileError: If there is no such file, it cannot be read, it is not a
@@ -154,10 +161,7 @@ def open_log(
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            if latest:
-                history = History.from_json_latest(found, upto)
-            else:
-                history = History.from_json(found)
+            history = read_log_history(found, "latest" if latest else "all", upto)
     except OSError as error:
         raise LogFileError(found, unreadable_message(error)) from None
     if history.steps:

@@ -124,7 +124,18 @@ def _leaf_kind(items: list | tuple) -> tuple[type | None, int]:
     count = 0
     stack = [items]
     while stack:
-        for item in stack.pop():
+        level = stack.pop()
+        kinds = set(map(type, level))
+        if kinds <= {float} or kinds <= {int}:  # numbers of one type: at once
+            if kinds:
+                leaf = kinds.pop()
+                if kind is None:
+                    kind = leaf
+                elif kind is not leaf:
+                    return None, count
+            count += len(level)
+            continue
+        for item in level:
             if isinstance(item, (list, tuple)):
                 stack.append(item)
                 continue
@@ -394,7 +405,8 @@ def decode(value: Any) -> Any:
         value: Data as read by :func:`json.load` from one of our logs or a 1.0.2 log.
 
     Returns:
-        Plain Python data with NaN and infinities restored.
+        Plain Python data with NaN and infinities restored (a list with nothing
+        to decode in it is returned as it is, not copied).
 
     Raises:
         ValueError: For an ``__ndarray__`` object that cannot be unpacked.
@@ -411,6 +423,8 @@ def decode(value: Any) -> Any:
             return _unpack_ndarray(value)
         return {k: decode(v) for k, v in value.items()}
     if isinstance(value, list):
+        if not any(isinstance(v, (dict, list)) for v in value):
+            return value  # numbers and strings only: nothing to decode
         return [decode(v) for v in value]
     return value
 
@@ -645,7 +659,9 @@ class NotStreamable(ValueError):
 _WHITESPACE = " \t\n\r"
 
 
-def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
+def json_log_steps(
+    handle, chunk: int = 1 << 22, spans: list | None = None
+) -> Iterator[tuple[int, dict]]:
     """Yield ``(step, entries)`` of a log in standard JSON, one step at a time.
 
     Holds one chunk of text and about two steps' text at a time in memory, whatever
@@ -655,6 +671,10 @@ def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
     Args:
         handle: The log, opened in binary mode.
         chunk: Bytes read at a time.
+        spans: If given, before each step is yielded ``(start, end)`` of its
+            entries' JSON text is appended: byte offsets in the file as long as
+            the file read so far is ASCII (cockpit's and json_tricks' logs are),
+            else ``None`` (the offsets of characters would not be those of bytes).
 
     Raises:
         NotStreamable: For anything but a JSON object of ``{"<int>": {...}}``
@@ -664,17 +684,20 @@ def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")()
     text, pos, done = "", 0, False
+    base, ascii_only = 0, True  # offset of text[0] in the file; all bytes ASCII?
 
     def refill() -> bool:
-        nonlocal text, pos, done
+        nonlocal text, pos, done, base, ascii_only
         if done:
             return False
         data = handle.read(chunk)
+        ascii_only = ascii_only and data.isascii()
         try:
             more = utf8.decode(data, final=not data)
         except UnicodeDecodeError as error:
             raise NotStreamable("not UTF-8") from error
         done = not data
+        base += pos
         text, pos = text[pos:] + more, 0
         return True
 
@@ -717,6 +740,7 @@ def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
             raise NotStreamable("not a step key")
         pos += 1
         skip_space()
+        start = base + pos
         entries = value()
         try:
             step = int(key)
@@ -724,6 +748,8 @@ def json_log_steps(handle, chunk: int = 1 << 22) -> Iterator[tuple[int, dict]]:
             raise NotStreamable("not a step key") from None
         if not isinstance(entries, dict):
             raise NotStreamable("step without entries")
+        if spans is not None:
+            spans.append((start, base + pos) if ascii_only else None)
         yield step, entries
         separator = skip_space()
         pos += 1

@@ -10,6 +10,12 @@ All three renderings show the same :class:`~cockpit.diagnosis.Finding` records::
 The JSON object is ``{"log": ..., "findings": [{"id", "severity", "steps", "message",
 "evidence", "advice"}, ...], "counts": {"error": n, "warning": n, "info": n},
 "not_checked": {check: what it needs}}``.
+
+Several logs are compared (``cockpit report a.json b.json [--label A --label B]``):
+a table of every check against every run (the most severe finding and its steps,
+"ok", or "not checked"), then each run's findings. Its JSON object is ``{"runs":
+[{"label", ...one log's object}], "comparison": {check: {label: {"severity",
+"steps"} | "ok" | "not checked"}}}``.
 """
 
 from __future__ import annotations
@@ -151,28 +157,135 @@ def exit_code(findings: Sequence[Finding], fail_on: str) -> int:
     return 2 if any(_RANK[f.severity] >= threshold for f in findings) else 0
 
 
+# --- several runs -----------------------------------------------------------------
+def compare(runs: Sequence[tuple[str, Sequence[Finding]]]) -> dict[str, dict[str, Any]]:
+    """Every check against every run: its most severe finding, "ok" or "not checked".
+
+    Args:
+        runs: ``(label, findings)`` of each run.
+
+    Returns:
+        ``{check: {label: {"severity", "steps"} | "ok" | "not checked"}}``, the
+        checks in :data:`cockpit.diagnosis.CHECK_IDS` order (then any other id
+        found).
+    """
+    from cockpit.diagnosis import CHECK_IDS
+
+    ids = list(CHECK_IDS)
+    for _, findings in runs:
+        ids += [f.id for f in findings if f.id not in ids and f.id != NOT_CHECKED]
+    table: dict[str, dict[str, Any]] = {}
+    for check in ids:
+        row = {}
+        for label, findings in runs:
+            if check in _not_checked(findings):
+                row[label] = "not checked"
+                continue
+            found = [f for f in findings if f.id == check]
+            if not found:
+                row[label] = "ok"
+                continue
+            worst = max(found, key=lambda f: _RANK[f.severity])
+            row[label] = {"severity": worst.severity, "steps": list(worst.steps)}
+        table[check] = row
+    return table
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, dict):
+        first, last = value["steps"]
+        steps = f"{first}" if first == last else f"{first}-{last}"
+        return f"{value['severity']} ({steps})"
+    return value
+
+
+def render_comparison(
+    runs: Sequence[tuple[str, Sequence[Finding]]], form: str = "text"
+) -> str:
+    """Render several runs' findings side by side.
+
+    Args:
+        runs: ``(label, findings)`` of each run.
+        form: ``"text"``, ``"markdown"`` or ``"json"``.
+
+    Returns:
+        The rendering, ending with a newline (JSON: one object).
+    """
+    table = compare(runs)
+    labels = [label for label, _ in runs]
+    if form == "json":
+        payload = {
+            "runs": [
+                {"label": label, **to_json_object(findings, label)}
+                for label, findings in runs
+            ],
+            "comparison": table,
+        }
+        return json.dumps(payload, indent=2, allow_nan=False) + "\n"
+    if form == "markdown":
+        lines = [f"# cockpit report: {len(runs)} runs compared", ""]
+        lines += ["| check | " + " | ".join(f"`{x}`" for x in labels) + " |"]
+        lines += ["| --- |" + " --- |" * len(labels)]
+        lines += [f"| `{check}` | " + " | ".join(_cell(row[x]) for x in labels) + " |"
+                  for check, row in table.items()]  # fmt: skip
+        lines.append("")
+        for label, findings in runs:
+            body = render_markdown(findings, label).split("\n", 1)[1]
+            lines += [f"## run `{label}`", body]
+        return "\n".join(lines)
+    width = max(len(check) for check in table) + 2
+    cells = {x: max(len(x), *(len(_cell(row[x])) for row in table.values())) + 2
+             for x in labels}  # fmt: skip
+    lines = [f"cockpit report: {len(runs)} runs compared", ""]
+    lines.append("check".ljust(width) + "".join(x.ljust(cells[x]) for x in labels))
+    for check, row in table.items():
+        lines.append(
+            check.ljust(width) + "".join(_cell(row[x]).ljust(cells[x]) for x in labels)
+        )
+    for label, findings in runs:
+        lines += ["", "=" * 72, render_text(findings, label).rstrip("\n")]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
 # --- command line -------------------------------------------------------------------
 def report_command(args: argparse.Namespace) -> int:
     """Run ``cockpit report``: diagnose ``args.log`` and print the rendering.
 
+    Several logs are compared (:func:`render_comparison`).
+
     Returns:
-        0; 2 if ``--fail-on`` is met; 1 (with one line on stderr naming the file
-        and the problem) if the log cannot be read.
+        0; 2 if ``--fail-on`` is met (by any run); 1 (with one line on stderr
+        naming the file and the problem) if a log cannot be read, or the labels
+        do not fit.
     """
+    logs = args.log if isinstance(args.log, list) else [args.log]
+    histories = []
+    for log in logs:
+        try:
+            histories.append(open_log(log))  # a damaged line: one warning
+        except LogFileError as error:
+            print(f"cockpit report: error: {error}", file=sys.stderr)
+            return 1
+    if len(logs) == 1:
+        findings = diagnose(histories[0])
+        if args.format == "json":
+            text = render_json(findings, logs[0])
+        elif args.format == "markdown":
+            text = render_markdown(findings, logs[0])
+        else:
+            text = render_text(findings, logs[0])
+        sys.stdout.write(text)
+        return exit_code(findings, args.fail_on)
+    from cockpit.plotting.runs import check_labels, default_labels
+
     try:
-        history = open_log(args.log)  # a damaged line: one warning, as for `plot`
-    except LogFileError as error:
-        print(f"cockpit report: error: {error}", file=sys.stderr)
+        labels = check_labels(args.label, len(logs)) or default_labels(logs)
+    except ValueError as error:
+        print(f"cockpit report: error: --label: {error}", file=sys.stderr)
         return 1
-    findings = diagnose(history)
-    if args.format == "json":
-        text = render_json(findings, args.log)
-    elif args.format == "markdown":
-        text = render_markdown(findings, args.log)
-    else:
-        text = render_text(findings, args.log)
-    sys.stdout.write(text)
-    return exit_code(findings, args.fail_on)
+    runs = [(label, diagnose(h)) for label, h in zip(labels, histories)]
+    sys.stdout.write(render_comparison(runs, args.format))
+    return max(exit_code(findings, args.fail_on) for _, findings in runs)
 
 
 def add_report_parser(subparsers) -> argparse.ArgumentParser:
@@ -189,7 +302,18 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
         help="say what is wrong with a run: findings with evidence and advice",
         description="Diagnose a cockpit log: findings with evidence and advice.",
     )
-    report.add_argument("log", help="cockpit log (.json, streamed, or 1.0.2 log)")
+    report.add_argument(
+        "log",
+        nargs="+",
+        help="cockpit log(s) (.json, streamed, or 1.0.2 logs); several are compared",
+    )
+    report.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="name of a run, once per log in order (default: the file names)",
+    )
     form = report.add_mutually_exclusive_group()
     form.add_argument(
         "--markdown",

@@ -25,6 +25,7 @@ from cockpit.engines.coverage import (
     ParamCoverage,
     Status,
     status_for,
+    with_fix,
 )
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults
@@ -201,7 +202,7 @@ class StepRouting:
             f"{reason} (also at later steps like it). Fix: {fix}. "
             "cockpit.coverage() says who computes what",
             once=("not-covered", reason),
-            short=reason,
+            short=with_fix(reason, fix),
         )
 
     def adjusted(self, plan):
@@ -226,7 +227,8 @@ class StepRouting:
             return None
         run, step, ledger = self._run, plan.global_step, self._run.ledger
         labels = [run.diagnostics.param_label(i) for i in range(len(run.params))]
-        problem = self.curvature.message if self.curvature is not None else None
+        decline = self.curvature
+        problem = with_fix(decline.message, decline.fix) if decline else None
         entries = [(q, ledger.entries[id(q)]) for q in ledger.planned.active]
         key = (
             tuple(self.routes),

@@ -9,8 +9,9 @@ trainer class::
 
 ``CockpitTrainer`` computes the loss from the model's logits with a BackPACK-extended
 ``nn.CrossEntropyLoss`` (the model's own loss is functional code BackPACK cannot
-see) and tracks the parameters of the ``nn.Linear`` layers (it says which tensors it
-leaves out: embeddings, LayerNorms). The log streams to ``<out>/cockpit.jsonl``;
+see) and tracks every parameter the optimizer updates (BackPACK serves the
+``nn.Linear`` layers; embeddings and LayerNorms get exact per-sample gradients from
+the cockpit's own engines). The log streams to ``<out>/cockpit.jsonl``;
 ``cockpit export <out>/cockpit.jsonl --tensorboard <dir>`` puts it into TensorBoard.
 
 With ``--accumulate k`` the trainer accumulates the gradients of ``k`` micro-batches

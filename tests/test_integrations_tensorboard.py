@@ -225,3 +225,20 @@ def test_values_not_measured_are_not_reported_as_skipped(tmp_path):
     }
     summary = export_tensorboard(log, tmp_path / "run")
     assert summary.skipped == ["GradHist1d"] and summary.scalars == 2
+
+
+def test_learning_rates_are_per_parameter_group_not_per_tensor(tmp_path):
+    """The cockpit records one learning rate per parameter group: exported per
+    group, never matched against the parameter names (no warning about them)."""
+    from cockpit.errors import CockpitWarning
+
+    cockpit = _run()
+    assert cockpit.history[0]["learning_rates"] == [0.2]  # 1 group, 4 tensors
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)
+        export_tensorboard(cockpit, tmp_path / "tb")
+    tb = _read(tmp_path / "tb")
+    assert _scalars(tb, "cockpit/learning_rates/group_0") == dict.fromkeys(
+        range(STEPS), pytest.approx(0.2)
+    )
+    assert not [t for t in tb.Tags()["scalars"] if "learning_rates/param" in t]

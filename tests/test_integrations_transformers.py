@@ -92,28 +92,17 @@ def _fit(tmp_path, quantities, attention="sdpa", **kwargs):
         optimizers=_optimizer(model),
         cockpit_quantities=quantities,
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CockpitWarning)  # the untracked LayerNorms
-        trainer.train()
+    trainer.train()
     return trainer
 
 
 def _plain_loop(quantities, epochs: int = 2, attention="sdpa") -> Cockpit:
     """The README's loop: same model, data order, optimizer, schedule, clipping."""
-    model = _model(attention)
-    for module in model.modules():
-        if isinstance(module, nn.Linear):  # BERT's attention has a child "output",
-            extend(module)  # which BackPACK's extend of the whole model overwrites
+    model = extend(_model(attention))
     loss_fn = extend(nn.CrossEntropyLoss())
     individual_loss_fn = nn.CrossEntropyLoss(reduction="none")
     opt, scheduler = _optimizer(model)
-    tracked = [
-        (name, p)
-        for name, p in model.named_parameters()
-        if name.endswith((".weight", ".bias"))
-        and isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.Linear)
-    ]
-    cockpit = Cockpit(tracked, quantities=quantities)
+    cockpit = Cockpit(model.named_parameters(), quantities=quantities)
     step = 0
     model.train()
     for epoch in range(epochs):
@@ -136,30 +125,73 @@ def _plain_loop(quantities, epochs: int = 2, attention="sdpa") -> Cockpit:
 
 
 def test_train_logs_what_the_plain_loop_logs(tmp_path):
-    trainer = _fit(tmp_path, configuration("economy"))
+    """Every parameter the optimizer updates is tracked (embeddings and LayerNorms
+    too), so Alpha has its value; where the Trainer's clipping (max_grad_norm=1)
+    changed the gradients it is missing, with the Trainer's fix, said once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, configuration("economy"))
     assert trainer.cockpit.logpath == str(tmp_path / "cockpit.jsonl")
     logged = History.from_json(trainer.cockpit.logpath)
     expected = _plain_loop(configuration("economy")).history
     assert logged.steps == list(range(2 * SAMPLES // BATCH))
-    assert {"GradHist1d", "NormTest"} <= set(logged.keys)
-    # the trainer tracks the Linear layers only, so the optimizer's update (which
-    # also moves LayerNorm and embeddings) is not what Alpha would see: missing
-    assert "does not track" in logged[0]["missing"]["Alpha"]
-    assert_same_history(logged, expected, skip=("Time", "epoch_count"))
+    assert {"GradHist1d", "NormTest", "Alpha"} <= set(logged.keys)
+    assert trainer.cockpit.param_names == [n for n, _ in _model().named_parameters()]
+    clipped = [s for s in logged.steps if "Alpha" in logged[s].get("missing", {})]
+    assert clipped  # where the norm exceeded 1
+    assert clipped == [s for s in expected.steps if "Alpha" not in expected[s]]
+    for step in clipped:
+        assert "max_grad_norm=0" in logged[step]["missing"]["Alpha"]
+    (said,) = [m for m in _messages(caught) if "Alpha has no value" in m]
+    assert "Fix: TrainingArguments(max_grad_norm=0)" in said
+    assert_same_history(logged, expected, skip=("Time", "epoch_count", "missing"))
     lrs = logged.series("learning_rate")[1]
     assert lrs[0] == pytest.approx(1e-2) and lrs[-1] < lrs[0]
 
 
-def test_untracked_layers_are_named_once(tmp_path):
-    with pytest.warns(CockpitWarning, match="LayerNorm"):
-        trainer = CockpitTrainer(
-            model=_model(),
-            args=_args(tmp_path, max_steps=1),
-            train_dataset=Sentences(),
-            cockpit_quantities=configuration("economy"),
-        )
+def test_the_default_tracks_what_the_optimizer_updates_exactly(tmp_path):
+    """An optimizer of part of the model (the embeddings are trainable but not in
+    it): the cockpit tracks exactly its tensors, so Alpha has its value and nothing
+    is said. Per-sample values are exact for every tensor, the position embedding
+    (called with a batch of one) included: Variance equals a per-sample loop."""
+    from cockpit.quantities import Alpha, Variance
+
+    model = _model("eager").double()
+    updated = [p for n, p in model.named_parameters() if ".embeddings." not in n]
+    opt = torch.optim.SGD(updated, lr=0.1)
+    trainer = CockpitTrainer(
+        model=model, args=_args(tmp_path, max_steps=2, max_grad_norm=0.0),
+        train_dataset=Sentences(), optimizers=(opt, None),
+        cockpit_quantities=[Variance(linear(1)), Alpha(linear(1))],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CockpitWarning)
         trainer.train()
-    assert History.from_json(trainer.cockpit.logpath).steps == [0]
+    names = [n for n, p in _model().named_parameters() if ".embeddings." not in n]
+    assert trainer.cockpit.param_names == names
+    history = trainer.cockpit.history
+    assert "missing" not in history[0] and math.isfinite(history[0]["Alpha"])
+
+    everything = CockpitTrainer(
+        model=(model := _model("eager").double()), train_dataset=Sentences(),
+        args=_args(tmp_path / "all", max_steps=1, max_grad_norm=0.0),
+        cockpit_quantities=[Variance(linear(1))],
+    )  # fmt: skip
+    everything.train()
+    assert everything.cockpit.param_names == [n for n, _ in model.named_parameters()]
+    assert "position_embeddings" in everything.cockpit.param_names[1]
+    model = _model("eager").double()
+    params = list(model.parameters())
+    per_sample = []
+    for i in range(BATCH):
+        ids = Sentences().ids[i : i + 1]
+        logits = model(input_ids=ids, attention_mask=torch.ones(ids.shape)).logits
+        loss = nn.functional.cross_entropy(logits, Sentences().labels[i : i + 1])
+        per_sample.append(torch.autograd.grad(loss, params))
+    for index, got in enumerate(everything.cockpit.history[0]["Variance"]):
+        g = torch.stack([grads[index] for grads in per_sample])
+        want = (g - g.mean(0)).square().flatten(1).sum(1).mean().item()
+        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15), index
 
 
 def test_full_configuration_and_create_graph(tmp_path):
@@ -281,10 +313,7 @@ def _plain_accumulating_loop(make_model, quantities, k: int, steps: int) -> Cock
     first micro-batch of each window, with its mean loss; then that gradient
     divided by the window's micro-batches, the others' ``loss / n`` added, the
     optimizer step."""
-    model = make_model()
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            extend(module)
+    model = extend(make_model())
     loss_fn = extend(nn.CrossEntropyLoss())
     individual_loss_fn = nn.CrossEntropyLoss(reduction="none")
     opt = _sgd(model)
@@ -495,18 +524,6 @@ def test_a_training_step_without_the_accelerators_backward_is_named(tmp_path):
     assert len(named) == 1 and "tracked nothing at step 0" in named[0]
     assert trainer.state.global_step == 2 and len(trainer.cockpit.history) == 0
     assert "backward" not in trainer.accelerator.__dict__
-
-
-def test_the_huggingface_example_runs(tmp_path):
-    from tests.test_examples import load_example
-
-    module = load_example("huggingface_tiny_bert")
-    assert "python examples/huggingface_tiny_bert.py" in module.__doc__
-    paths = module.main(steps=3, out=str(tmp_path / "out"))
-    history = History.from_json(paths["log"])
-    assert history.steps == [0, 1, 2]
-    assert {"GradNorm", "learning_rate"} <= set(history.keys)
-    assert "Alpha" in history[0]["missing"]  # a subset of the optimizer's params
 
 
 def test_the_huggingface_example_runs_with_accumulation(tmp_path):

@@ -19,6 +19,7 @@ from cockpit import quantities as Q
 from cockpit.history import History
 from cockpit.plotting import CockpitPlotter, DashboardData, instruments, make_timelapse
 from cockpit.plotting.data import MAX_POINTS, thinned_index
+from cockpit.plotting.drawers import FittedText
 from cockpit.plotting.style import format_number
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
@@ -315,16 +316,30 @@ def test_discard_hides_later_steps_and_log_iter_axes():
     assert any(t.get_text() == "step 12" for t in hist.texts)
 
 
-def test_gauges_without_data_say_so_and_debug_warns():
+def test_only_what_was_tracked_is_laid_out_and_the_rest_is_named():
     plotter = CockpitPlotter(secondary_screen=True)
-    with pytest.warns(UserWarning, match="has no data") as record:
+    with pytest.warns(UserWarning, match="is not shown") as record:
         plotter.plot(History({0: {"Loss": 1.0}}), show_plot=False, debug=True)
     axes = _gauge_axes(plotter) + [ax for _, ax in plotter._aux_axes]
-    empty = [ax for ax in axes if ax.get_gid() == instruments.NO_DATA_GID]
-    assert len(empty) == len(axes) - 2  # all but the performance plot and diagnosis
-    assert all(ax.get_title() for ax in empty)
-    assert all(any("no data" in t.get_text() for t in ax.texts) for ax in empty)
-    assert len(record) == len(empty) + 1  # + the layerwise placeholder
+    assert [ax.get_title() for ax in axes] == ["Performance Plot", "Diagnosis"]
+    assert all(ax.get_gid() == instruments.GAUGE_GID for ax in axes)
+    left_out = plotter.left_out() + plotter.left_out("secondary")
+    assert len(record) == len(left_out) == 14  # 10 + 3 auxiliary + the layers
+    note = " ".join(t.get_text() for t in plotter.fig.texts)
+    assert "not tracked, so not shown" in note
+    assert all(hint.removeprefix("track ") in note for _, hint in plotter.left_out())
+    secondary = " ".join(t.get_text() for t in plotter.fig_secondary.texts)
+    assert "nothing to show on the secondary screen" in secondary
+    # the economy configuration: no curvature panel, no empty boxes
+    curvature = {"HessMaxEV", "HessTrace", "TICDiag", "GradHist2d"}
+    full = synthetic_history(steps=8)
+    economy = History({step: {k: v for k, v in full[step].items() if k not in curvature}
+                       for step in full.steps})  # fmt: skip
+    plotter = CockpitPlotter()
+    plotter.plot(economy, show_plot=False)
+    titles = [ax.get_title() for ax in _gauge_axes(plotter)]
+    assert "Max Eigenvalue" not in titles and "Distance" in titles
+    assert all(ax.get_gid() == instruments.GAUGE_GID for ax in _gauge_axes(plotter))
 
 
 def test_redrawing_a_gauge_does_not_pile_up_axes():
@@ -382,7 +397,8 @@ def test_reference_log_with_json_tricks_arrays(tmp_path):
     )
     for title in drawn:
         assert by_title[title].get_gid() == instruments.GAUGE_GID, title
-    assert by_title["Max Eigenvalue"].get_gid() == instruments.NO_DATA_GID
+    assert "Max Eigenvalue" not in by_title  # not tracked: named, not drawn
+    assert ("Max Eigenvalue", "track HessMaxEV") in plotter.left_out()
 
 
 def _ndarray(values, dtype="float64"):
@@ -435,7 +451,7 @@ def test_timelapse_writes_an_animated_gif(tmp_path):
     with Image.open(path) as gif:
         assert gif.format == "GIF"
         assert gif.n_frames == 2
-        assert gif.size == (960, 540)
+        assert gif.size == (1280, 720)  # text of 11 pixels and more: readable
     with pytest.raises(ValueError, match="no tracked steps"):
         make_timelapse(History(), tmp_path / "empty.gif")
 
@@ -498,7 +514,7 @@ def test_every_gauge_is_declared_once_and_takes_its_keys_by_name():
     for name, gauge in instruments.GAUGES.items():
         function = getattr(instruments, f"plot_{name}")
         params = inspect.signature(function).parameters
-        expected = ["ax", "data", "show_log_iter", "upto"]
+        expected = ["ax", "data", "show_log_iter", "upto", "labels"]
         expected += [role for role, _, _ in gauge.keys] + list(gauge.options)
         assert list(params) == expected, name
         for role, _, _ in gauge.keys:
@@ -985,5 +1001,5 @@ def test_alpha_and_gradient_tests_explain_their_geometry():
                 (instruments.plot_gradient_tests, ("unit circle", "band")))  # fmt: skip
     for gauge, words in expected:
         gauge(ax, history)
-        captions = [t.get_text() for t in ax.texts if getattr(t, "xy", 0) == (0.5, 1)]
+        captions = [t.full_text for t in ax.texts if isinstance(t, FittedText)]
         assert len(captions) == 1 and all(w in captions[0] for w in words)

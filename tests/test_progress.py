@@ -65,6 +65,7 @@ LONG = {
     "ddp": "tqdm",
     "lightning_digits": "enable_progress_bar",
     "huggingface_tiny_bert": "disable_tqdm",
+    "bert_docstrings": "tqdm",
 }
 
 

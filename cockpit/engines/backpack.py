@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
-from backpack import backpack, disable
+from backpack import backpack, disable, hook_run_extensions, hook_store_io
 from backpack import (
     extend as extend,
 )  # re-exported: `cockpit` imports BackPACK here only
@@ -85,12 +85,18 @@ _CURVATURE_EXTENSIONS = {
     Need.DIAG_GGN_EXACT: lean_diag_ggn_exact,
     Need.DIAG_GGN_MC: lean_diag_ggn_mc,
 }
+#: Makers of the curvature extensions cockpit runs.
+CURVATURE_EXTENSIONS = tuple(_CURVATURE_EXTENSIONS.values())
 
 # Attributes of BackPACK extensions that are bookkeeping, not hyper-parameters.
 _NOT_HYPERPARAMETERS = {"saved_quantities"}
 
 #: What cockpit uses of BackPACK beyond its documented API: ``(module, attribute)``.
 REQUIRED_API: tuple[tuple[str, str], ...] = (
+    # the hooks backpack.extend registers (cockpit rewires them where they would
+    # break a model: cockpit.engines.backpack_hooks)
+    ("backpack", "hook_store_io"),
+    ("backpack", "hook_run_extensions"),
     ("backpack.core.derivatives.convnd", "weight_jac_t_save_memory"),
     ("backpack.extensions.backprop_extension", "BackpropExtension"),
     ("backpack.extensions.firstorder.base", "FirstOrderModuleExtension"),
@@ -140,6 +146,12 @@ def check_backpack_api() -> list[str]:
         if ok is False:
             problems.append(f"{module_name}: {expression} is false")
     return problems
+
+
+#: BackPACK's forward hook (stores a module's inputs and output) and full backward
+#: hook (runs the active extensions), as ``backpack.extend`` registers them.
+STORE_IO_HOOK = hook_store_io
+RUN_EXTENSIONS_HOOK = hook_run_extensions
 
 
 # --- extensions -----------------------------------------------------------------------
@@ -353,6 +365,18 @@ def reference_first_order() -> list[BackpropExtension]:
     if not _REFERENCE_FIRST_ORDER:
         _REFERENCE_FIRST_ORDER.append(PerSampleGradients())
     return list(_REFERENCE_FIRST_ORDER)
+
+
+_FIRST_ORDER_REFERENCES: list[BackpropExtension] = []
+
+
+def first_order_references() -> list[BackpropExtension]:
+    """Every first-order extension cockpit may run (their rule tables; never run)."""
+    if not _FIRST_ORDER_REFERENCES:
+        _FIRST_ORDER_REFERENCES.extend(
+            [PerSampleGradients(), lean_batch_l2(), lean_sum_grad_squared()]
+        )
+    return list(_FIRST_ORDER_REFERENCES)
 
 
 def curvature(extensions: Iterable[BackpropExtension]) -> list[BackpropExtension]:

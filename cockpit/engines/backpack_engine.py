@@ -24,6 +24,7 @@ from cockpit.checks import (
     unsupported_message,
 )
 from cockpit.engines import backpack as bp
+from cockpit.engines import backpack_hooks as hooks
 from cockpit.engines import backpack_routing as rules
 from cockpit.engines.base import (
     BACKPACK,
@@ -107,6 +108,7 @@ class BackpackEngine(Engine):
         self.hook: bp.ExtensionHook | None = None
         self._fields: list[str] = []
         self._setup_cache: tuple | None = None
+        self._rewired: list = []
 
     # --- which parameters ------------------------------------------------------------
     def setup_for(self, plan, user=()) -> BackwardSetup:
@@ -206,15 +208,45 @@ class BackpackEngine(Engine):
         )
 
     def watch(self, routes) -> None:
-        """Set ``inplace=False`` on the in-place modules among extended layers.
+        """Make BackPACK's hooks harmless to the models (the cockpit is made).
 
-        With BackPACK's hooks their forward pass would stop
+        Models BackPACK has no curvature for get their hooks rewired
+        (:mod:`cockpit.engines.backpack_hooks`: containers and parameter-free
+        layers lose them, layers with rules run them from their output's
+        gradient), so child modules named ``output`` and in-place changes of
+        layer outputs work. In the others (``nn.Sequential`` models, whose hooks
+        serve BackPACK's curvature) in-place modules among extended layers get
+        ``inplace=False``: with BackPACK's hooks their forward pass would stop
         (:func:`~cockpit.engines.backpack_routing.in_place_modules`); out of place
         they compute the same values (unless forward code reads their input again
         afterwards), with a little more memory. Said once, with a warning.
         """
         roots = rules.roots_of(self.modules.owners, self.modules.parents)
-        found = rules.in_place_modules(roots)
+        curvature = [make() for make in bp.CURVATURE_EXTENSIONS]
+        first_order = bp.first_order_references()
+        common = rules.common_container(
+            [found[0][0] for found in self.modules.owners.values() if found],
+            self.modules.parents,
+        )
+        possible = common is not None and rules.curvature_possible(
+            common, curvature, bp.rule_problem
+        )
+
+        def rule(module) -> bool:
+            return any(bp.rule_problem(module, e) is None for e in first_order)
+
+        def any_rule(module) -> bool:
+            return rule(module) or any(
+                bp.rule_problem(module, e) is None for e in curvature
+            )
+
+        for root in roots:
+            self._rewired += hooks.rewire(
+                list(root.modules()),
+                lambda m: hooks.plan_module(m, rule, any_rule, possible),
+            )
+        sequential = roots if possible else []
+        found = rules.in_place_modules(sequential)
         for _, module in found:
             module.inplace = False
         if found:
@@ -370,6 +402,12 @@ class BackpackEngine(Engine):
             bp.free_buffers(param, fields)
 
     def forget(self) -> None:
-        """Drop the step's hook and extensions."""
+        """Drop the step's hook and extensions (and the layers' hooked nodes)."""
         self.hook = None
         self._setup_cache = None
+        hooks.forget(self._rewired)
+
+    def close(self) -> None:
+        """Give BackPACK its hooks back (once no other cockpit holds the modules)."""
+        rewired, self._rewired = self._rewired, []
+        hooks.release(rewired)

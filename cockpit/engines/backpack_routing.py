@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Sequential
 
+from cockpit.engines.backpack_hooks import TAKEN_OFF, hooked_node, rewired
 from cockpit.engines.base import Decline, EngineStep, Route, Why
 from cockpit.engines.modules import ancestors, common_container, describe, graph_uses
 
@@ -91,6 +92,17 @@ def _has_rules(module, attribute, requested, rule_problem) -> Decline | None:
     return None
 
 
+@rule
+def _hooks_kept(module, attribute, requested, rule_problem) -> Decline | None:
+    found = rewired(module)
+    if found is not None and found[0] == TAKEN_OFF:
+        return Decline(
+            Why.OTHER,
+            f"cockpit took BackPACK's hooks off {describe(module)}: {found[1]}",
+        )
+    return None
+
+
 # --- rules on the step's graph --------------------------------------------------------
 @step_rule
 def _used_once(step: EngineStep, index, module, count) -> Decline | None:
@@ -106,6 +118,18 @@ def _used_once(step: EngineStep, index, module, count) -> Decline | None:
             Why.NOT_RUN,
             f"{describe(module)} did not run in this forward pass (its parameters "
             "are used by other code)",
+        )
+    return None
+
+
+@step_rule
+def _hook_reached(step: EngineStep, index, module, count) -> Decline | None:
+    node = hooked_node(module)
+    if node is not None and node not in step.nodes:
+        return Decline(
+            Why.NOT_RUN,
+            f"{describe(module)}'s output was changed in place through a view, "
+            "where BackPACK's hook cannot see its gradient",
         )
     return None
 
@@ -332,6 +356,16 @@ def curvature_decline(
     if autocast:
         return Decline(Why.AUTOCAST, message, _AUTOCAST_CURVATURE_FIX)
     return Decline(Why.NO_RULE, message, _CURVATURE_FIX)
+
+
+def curvature_possible(root: Module, extensions: Sequence, rule_problem) -> bool:
+    """Whether BackPACK could compute curvature diagonals of ``root`` at all.
+
+    True if one of the curvature ``extensions`` has a rule for every layer and
+    every container is an ``nn.Sequential`` (or a converted ``GraphModule``):
+    :func:`curvature_decline` would not refuse the model's structure.
+    """
+    return any(_structure_problem(root, [e], rule_problem) is None for e in extensions)
 
 
 def _structure_problem(root: Module, requested, rule_problem) -> str | None:

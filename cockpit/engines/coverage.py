@@ -141,14 +141,25 @@ class Coverage:
         return counts
 
     def summary(self) -> str:
-        """One line: parameters per engine and anything not exact."""
+        """One line: parameters per engine and anything not exact, with the fix.
+
+        Quantities not covered are grouped by what would cover them (the fix of
+        their reason, or the reason where it names none).
+        """
         engines = ", ".join(f"{n} from {e}" for e, n in sorted(self.engines().items()))
-        worst: dict[str, str] = {}
+        worst: dict[str, Status] = {}
         for row in self.params:
             for key, status in row.quantities.items():
-                if _RANK[status.kind] > _RANK.get(worst.get(key, EXACT), 0):
-                    worst[key] = status.kind
-        flagged = ", ".join(f"{k} {v}" for k, v in worst.items())
+                if _RANK[status.kind] > _RANK[worst.get(key, _EXACT).kind]:
+                    worst[key] = status
+        groups: dict[tuple[str, str], list[str]] = {}
+        for key, status in worst.items():
+            note = _remedy(status.how) if status.kind == MISSING else ""
+            groups.setdefault((status.kind, note), []).append(key)
+        flagged = "; ".join(
+            f"{' and '.join(keys)} {kind}" + (f" ({note})" if note else "")
+            for (kind, note), keys in groups.items()
+        )
         tail = f"; {flagged}" if flagged else "; every quantity exact"
         when = "" if self.step is None else f" at step {self.step}"
         return (
@@ -165,6 +176,20 @@ class Coverage:
             for key, status in row.quantities.items():
                 lines.append(f"    {key}: {status}")
         return "\n".join(lines)
+
+
+_EXACT = Status(EXACT, "")
+
+
+def _remedy(how: str) -> str:
+    """What covers a quantity missing for reason ``how``: its fix, or the reason."""
+    _, found, fix = how.partition("Fix: ")
+    return f"fix: {fix.rstrip('.')}" if found else how
+
+
+def with_fix(reason: str, fix: str) -> str:
+    """A not-covered status's text: the reason and, if any, the fix."""
+    return f"{reason}. Fix: {fix}" if fix else reason
 
 
 def status_for(
@@ -213,7 +238,7 @@ def static_coverage(
     if every & CURVATURE_NEEDS:
         step = EngineStep(-1, router.params, needs=every)
         decline = router.curvature_decline(routes, step)
-        problem = decline.message if decline is not None else None
+        problem = with_fix(decline.message, decline.fix) if decline else None
     estimate = Status(ESTIMATED, f"Hutchinson, {probes} Hessian-vector products")
     rows = []
     for index, route in enumerate(routes):

@@ -630,6 +630,9 @@ class Replayer:
             keep.append(j)
         if not keep:
             return None
+        nested = _nested_output(call, keep)
+        if nested is not None:
+            raise _Refused(nested)
         preferred = {a for options in out_options for a in options[:1]}
         in_options = []
         for leaf in call.leaves:
@@ -706,6 +709,34 @@ class Replayer:
             self._refuse(module, call, "the replayed outputs differ from the recorded")
             return None
         return [grads[name] for name in names]
+
+
+def _nested_output(call: Call, selected: Sequence[int]) -> str | None:
+    """Why an output of ``call`` is computed from another inside it (``None``: none).
+
+    E.g. a Hugging Face encoder-decoder returns the encoder's last hidden state
+    next to the logits computed from it. The gradient of the losses with respect
+    to such an output already holds the part that reaches it through the other
+    output, which the module's vector-Jacobian product would add a second time.
+    """
+    outputs = {}
+    for j in selected:
+        node = call.outputs[j].grad_fn
+        outputs.setdefault(node, j)
+    for node, j in outputs.items():
+        seen, stack = set(), [c for c, _ in node.next_functions if c is not None]
+        while stack:
+            child = stack.pop()
+            if child in seen or child._sequence_nr() < call.start:
+                continue
+            seen.add(child)
+            if child in outputs and child is not node:
+                return (
+                    f"its output {j} is computed from its output {outputs[child]} "
+                    "(whose gradient would be counted twice)"
+                )
+            stack.extend(c for c, _ in child.next_functions if c is not None)
+    return None
 
 
 def _wrapper(module: Module) -> bool:

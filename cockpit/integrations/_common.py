@@ -105,21 +105,26 @@ def loss_modules(model: Module) -> list[_Loss]:
 
 
 def per_sample_losses(module: _Loss, inputs: Sequence[Any]) -> Tensor:
-    """Per-sample losses of a loss module's call, shape ``[N]``, without a graph.
+    """Per-sample losses of a loss module's call, shape ``[N]``, with their graph.
 
-    Runs the module's ``forward`` (no hooks) on detached inputs with
-    ``reduction="none"`` and averages over all but the first (batch) dimension,
-    so for a mean-reduced loss their mean is the loss (without class weights or
-    ignored targets).
+    Runs the module's ``forward`` (no hooks, so BackPACK sees nothing of it) with
+    ``reduction="none"`` on the same inputs and averages over all but the first
+    (batch) dimension, so for a mean-reduced loss their mean is the loss (without
+    class weights or ignored targets). No forward pass of the model runs again:
+    the loss is evaluated once more on the logits.
+
+    The losses keep their autograd graph (nothing backpropagates through it): the
+    cockpit reads from it which parameters each sample's loss uses, checks the
+    sample axis of every layer (a position embedding called with a batch of one,
+    as BERT's, is not per-sample in BackPACK) and computes exact per-sample
+    gradients where BackPACK has no rule (embeddings, LayerNorm, attention).
     """
     saved = module.reduction
-    detached = [x.detach() if isinstance(x, Tensor) else x for x in inputs]
-    with torch.no_grad():
-        module.reduction = "none"
-        try:
-            losses = module.forward(*detached)
-        finally:
-            module.reduction = saved
+    module.reduction = "none"
+    try:
+        losses = module.forward(*inputs)
+    finally:
+        module.reduction = saved
     if losses.dim() > 1:
         losses = losses.flatten(start_dim=1).mean(dim=1)
     return losses
@@ -172,6 +177,30 @@ class LossCapture:
 def trainable_named_parameters(model: Module) -> list[tuple[str, Tensor]]:
     """``(name, parameter)`` of every parameter that requires gradients."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def updated_named_parameters(
+    model: Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> list[tuple[str, Tensor]]:
+    """``(name, parameter)`` of what the optimizers update, in the model's order.
+
+    The parameters that require gradients and sit in one of the optimizers' groups:
+    the cockpit tracks exactly what training moves, so Alpha (which replays the
+    optimizer's update) has its value and norms, tests and histograms describe the
+    whole update. Parameters the optimizers hold outside the model are not named
+    (the cockpit then says Alpha is missing, and why). Without optimizers: every
+    trainable parameter.
+    """
+    optimizers = [getattr(o, "optimizer", o) for o in optimizers or ()]  # wrappers
+    if not optimizers:
+        return trainable_named_parameters(model)
+    updated = {
+        id(p)
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+    return [(n, p) for n, p in trainable_named_parameters(model) if id(p) in updated]
 
 
 def warn(message: str) -> None:

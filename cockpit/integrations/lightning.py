@@ -17,15 +17,17 @@ What your ``LightningModule`` needs (nothing else changes):
   not ``F.cross_entropy``). Layers are modules as usual.
 
 Per-sample losses (Alpha, CABS and the reduction check read them) come from that
-loss module: a forward hook re-evaluates its training-mode call on the detached
+loss module: a forward hook re-evaluates its training-mode call on the same
 inputs with ``reduction="none"`` (averaged over non-batch dimensions), a cheap
-second evaluation of the loss only. This needs no change to ``training_step`` and
-no second loss function. A loss that adds several mean-reduced loss modules of one
-batch gets the sum of their per-sample losses.
+second evaluation of the loss only; their graph is what the cockpit reads to serve
+layers BackPACK has no rule for (``docs/any_model.md``). This needs no change to
+``training_step`` and no second loss function. A loss that adds several
+mean-reduced loss modules of one batch gets the sum of their per-sample losses.
 
 What the callback does: at ``on_fit_start`` it ``backpack.extend``-s the module's
 leaf modules (layers, activations, loss; not containers) and creates the
-:class:`~cockpit.Cockpit` on the trainable parameters (with their names);
+:class:`~cockpit.Cockpit` on the parameters the optimizer updates (with their
+names; Alpha replays exactly that update);
 ``on_before_backward`` opens the step
 (:meth:`~cockpit.Cockpit.begin` with the loss, per-sample losses, batch size and the
 optimizer) and ``on_after_backward`` closes it (:meth:`~cockpit.Cockpit.end`) and
@@ -116,7 +118,7 @@ from cockpit.integrations._common import (
     learning_rate,
     loss_modules,
     replays_update,
-    trainable_named_parameters,
+    updated_named_parameters,
     warn,
 )
 from cockpit.log_keys import LOG_KEYS
@@ -342,7 +344,7 @@ class _CockpitCallback:
             )
         self._capture = LossCapture(losses)
         self.cockpit = Cockpit(
-            trainable_named_parameters(pl_module),
+            updated_named_parameters(pl_module, trainer.optimizers),
             quantities=self.quantities,
             logpath=self.logpath or default_logpath(trainer.log_dir),
         )  # trainer.log_dir is a collective under DDP: every process asks

@@ -17,6 +17,8 @@ Then ``tensorboard --logdir runs``. Tags start with ``prefix`` (default
   (the parameter's name where known, else ``param_<i>``), and for the quantities in
   :data:`TOTALS` also the total over all tensors as ``cockpit/<key>`` (the norm of
   the per-tensor norms, the sum of per-tensor traces);
+* ``learning_rates`` (one value per parameter group of the optimizer, recorded by
+  the cockpit on tracked steps): ``cockpit/learning_rates/group_<i>``;
 * a histogram (``GradHist1d``): the TensorBoard histogram ``cockpit/<key>`` with the
   log's bin edges and counts; a 2-D histogram (``GradHist2d``: gradient x parameter)
   as its two marginals ``cockpit/<key>/gradient`` and ``cockpit/<key>/parameter``,
@@ -52,6 +54,7 @@ import numpy as np
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from cockpit.log_files import open_log
+from cockpit.log_keys import LEARNING_RATES_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
@@ -243,6 +246,9 @@ class _Exporter:
             self.scalar(self.tag(key), value, step)
         elif isinstance(value, Mapping) and "hist" in value and "edges" in value:
             self.histogram_entry(key, value, step)
+        elif is_list and all(map(_is_number, value)) and key == LEARNING_RATES_KEY:
+            for group, rate in enumerate(value):  # per parameter group, not tensor
+                self.scalar(self.tag(key, f"group_{group}"), rate, step)
         elif is_list and all(map(_is_number, value)):
             self.per_parameter(key, value, step)
         elif is_list and all(isinstance(v, list) for v in value):

@@ -19,7 +19,8 @@ inside ``forward``, which BackPACK cannot see. The mixin therefore computes the
 loss itself in ``compute_loss``: it calls the model without ``labels`` and applies
 ``cockpit_loss_fn`` (default ``nn.CrossEntropyLoss()``, mean-reduced and
 ``backpack.extend``-ed) to the logits; per-sample losses are the same loss with
-``reduction="none"`` on the detached logits, so no extra forward pass runs. For
+``reduction="none"`` on the same logits, so no extra forward pass runs (their
+graph is what the cockpit reads to serve layers BackPACK has no rule for). For
 classification (logits ``[N, C]``) and token classification (``[N, T, C]``,
 moved to ``[N, C, T]``) this is the loss the model computes itself (for tokens:
 when no label is ignored). The mixin tells the ``Trainer`` that this loss is the
@@ -56,16 +57,26 @@ but the step uses the whole window: it is recorded as missing on such steps (wit
 the reason, :meth:`~cockpit.Cockpit.missing`; a ``CockpitWarning`` names the fix
 once); on a window of one micro-batch it has its value.
 
-Which parameters are tracked: per-sample gradients exist in BackPACK for some layer
-types only, and transformers also hold LayerNorm, position embeddings (shared by
-all samples of a batch) and the like. By default the cockpit tracks the trainable
-parameters of ``nn.Linear`` and ``nn.ConvNd`` layers (:data:`TRACKED_LAYERS`) and
-says once how many tensors it leaves out; all parameters are still trained.
-``cockpit_params=`` chooses others. Quantities then describe the tracked
-parameters: norms, tests and histograms over those tensors, and Alpha along the
-update of those tensors. First-order quantities (``economy``) work for any model;
-curvature quantities (``business``, ``full``) need BackPACK to differentiate
-through every layer, which attention blocks do not allow.
+Gradient clipping (``max_grad_norm``, 1.0 by default in ``TrainingArguments``):
+the Trainer clips between the backward pass and ``optimizer.step()``. Where that
+changed a tracked step's gradients, ``Alpha``'s value of that step is recorded as
+missing, with the reason and the fix (``max_grad_norm=0`` while debugging with
+Alpha); clipping that leaves the gradients alone (a norm below the threshold)
+costs nothing.
+
+Which parameters are tracked: by default those the Trainer's optimizer updates
+(every trainable parameter unless you passed ``optimizers=`` with fewer), embeddings
+and LayerNorms included, so ``Alpha`` replays exactly the step the optimizer takes
+and norms, tests and histograms describe the whole update. BackPACK serves the
+layers it has rules for; the cockpit computes exact per-sample gradients for the
+others (embeddings, LayerNorm, a position embedding shared by the batch) from the
+per-sample losses' graph (``docs/any_model.md``; ``trainer.cockpit.coverage()``
+says which engine serves what). ``cockpit_params=`` chooses others; the quantities
+then describe those tensors, and ``Alpha``, which needs the whole update, is
+missing unless they are what the optimizer updates. First-order quantities
+(``economy``) work for any model; curvature quantities (``business``, ``full``)
+need BackPACK to differentiate through every layer, which attention blocks do not
+allow.
 
 With ``report_to=["tensorboard"]`` the cockpit's values are exported into the run's
 TensorBoard directory when training ends (:mod:`cockpit.integrations.tensorboard`).
@@ -80,13 +91,14 @@ tracks nothing). A run resumed from a checkpoint starts a fresh cockpit and a se
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 except Exception as error:  # e.g. a torchvision that cannot load: name the fix
     if getattr(error, "name", None) != "transformers":  # installed
         from cockpit.integrations._common import check_torchvision
@@ -103,19 +115,13 @@ from cockpit.integrations._common import (
     learning_rate,
     per_sample_losses,
     replays_update,
+    updated_named_parameters,
     warn,
 )
+from cockpit.loop_checks import GradSnapshot
 from cockpit.quantities.base import Quantity
 
-__all__ = ["CockpitTrainer", "CockpitTrainerMixin", "TRACKED_LAYERS"]
-
-#: Layer types whose trainable parameters are tracked by default.
-TRACKED_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Linear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-)
+__all__ = ["CockpitTrainer", "CockpitTrainerMixin"]
 
 
 class CockpitTrainerMixin:
@@ -129,7 +135,7 @@ class CockpitTrainerMixin:
         cockpit_loss_fn: A mean-reduced ``torch.nn`` loss module applied as
             ``loss_fn(logits, labels)`` (default ``nn.CrossEntropyLoss()``).
         cockpit_params: ``(name, parameter)`` pairs or parameters to track
-            (default: those of :data:`TRACKED_LAYERS`).
+            (default: those the optimizer updates; Alpha needs exactly those).
         **kwargs: Passed to the ``Trainer``.
 
     Attributes:
@@ -162,6 +168,9 @@ class CockpitTrainerMixin:
         self._cockpit_declared: tuple[Any] | None = None
         self._cockpit_warned_labels = False
         self._cockpit_warned_backward = False
+        # after a tracked step: (step, quantities to finish, its gradients)
+        self._cockpit_watch: tuple[int, list[Quantity], GradSnapshot] | None = None
+        self.add_callback(_ClippingWatch(self))
 
     # --- set-up -----------------------------------------------------------------------
     def _cockpit_setup(self, model: nn.Module) -> None:
@@ -193,8 +202,8 @@ class CockpitTrainerMixin:
         self.cockpit_loss_fn = extend(self.cockpit_loss_fn)
         params = self.cockpit_params
         if params is None:
-            params = _layer_parameters(model)
-        _extend_owners(model, params)
+            params = _updated_parameters(model, self.optimizer)
+        extend(model)  # the cockpit keeps BackPACK's hooks from breaking the model
         logpath = self.cockpit_logpath or default_logpath(args.output_dir)
         if self.state.global_step > 0:  # resumed: keep the first run's log
             logpath = f"{logpath}_from_step_{self.state.global_step}"
@@ -348,9 +357,36 @@ class CockpitTrainerMixin:
             self.cockpit.missing(
                 step, started, _accumulation_reason(k), cause="accumulation"
             )
+        else:  # the Trainer may clip before the update: compare then
+            pending = [
+                q
+                for q in self.cockpit.quantities
+                if replays_update(q) and q.finishes(step + 1)
+            ]
+            if pending:
+                self._cockpit_watch = (step, pending, GradSnapshot(self.cockpit.params))
         lr = learning_rate(self.optimizer)
         epoch = int(self.state.epoch or 0)
         self.cockpit.log(step, epoch, None, None, None, None, None, None, lr)
+
+    def _cockpit_check_clipping(self) -> None:
+        """Before the optimizer's update: did clipping change the tracked gradients?
+
+        The Trainer clips the gradient norm to ``max_grad_norm`` (1.0 by default)
+        between the backward pass and ``optimizer.step()``; where that changed the
+        gradients, the update replayed by Alpha is not the step taken, so Alpha's
+        value of that step is recorded as missing with the Trainer's fix (the
+        cockpit's own check at ``optimizer.step()`` then has nothing left to say).
+        """
+        watch, self._cockpit_watch = self._cockpit_watch, None
+        if watch is None or self.cockpit is None:
+            return
+        step, pending, grads = watch
+        changed = grads.changed()
+        started = [q for q in pending if q.discard_start(step)] if changed else []
+        if started:
+            reason = _clipping_reason(changed, self.args.max_grad_norm)
+            self.cockpit.missing(step, started, reason, cause="clipping")
 
     def _cockpit_restore_backward(self) -> None:
         if self._cockpit_backward is not None:
@@ -401,6 +437,38 @@ def _accumulation_reason(k: int) -> str:
     )
 
 
+def _clipping_reason(changed: int, max_grad_norm: float) -> str:
+    """Why a quantity that replays the optimizer's update has no value (clipping)."""
+    cause = (
+        f"the Trainer clipped the gradient norm to max_grad_norm={max_grad_norm}"
+        if max_grad_norm and max_grad_norm > 0
+        else "e.g. a callback's on_pre_optimizer_step"
+    )
+    fix = (
+        "TrainingArguments(max_grad_norm=0) while debugging with Alpha"
+        if max_grad_norm and max_grad_norm > 0
+        else "leave .grad unchanged before the optimizer step"
+    )
+    return (
+        f".grad of {changed} parameter(s) changed between the backward pass and the "
+        f"optimizer step ({cause}), so the update cockpit replayed is not the step "
+        f"taken. Fix: {fix}, or drop Alpha"
+    )
+
+
+class _ClippingWatch(TrainerCallback):
+    """Tells the mixin when the Trainer is about to update (after any clipping)."""
+
+    def __init__(self, trainer: CockpitTrainerMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Compare the tracked gradients with what the optimizer will use."""
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._cockpit_check_clipping()
+
+
 def _factor(loss: Tensor, mean: Tensor) -> Tensor | None:
     """``d loss / d mean`` where ``loss`` is ``mean`` times or divided by constants.
 
@@ -434,45 +502,14 @@ def _factor(loss: Tensor, mean: Tensor) -> Tensor | None:
 _SCALINGS = ("DivBackward0", "MulBackward0")
 
 
-def _extend_owners(model: nn.Module, params: Iterable) -> None:
-    """``backpack.extend`` the modules that own the tracked parameters.
-
-    Only those: BackPACK stores ``module.output`` on every module it extends, which
-    clashes with submodules named ``output`` (as in BERT's attention blocks), and
-    first-order quantities need no hooks elsewhere.
-    """
-    ids = {id(p[1] if isinstance(p, tuple) else p) for p in params}
-    for module in model.modules():
-        if any(id(p) in ids for p in module.parameters(recurse=False)):
-            extend(module)
-
-
-def _layer_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Trainable parameters of :data:`TRACKED_LAYERS`; warn about the others."""
-    tracked: list[tuple[str, Tensor]] = []
-    left: dict[str, int] = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad:
-                continue
-            full = f"{module_name}.{name}" if module_name else name
-            if isinstance(module, TRACKED_LAYERS):
-                tracked.append((full, param))
-            else:
-                kind = type(module).__name__
-                left[kind] = left.get(kind, 0) + 1
-    if left:
-        kinds = ", ".join(f"{count} of {kind}" for kind, count in sorted(left.items()))
-        warn(
-            f"CockpitTrainer tracks the {len(tracked)} parameter tensors of "
-            f"{', '.join(t.__name__ for t in TRACKED_LAYERS)} layers and leaves out "
-            f"{sum(left.values())} ({kinds}); they are trained but not observed. "
-            "Fix: pass cockpit_params=[...] to choose (BackPACK must have per-sample "
-            "gradients for their layers)."
-        )
+def _updated_parameters(model: nn.Module, optimizer) -> list[tuple[str, Tensor]]:
+    """What the Trainer's optimizer updates, named as in ``model``."""
+    tracked = updated_named_parameters(model, [] if optimizer is None else [optimizer])
     if not tracked:
         raise ValueError(
-            "CockpitTrainer found no trainable nn.Linear or nn.Conv layer to track. "
-            "Fix: pass cockpit_params=model.named_parameters() (or a selection)."
+            "CockpitTrainer found no parameter of the model that the optimizer "
+            "updates (none requires gradients, or the optimizer holds other "
+            "tensors). Fix: give the Trainer an optimizer of the model's trainable "
+            "parameters, or pass cockpit_params=[...] to choose what to track."
         )
     return tracked

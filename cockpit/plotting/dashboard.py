@@ -5,17 +5,32 @@ from __future__ import annotations
 import glob
 import os
 import re
+import warnings
 from typing import Any
 
 import matplotlib
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure, SubFigure
 
+from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from cockpit.log_files import empty_run_cause
 from cockpit.plotting import instruments
 from cockpit.plotting.data import DashboardData, as_history, read_log
-from cockpit.plotting.style import PANEL_COLORS, dashboard_style
+from cockpit.plotting.runs import (
+    RUN_COLORS,
+    Run,
+    check_labels,
+    default_labels,
+    is_several,
+)
+from cockpit.plotting.style import (
+    COLORS,
+    ITERATION_CMAP,
+    PANEL_COLORS,
+    dashboard_style,
+)
 
 _NON_INTERACTIVE = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
 
@@ -160,6 +175,14 @@ class CockpitPlotter:
         self._layer_panel: SubFigure | None = None
         self._layer_axes: list[Axes] = []
         self._step_texts: list[Any] = []
+        #: The loaded runs (one, or several side by side); see :meth:`load`.
+        self.runs: list[Run] = []
+        #: Whether several runs were loaded (a list passed to :meth:`plot`).
+        self.several = False
+        self._configured: list[set[str]] = []
+        self._layout: tuple | None = None
+        self._key_axes: list[Axes] = []
+        self._notes: list[Any] = []
 
     # --- public --------------------------------------------------------------------
     def plot(
@@ -176,6 +199,7 @@ class CockpitPlotter:
         discard: int | None = None,
         plot_title: str | None = None,
         debug: bool = False,
+        labels: list[str] | None = None,
     ) -> list[str]:
         """Draw (or update) the dashboard.
 
@@ -183,7 +207,10 @@ class CockpitPlotter:
             source: A :class:`~cockpit.Cockpit` (live), a
                 :class:`~cockpit.history.History`, a ``{step: {key: value}}`` dict,
                 or the path of a log: ours (also streamed) or one written by
-                cockpit-for-pytorch 1.0.2 (with or without ``.json``).
+                cockpit-for-pytorch 1.0.2 (with or without ``.json``); or a list
+                of these: several runs side by side, one colour each on every
+                gauge, aligned by step (live cockpits among them are updated
+                like one).
             show_plot: Show the figures: in a window on a GUI backend (opened on
                 the first call, then updated without raising it), inline in a
                 notebook; nothing to show on a non-interactive backend such as Agg.
@@ -203,7 +230,9 @@ class CockpitPlotter:
             discard: Plot only steps up to this global step (inclusive).
             plot_title: Figure title; default ``"Cockpit for <optimizer>"`` for a
                 cockpit, the file name for a log.
-            debug: Warn about every gauge that has no data.
+            debug: Warn about every gauge that has no data or is left out.
+            labels: Names of several runs in the legends (default: the log
+                files' names, ``run k`` for other sources).
 
         Returns:
             Paths of the saved images (empty unless ``save_plot``; empty on the
@@ -212,12 +241,15 @@ class CockpitPlotter:
 
         Raises:
             LogFileError: If a log cannot be read or has no tracked steps.
-            ValueError: If another source has no tracked steps, or ``save_plot``
-                has no ``savedir`` for a non-path source.
+            ValueError: If another source has no tracked steps, ``save_plot``
+                has no ``savedir`` for a non-path source, or the labels do not
+                fit the runs.
         """
         if getattr(source, "is_writer", True) is False:
             return []  # a data-parallel run draws on its log_rank process only
-        self.load(source, discard=discard, plot_title=plot_title, stream=True)
+        self.load(
+            source, discard=discard, plot_title=plot_title, stream=True, labels=labels
+        )
         if save_plot and savedir is None:
             if self._default_savedir is None:
                 raise ValueError(
@@ -248,41 +280,108 @@ class CockpitPlotter:
         discard: int | None = None,
         plot_title: str | None = None,
         stream: bool = False,
+        labels: list[str] | None = None,
     ) -> DashboardData:
-        """Read a run without drawing it (:meth:`plot` calls this first).
+        """Read a run (or several) without drawing (:meth:`plot` calls this first).
 
-        Afterwards :attr:`data` holds the run, for :meth:`draw` and for the gauge
-        functions of :mod:`cockpit.instruments`. Loading the same cockpit or
-        history again reads only the steps added since.
+        Afterwards :attr:`data` holds the (first) run and :attr:`runs` all of them,
+        for :meth:`draw` and for the gauge functions of :mod:`cockpit.instruments`.
+        Loading the same cockpit or history again reads only the steps added since.
 
         Args:
-            source: What :meth:`plot` accepts.
+            source: What :meth:`plot` accepts (one run or a list of runs).
             discard: Draw only steps up to this global step (inclusive).
             plot_title: Figure title (default as in :meth:`plot`).
             stream: For a log path, read the file step by step and keep only what
                 the dashboard draws up to ``discard``
                 (:func:`~cockpit.plotting.data.read_log`); :meth:`plot` does.
+            labels: Names of several runs (see :meth:`plot`).
 
         Returns:
             :attr:`data`.
 
         Raises:
             LogFileError: If a log cannot be read or has no tracked steps.
-            ValueError: If another source has no tracked steps.
+            ValueError: If another source has no tracked steps, or the labels do
+                not fit the runs.
         """
-        thin = None
-        if stream and isinstance(source, (str, os.PathLike)):  # only what plot draws
-            thin = read_log(source, upto=discard)
-        history, title, default_dir = resolve_source(source, thin)
-        if isinstance(source, DashboardData) or thin is not None:
-            self.data = source if thin is None else thin
-        elif self.data is None or self.data.history is not history:
-            self.data = DashboardData(history)
-        self.data.refresh()
-        self.title = title if plot_title is None else plot_title
+        several = is_several(source)
+        sources = list(source) if several else [source]
+        if several and not sources:
+            raise ValueError("Nothing to plot: the list of runs is empty.")
+        names = (check_labels(labels, len(sources)) if several else None) or (
+            default_labels(sources)
+        )
+        known = {id(run.data.history): run.data for run in self.runs}
+        runs, titles, folders, configured = [], [], [], []
+        for index, item in enumerate(sources):
+            thin = None
+            if stream and isinstance(item, (str, os.PathLike)):  # only what is drawn
+                thin = read_log(item, upto=discard)
+            history, title, default_dir = resolve_source(item, thin)
+            if isinstance(item, DashboardData) or thin is not None:
+                data = item if thin is None else thin
+            else:
+                data = known.get(id(history))
+                if data is None or data.history is not history:
+                    data = DashboardData(history)
+            data.refresh()
+            color = RUN_COLORS[index % len(RUN_COLORS)] if several else None
+            runs.append(Run(names[index], data, color, index))
+            titles.append(title)
+            folders.append(default_dir)
+            quantities = getattr(item, "quantities", None)
+            keys = {getattr(q, "key", None) for q in quantities or ()} - {None}
+            configured.append(keys)
+        self.runs = runs
+        self.several = several
+        self._configured = configured
+        self.data = runs[0].data
+        if plot_title is not None:
+            self.title = plot_title
+        elif not several:
+            self.title = titles[0]
+        elif len(runs) <= 3:
+            self.title = "Cockpit: " + " vs ".join(run.label for run in runs)
+        else:
+            self.title = f"Cockpit: {len(runs)} runs"
         self.discard = discard
-        self._default_savedir = default_dir
+        self._default_savedir = folders[0]
         return self.data
+
+    def write_html(self, path: str | os.PathLike) -> str:
+        """Write the loaded run(s) as an interactive HTML dashboard.
+
+        The same gauges, laid out as on the primary (and, where something was
+        tracked for it, the secondary) screen, in one file that opens without
+        a server or network access: zoom and pan on steps, values on hover,
+        runs switched on and off, the diagnosis with its evidence (see
+        :mod:`cockpit.plotting.html`).
+
+        Args:
+            path: The ``.html`` file (parent folders are created).
+
+        Returns:
+            The path written.
+
+        Raises:
+            RuntimeError: If nothing was loaded yet.
+        """
+        from cockpit.plotting.html import payload, render, save_page
+
+        self._require_data("write_html()")
+        data = payload(self.runs, self.layout(), self.title, self.discard,
+                       self.left_out("primary"))  # fmt: skip
+        return save_page(render(data), path)
+
+    def gauge_source(self) -> Any:
+        """What the gauges draw: :attr:`data` for one run, :attr:`runs` for several.
+
+        Raises:
+            RuntimeError: If nothing was loaded yet.
+        """
+        self._require_data("gauge_source()")
+        return list(self.runs) if self.several else self.data
 
     @property
     def tracking_data(self):
@@ -361,11 +460,14 @@ class CockpitPlotter:
         return [f for f in (self.fig, self.fig_secondary) if f is not None]
 
     def draw(self, upto: int | None = None) -> list[Figure]:
-        """Draw the loaded run onto the figures (made headless if there are none).
+        """Draw the loaded run(s) onto the figures (made headless if there are none).
 
         :meth:`plot` calls this; call it yourself after :meth:`load` to draw
         without showing or saving, or repeatedly with growing ``upto`` for frames
-        of an animation.
+        of an animation. Only the gauges of what was tracked are laid out (a
+        gauge of a quantity a live cockpit tracks but has not recorded yet is
+        laid out and says so); the figure names what was left out. When more
+        gets tracked, the figures are laid out anew.
 
         Args:
             upto: Draw only steps up to this one (default: :attr:`discard`).
@@ -377,24 +479,92 @@ class CockpitPlotter:
             RuntimeError: If nothing was loaded yet.
         """
         self._require_data("draw()")
-        data = self.data
         upto = self.discard if upto is None else upto
         options = {"show_log_iter": self.show_log_iter, "upto": upto}
-        last = data.last_step if upto is None else min(upto, data.last_step)
+        source = self.gauge_source()
+        last = max(r.data.last_step for r in self.runs if r.data.last_step is not None)
+        last = last if upto is None else min(upto, last)
         with dashboard_style():
             if self.fig is None:
                 self._ensure_figures(managed=False)
+            if self.layout() != self._layout:
+                self._build(self._managed)
             self.fig.suptitle(self.title)
             for gauge, ax in self._gauge_axes:
-                gauge(ax, data, **options)
+                gauge(ax, source, **options)
             if self.fig_secondary is not None:
                 self.fig_secondary.suptitle(f"{self.title}: secondary screen")
                 for gauge, ax in self._aux_axes:
-                    gauge(ax, data, **options)
-                self._draw_layers(data, options)
+                    gauge(ax, source, **options)
+                self._draw_layers(source, options)
             for text in self._step_texts:
                 text.set_text(f"step {last}")
+            self._draw_step_keys(upto)
         return self.figures
+
+    def layout(self) -> tuple:
+        """What the figures show: the gauges of what the loaded runs tracked.
+
+        Returns:
+            ``(primary, bottom, auxiliary, layers)``: the primary screen's
+            panels as ``(panel name, gauge names)`` (panels without a tracked
+            gauge are left out), the bottom row's and the secondary screen's
+            gauge names, and whether per-layer histograms were recorded.
+        """
+        self._require_data("layout()")
+        primary = []
+        for panel, gauges in instruments.PRIMARY_GAUGES.items():
+            names = tuple(name for name in map(_name, gauges) if self._tracked(name))
+            if names:
+                primary.append((panel, names))
+        bottom = tuple(
+            name
+            for name in map(_name, instruments.BOTTOM_GAUGES)
+            if name == "findings" or self._tracked(name)
+        )
+        aux = tuple(
+            name for name in map(_name, instruments.AUXILIARY_GAUGES)
+            if self._tracked(name)
+        )  # fmt: skip
+        layers = any(instruments.layer_count(run.data) for run in self.runs)
+        return tuple(primary), bottom, aux, layers
+
+    def left_out(self, screen: str = "primary") -> list[tuple[str, str]]:
+        """The gauges a screen leaves out because no run tracked their quantities.
+
+        Args:
+            screen: ``"primary"`` or ``"secondary"``.
+
+        Returns:
+            ``(title, what to track)`` of each gauge left out (for the
+            secondary screen, also the per-layer histograms).
+        """
+        self._require_data("left_out()")
+        if screen == "primary":
+            gauges = [g for gs in instruments.PRIMARY_GAUGES.values() for g in gs]
+            gauges += list(instruments.BOTTOM_GAUGES[:-1])
+        else:
+            gauges = list(instruments.AUXILIARY_GAUGES)
+        found = []
+        for name in map(_name, gauges):
+            if not self._tracked(name):
+                gauge = instruments.GAUGES[name]
+                found.append((_plain_title(gauge), _plain_hint(gauge)))
+        if screen != "primary" and not self.layout()[3]:
+            found.append(
+                ("Per-layer histograms", "track GradHist2d with keep_individual=True")
+            )
+        return found
+
+    def _tracked(self, name: str) -> bool:
+        """Whether a run recorded, or a live cockpit tracks, what a gauge reads."""
+        gauge = instruments.GAUGES[name]
+        keys = {role: key for role, key, _ in gauge.keys}
+        reads = set(instruments.gauge_reads(gauge, keys))
+        for run, configured in zip(self.runs, self._configured):
+            if reads & configured or instruments.run_has(run, gauge, keys):
+                return True
+        return False
 
     def build_animation(
         self, logpath: str | os.PathLike, duration: int = 200, loop: int = 0
@@ -450,10 +620,21 @@ class CockpitPlotter:
         self._managed = managed
         self._shown = False
         self.fig = self._new_figure("Cockpit")
-        self._build_primary(self.fig)
         self.fig_secondary = None
         if self.secondary_screen:
             self.fig_secondary = self._new_figure("Cockpit: secondary screen")
+        self._build(managed)
+
+    def _build(self, managed: bool) -> None:
+        """Lay the figures out anew for what the loaded runs tracked."""
+        self._layout = self.layout() if self.runs else None
+        self._step_texts = []
+        self._key_axes = []
+        self._notes = []
+        self.fig.clear()
+        self._build_primary(self.fig)
+        if self.fig_secondary is not None:
+            self.fig_secondary.clear()
             self._build_secondary(self.fig_secondary)
 
     def _new_figure(self, window_title: str) -> Figure:
@@ -487,35 +668,118 @@ class CockpitPlotter:
         sub.suptitle(name, fontsize=10, fontweight="bold", color="#444444")
 
     def _build_primary(self, fig: Figure) -> None:
-        rows = fig.subfigures(2, 1, height_ratios=[3.0, 1.1])
-        top = rows[0].subfigures(1, 3, wspace=0.01)
+        primary, bottom_names, _, _ = self._layout or self._everything()
         self._gauge_axes = []
-        for sub, (name, gauges) in zip(top, instruments.PRIMARY_GAUGES.items()):
-            self._panel(sub, name, PANEL_COLORS[name.lower()])
-            for gauge, ax in zip(gauges, sub.subplots(len(gauges), 1)):
-                self._gauge_axes.append((gauge, ax))
-        bottom = rows[1].subfigures(1, 3, width_ratios=[1.0, 1.4, 1.2], wspace=0.01)
-        for sub, gauge in zip(bottom, instruments.BOTTOM_GAUGES):
+        rows = [fig]
+        if primary:
+            rows = fig.subfigures(2, 1, height_ratios=[3.0, 1.1])
+            widths = [1.0] * len(primary)
+            top = rows[0].subfigures(1, len(primary), wspace=0.01, width_ratios=widths)
+            top = [top] if len(primary) == 1 else list(top)
+            for sub, (name, gauges) in zip(top, primary):
+                self._panel(sub, name, PANEL_COLORS[name.lower()])
+                axes = sub.subplots(len(gauges), 1, squeeze=False)[:, 0]
+                for gauge, ax in zip(gauges, axes):
+                    self._gauge_axes.append((_function(gauge), ax))
+        ratios = {"hyperparameters": 1.0, "performance": 1.4, "findings": 1.2}
+        holder = rows[-1]
+        bottom = holder.subfigures(
+            1, len(bottom_names), wspace=0.01,
+            width_ratios=[ratios[name] for name in bottom_names],
+        )  # fmt: skip
+        bottom = [bottom] if len(bottom_names) == 1 else list(bottom)
+        for sub, name in zip(bottom, bottom_names):
             sub.set_facecolor(PANEL_COLORS["bottom"])
-            self._gauge_axes.append((gauge, sub.subplots(1, 1)))
-        self._step_texts = [self._step_text(fig)]
+            self._gauge_axes.append((_function(name), sub.subplots(1, 1)))
+        self._step_texts.append(self._step_text(fig))
+        self._note_left_out(fig, "primary")
+
+    def _everything(self) -> tuple:
+        """The full layout (before anything was loaded)."""
+        primary = tuple(
+            (panel, tuple(map(_name, gauges)))
+            for panel, gauges in instruments.PRIMARY_GAUGES.items()
+        )
+        aux = tuple(map(_name, instruments.AUXILIARY_GAUGES))
+        return primary, tuple(map(_name, instruments.BOTTOM_GAUGES)), aux, True
 
     def _build_secondary(self, fig: Figure) -> None:
-        rows = fig.subfigures(2, 1, height_ratios=[1.0, 2.2])
-        self._panel(rows[0], "AUXILIARY", PANEL_COLORS["auxiliary"])
-        axes = rows[0].subplots(1, len(instruments.AUXILIARY_GAUGES))
-        self._aux_axes = list(zip(instruments.AUXILIARY_GAUGES, axes))
-        self._panel(rows[1], "LAYERWISE", PANEL_COLORS["layerwise"])
-        self._layer_panel = rows[1]
+        _, _, aux, layers = self._layout or self._everything()
+        self._aux_axes = []
+        self._layer_panel = None
         self._layer_axes = []
+        parts = (["aux"] if aux else []) + (["layers"] if layers else [])
+        if not parts:
+            fig.text(0.5, 0.5, "nothing to show on the secondary screen:\n"
+                     + _left_out_text(self.left_out("secondary")), ha="center",
+                     va="center", color=COLORS["gray"], fontsize=11)  # fmt: skip
+            self._step_texts.append(self._step_text(fig))
+            return
+        ratios = {"aux": 1.0, "layers": 2.2}
+        rows = fig.subfigures(len(parts), 1, height_ratios=[ratios[p] for p in parts])
+        rows = [rows] if len(parts) == 1 else list(rows)
+        for part, sub in zip(parts, rows):
+            if part == "aux":
+                self._panel(sub, "AUXILIARY", PANEL_COLORS["auxiliary"])
+                axes = sub.subplots(1, len(aux), squeeze=False)[0]
+                self._aux_axes = [(_function(n), ax) for n, ax in zip(aux, axes)]
+            else:
+                self._panel(sub, "LAYERWISE", PANEL_COLORS["layerwise"])
+                self._layer_panel = sub
         self._step_texts.append(self._step_text(fig))
+        self._note_left_out(fig, "secondary")
+
+    def _note_left_out(self, fig: Figure, screen: str) -> None:
+        """Name, at the top left, the gauges left out because nothing was tracked."""
+        if not self.runs:
+            return
+        missing = self.left_out(screen)
+        if missing:
+            text = fig.text(0.005, 0.995, "not tracked, so not shown: "
+                            + _left_out_text(missing), ha="left", va="top",
+                            fontsize=7.5, color=COLORS["gray"],
+                            style="italic")  # fmt: skip
+            text.set_in_layout(False)
+            self._notes.append(text)
 
     @staticmethod
     def _step_text(fig: Figure):
         return fig.text(0.995, 0.995, "", ha="right", va="top", fontsize=8)
 
-    def _draw_layers(self, data: DashboardData, options: dict[str, Any]) -> None:
-        n = instruments.layer_count(data, upto=options["upto"])
+    def _draw_step_keys(self, upto: int | None) -> None:
+        """The key of the points' colour: iteration (one run) at the top right.
+
+        Several runs have one colour each (named in every legend): no key.
+        """
+        for bar in self._key_axes:
+            bar.remove()
+        self._key_axes = []
+        if self.several:
+            return
+        steps = self.data.history.steps
+        first = steps[0]
+        last = self.data.last_step if upto is None else min(upto, self.data.last_step)
+        for fig in self.figures:
+            bar = fig.add_axes((0.855, 0.974, 0.05, 0.012))
+            bar.set_in_layout(False)
+            gradient = np.linspace(0.0, 1.0, 128)[None, :]
+            bar.imshow(gradient, cmap=ITERATION_CMAP, aspect="auto")
+            bar.set_xticks([])
+            bar.set_yticks([])
+            for spine in bar.spines.values():
+                spine.set_linewidth(0.4)
+            ends = ((-0.06, f"point colour = iteration {first}", "right"),
+                    (1.06, str(last), "left"))  # fmt: skip
+            for x, text, align in ends:
+                bar.text(x, 0.5, text, transform=bar.transAxes, ha=align,
+                         va="center", fontsize=7, color=COLORS["dark"])  # fmt: skip
+            self._key_axes.append(bar)
+
+    def _draw_layers(self, source: Any, options: dict[str, Any]) -> None:
+        if self._layer_panel is None:
+            return
+        upto = options["upto"]
+        n = max(instruments.layer_count(run.data, upto=upto) for run in self.runs)
         cells = max(n, 1)
         rows, cols = _layer_grid(cells)
         if len(self._layer_axes) != rows * cols:
@@ -525,9 +789,9 @@ class CockpitPlotter:
             self._layer_axes = list(grid.flat)
         for index, ax in enumerate(self._layer_axes):
             if n == 0 and index == 0:
-                instruments.plot_hist_2d(ax, data, param=0, **options)
+                instruments.plot_hist_2d(ax, source, param=0, **options)
             elif index < n:
-                instruments.plot_hist_2d(ax, data, param=index, **options)
+                instruments.plot_hist_2d(ax, source, param=index, **options)
             else:
                 instruments.clear_gauge(ax)
                 ax.set_axis_off()
@@ -556,6 +820,14 @@ class CockpitPlotter:
         axes = [ax for _, ax in self._gauge_axes + self._aux_axes] + self._layer_axes
         for ax in axes:
             instruments.warn_if_empty(ax, stacklevel=4)
+        screens = ["primary"] + (["secondary"] if self.fig_secondary else [])
+        for screen in screens:
+            for title, hint in self.left_out(screen):
+                warnings.warn(
+                    f"Gauge {title!r} is not shown: nothing tracked it ({hint}).",
+                    CockpitWarning,
+                    stacklevel=4,
+                )
 
     def _show(self, display: str, block: bool) -> None:
         if display == "gui":
@@ -575,6 +847,36 @@ class CockpitPlotter:
             clear_output(wait=True)
             for fig in self.figures:
                 display(fig)
+
+
+def _name(gauge: Any) -> str:
+    """The gauge's name of a public gauge function (``plot_alpha``: ``"alpha"``)."""
+    return gauge if isinstance(gauge, str) else gauge.__name__[len("plot_") :]
+
+
+def _function(name: str):
+    """The public gauge function of a gauge's name."""
+    return getattr(instruments, f"plot_{name}")
+
+
+def _plain_title(gauge: Any) -> str:
+    title = gauge.title
+    if callable(title):
+        title = title({"param": None, "key": ""})
+    return title
+
+
+def _plain_hint(gauge: Any) -> str:
+    keys = {role: key for role, key, _ in gauge.keys}
+    context = {**keys, **gauge.options}
+    hint = gauge.hint(context) if callable(gauge.hint) else gauge.hint.format(**context)
+    return hint or "track " + " or ".join(keys.values())
+
+
+def _left_out_text(missing: list[tuple[str, str]]) -> str:
+    """What to track for the gauges left out: ``"HessMaxEV, HessTrace, ..."``."""
+    hints = [hint.removeprefix("track ") for _, hint in missing]
+    return ", ".join(dict.fromkeys(hints))
 
 
 def _animation_frames(stem: str, screen: str) -> list[str]:

@@ -29,9 +29,10 @@ from cockpit.history import History
 from cockpit.log_files import locate_log, open_log
 from cockpit.log_keys import ESTIMATE_SUFFIX
 
-#: Smoothing factor of the exponential moving average (as in cockpit-for-pytorch):
-#: ``ema_k = EMA_ALPHA * x_k + (1 - EMA_ALPHA) * ema_{k-1}``.
-EMA_ALPHA = 0.2
+#: Number of neighbouring points of the trend line's local fits (see :func:`trend`):
+#: about the smoothing of the exponential moving average of cockpit-for-pytorch
+#: (``alpha = 0.2``, a span of 9 points), but centred, so it does not lag.
+TREND_POINTS = 9
 
 #: Upper bound on the number of points a gauge draws per series; longer series are
 #: thinned to the extremes of power-of-two blocks (so the kept points do not jump
@@ -131,17 +132,16 @@ def estimate_error(estimate: Any, reduce: str) -> tuple[float, bool]:
 
 
 class Series:
-    """One quantity as growing arrays of steps, values and their moving average.
+    """One quantity as growing arrays of steps and values.
 
     Non-finite values are kept in :attr:`values` (so steps line up) but skipped by
-    the moving average and by :meth:`view`. :attr:`errors` holds the standard
-    error of each estimated value (NaN for exact ones).
+    :meth:`view` and by its trend line. :attr:`errors` holds the standard error of
+    each estimated value (NaN for exact ones).
     """
 
     def __init__(self) -> None:
         self._steps = np.empty(64, dtype=np.int64)
         self._values = np.empty(64, dtype=np.float64)
-        self._ema = np.empty(64, dtype=np.float64)
         self._errors = np.empty(64, dtype=np.float64)
         self._n = 0
         #: Whether some error is only an upper bound (see :func:`estimate_error`).
@@ -161,11 +161,6 @@ class Series:
         return self._values[: self._n]
 
     @property
-    def ema(self) -> np.ndarray:
-        """Exponential moving average of the finite values so far (a view)."""
-        return self._ema[: self._n]
-
-    @property
     def errors(self) -> np.ndarray:
         """Standard error of each value: NaN where it is exact (a view)."""
         return self._errors[: self._n]
@@ -173,36 +168,71 @@ class Series:
     def truncate(self, first_step: int) -> None:
         """Forget all entries at ``first_step`` and later."""
         self._n = int(np.searchsorted(self.steps, first_step, side="left"))
+        self._own()
+
+    def _own(self) -> None:
+        """Copy arrays shared with a log's columns before writing into them."""
+        for name in ("_steps", "_values", "_errors"):
+            array = getattr(self, name)
+            if not array.flags.writeable:
+                setattr(self, name, array.copy())
 
     def append(self, step: int, value: float, error: float = math.nan) -> None:
         """Add a value (and its standard error, if estimated) at a later step."""
+        if self._n < len(self._steps):
+            self._own()
         if self._n == len(self._steps):
             size = 2 * len(self._steps)
-            for name in ("_steps", "_values", "_ema", "_errors"):
+            for name in ("_steps", "_values", "_errors"):
                 old = getattr(self, name)
                 new = np.empty(size, dtype=old.dtype)
                 new[: self._n] = old[: self._n]
                 setattr(self, name, new)
-        previous = self._ema[self._n - 1] if self._n else math.nan
-        if not math.isfinite(value):
-            ema = previous
-        elif math.isnan(previous):
-            ema = value
-        else:
-            ema = EMA_ALPHA * value + (1.0 - EMA_ALPHA) * previous
         self._steps[self._n] = step
         self._values[self._n] = value
-        self._ema[self._n] = ema
         self._errors[self._n] = error
         self._n += 1
+
+    def extend(self, steps: np.ndarray, values: np.ndarray, errors=None) -> None:
+        """Append many values at once (as :meth:`append` would, one by one).
+
+        Args:
+            steps: Increasing steps, after the last one held.
+            values: One float per step.
+            errors: Standard errors (``None``: every value exact).
+        """
+        n = len(steps)
+        if not n:
+            return
+        if not self._n:  # new: hold the arrays (the steps shared with the column)
+            self._steps = np.asarray(steps, dtype=np.int64)
+            self._values = np.array(values, dtype=np.float64)
+            self._errors = _nan(n) if errors is None else np.array(errors, float)
+            self._n = n
+            return
+        self._own()
+        total = self._n + n
+        if total > len(self._steps):
+            for name in ("_steps", "_values", "_errors"):
+                old = getattr(self, name)
+                new = np.empty(total, dtype=old.dtype)
+                new[: self._n] = old[: self._n]
+                setattr(self, name, new)
+        part = slice(self._n, total)
+        self._steps[part] = steps
+        self._values[part] = values
+        self._errors[part] = math.nan if errors is None else errors
+        self._n = total
 
     def view(
         self, upto: int | None = None, max_points: int | None = MAX_POINTS
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Return ``(steps, values, ema)`` to draw: finite, up to a step, thinned.
+        """Return ``(steps, values, trend)`` to draw: finite, up to a step, thinned.
 
-        A longer series is thinned by :func:`extremes_index`: spikes and dips
-        stay visible, and so does the last point.
+        ``trend`` is :func:`trend` of the finite values up to ``upto`` (computed
+        before thinning, at the points kept). A longer series is thinned by
+        :func:`extremes_index`: spikes and dips stay visible, and so does the
+        last point.
 
         Args:
             upto: Last step to include (``None``: all).
@@ -220,17 +250,76 @@ class Series:
         """Like :meth:`view`, plus the standard errors of the values drawn.
 
         Returns:
-            ``(steps, values, ema, errors)`` of equal length; ``errors[i]``
+            ``(steps, values, trend, errors)`` of equal length; ``errors[i]``
             belongs to ``values[i]`` (NaN where it is exact).
         """
         n = self._n if upto is None else int(np.searchsorted(self.steps, upto, "right"))
-        index = extremes_index(self._values[:n], max_points)
-        steps = self._steps[:n][index]
-        values = self._values[:n][index]
-        ema = self._ema[:n][index]
-        errors = self._errors[:n][index]
-        keep = np.isfinite(values)
-        return steps[keep], values[keep], ema[keep], errors[keep]
+        keep = np.isfinite(self._values[:n])
+        steps = self._steps[:n][keep]
+        values = self._values[:n][keep]
+        errors = self._errors[:n][keep]
+        index = extremes_index(values, max_points)
+        smooth = trend(steps, values, at=index)
+        return steps[index], values[index], smooth, errors[index]
+
+
+def trend(
+    steps: np.ndarray,
+    values: np.ndarray,
+    points: int = TREND_POINTS,
+    at: slice | np.ndarray | None = None,
+) -> np.ndarray:
+    """The trend line of a series: at each point, a local straight-line fit.
+
+    Point ``i``'s trend is the least-squares line through the ``points``
+    neighbours centred on it (fewer near the ends: the window stays ``points``
+    wide and is moved inwards), evaluated at its step. Unlike an exponential
+    moving average it does not lag behind the points, however sparse the
+    schedule (an average over 9 points of a schedule that tracks every 10th step
+    lags 40 steps behind a trend), and a straight run of points is its own
+    trend, also at the ends. Steps need not be evenly spaced (logarithmic
+    schedules).
+
+    Args:
+        steps: Increasing steps (finite values only).
+        values: The values at them.
+        points: Width of the window in points.
+        at: Compute the trend only at these indices (default: all); memory and
+            time are proportional to their number times ``points``.
+
+    Returns:
+        The trend at the steps chosen (``values`` itself for fewer than 3 points).
+    """
+    n = len(values)
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(values, dtype=np.float64)
+    where = np.arange(n)[slice(None) if at is None else at]
+    width = min(points, n)
+    if width < 3:
+        return y[where].copy()
+    start = np.clip(where - width // 2, 0, n - width)
+    windows = start[:, None] + np.arange(width)
+    xs, ys = x[windows], y[windows]
+    x_mean, y_mean = xs.mean(axis=1), ys.mean(axis=1)
+    dx = xs - x_mean[:, None]
+    spread = np.einsum("ij,ij->i", dx, dx)
+    slope = np.divide(np.einsum("ij,ij->i", dx, ys - y_mean[:, None]), spread,
+                      out=np.zeros(len(where)), where=spread > 0)  # fmt: skip
+    return y_mean + slope * (x[where] - x_mean)
+
+
+_NANS: dict[int, np.ndarray] = {}
+
+
+def _nan(n: int) -> np.ndarray:
+    """A read-only array of ``n`` NaNs, shared by the exact series of a run."""
+    found = _NANS.get(n)
+    if found is None:
+        found = np.full(n, math.nan)
+        found.flags.writeable = False
+        _NANS.clear()  # one length at a time: a run's series share it
+        _NANS[n] = found
+    return found
 
 
 def thinned_index(n: int, max_points: int | None) -> slice | np.ndarray:
@@ -314,6 +403,9 @@ class DashboardData:
         steps = self.history.steps
         if not steps:
             return
+        if self._resume is None and _columns(self.history):  # a log read once
+            self._read_log_history(steps)
+            return
         start = 0 if self._resume is None else bisect_left(steps, self._resume)
         new = steps[start:]
         if not new:
@@ -333,6 +425,20 @@ class DashboardData:
                     self._latest[key] = (step, value)
         self._resume = new[-1]
 
+    def _read_log_history(self, steps: list[int]) -> None:
+        """The first refresh of a :class:`~cockpit.log_reader.LogHistory`.
+
+        Its latest mapping of each key is asked for, not found by reading every
+        step (whose mappings are read from the file when asked for).
+        """
+        history = self.history
+        for key in history.mapping_keys():
+            found = history.latest_mapping(key)
+            if found is not None:
+                self._latest[key] = found
+        self.entries_read += history.entry_count()
+        self._resume = steps[-1]
+
     def series(self, key: str, reduce: str = "scalar") -> Series:
         """Return the series of ``key`` reduced with ``reduce`` (see :data:`REDUCERS`).
 
@@ -346,6 +452,10 @@ class DashboardData:
             raise ValueError(
                 f"Unknown reduction {reduce!r}; choose one of {sorted(REDUCERS)}."
             )
+        if (key, reduce) not in self._series and _columns(self.history):
+            series = _column_series(self.history, key, reduce, self._resume)
+            if series is not None:
+                self._series[(key, reduce)] = series
         if (key, reduce) not in self._series:
             series = Series()
             steps, values = self.history.stored_series(key, last=self._resume)
@@ -377,6 +487,8 @@ class DashboardData:
             return found
         if upto is None:
             return None
+        if _columns(self.history):
+            return self.history.latest_mapping(key, min(upto, self._resume))
         steps = self.history.steps
         for step in reversed(steps[: bisect_left(steps, upto + 1)]):
             value = _entries(self.history, step).get(key)
@@ -394,6 +506,47 @@ class DashboardData:
     def last_step(self) -> int | None:
         """The newest step read so far."""
         return self._resume
+
+
+def _columns(history: History) -> bool:
+    """Whether ``history`` keeps its numbers in columns (a log read once)."""
+    return callable(getattr(history, "column", None))
+
+
+def _column_series(history, key: str, reduce: str, last: int | None) -> Series | None:
+    """The series of a numeric column, made at once (``None``: not a column).
+
+    The values are those :meth:`DashboardData.series` computes value by value:
+    the same reductions, row by row, and the same moving average.
+    """
+    found = history.column(key)
+    if found is None:
+        return None
+    steps, values = found
+    if last is not None:
+        end = int(np.searchsorted(steps, last, "right"))
+        steps, values = steps[:end], values[:end]
+    reducer = REDUCERS[reduce]
+    if values.ndim == 1:
+        reduced = np.abs(values) if reduce == "norm" else values
+        reduced = reduced.astype(np.float64)
+    elif reduce == "scalar" and values.shape[1] != 1:
+        reduced = np.full(len(values), math.nan)
+    else:
+        reduced = np.array([reducer(row) for row in values], dtype=np.float64)
+    series = Series()
+    errors = None
+    estimates = history.stored_series(key + ESTIMATE_SUFFIX, last=last)
+    if estimates[0]:
+        errors = np.full(len(steps), math.nan)
+        where = np.searchsorted(steps, estimates[0])
+        for index, step, estimate in zip(where, *estimates):
+            if index < len(steps) and steps[index] == step:
+                error, bound = estimate_error(estimate, reduce)
+                errors[index] = error
+                series.error_bound |= bound
+    series.extend(steps, reduced, errors)
+    return series
 
 
 def _append(series: Series, step: int, value: Any, estimate: Any, reduce: str):

@@ -1,6 +1,7 @@
 """The built-in step features, registered on import (each sets its own order)."""
 
 from cockpit.distributed_step import DataParallel
+from cockpit.step_features.cost import StepCost
 from cockpit.step_features.engine_checks import EngineChecks
 from cockpit.step_features.estimators import Hutchinson
 from cockpit.step_features.failures import Failures
@@ -11,6 +12,7 @@ from cockpit.step_features.unreached import Unreached
 
 #: The built-in features (their ``order`` says when each runs).
 BUILTIN_FEATURES = (
+    StepCost,
     Hutchinson,
     RepeatedBackward,
     NonFinite,

@@ -235,7 +235,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, rendezvous, outdir, target, args):
+def _worker(rank, world, port, rendezvous, outdir, target, args, pg_timeout=120.0):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -249,7 +249,7 @@ def _worker(rank, world, port, rendezvous, outdir, target, args):
             init_method=f"file://{rendezvous}",
             rank=rank,
             world_size=world,
-            timeout=_timedelta(120),
+            timeout=_timedelta(pg_timeout),
         )
         result.update(target(rank, world, **args) or {})
     except BaseException as error:  # reported to the test, which decides
@@ -289,11 +289,14 @@ def _start_method():
     return context
 
 
-def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dict]:
+def launch(
+    target, world: int, outdir, limit: float = 240.0, pg_timeout: float = 120.0, **args
+) -> list[dict]:
     """Run ``target(rank, world, **args)`` on ``world`` processes; their results.
 
     ``target`` must be importable (a module-level function). Processes still alive
     after ``limit`` seconds are killed and reported as ``{"error": "hung"}``.
+    ``pg_timeout`` is the process group's own timeout (its collectives, DDP's).
     """
     context = _start_method()
     port = free_port()  # only for code that reads MASTER_PORT (Lightning)
@@ -303,7 +306,7 @@ def launch(target, world: int, outdir, limit: float = 240.0, **args) -> list[dic
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, world, port, rendezvous, str(outdir), target, args),
+            args=(rank, world, port, rendezvous, str(outdir), target, args, pg_timeout),
         )
         for rank in range(world)
     ]
@@ -565,3 +568,116 @@ def two_groups(rank: int, world: int) -> dict[str, Any]:
         "group_rank": cockpit.rank,
         "is_writer": cockpit.is_writer,
     }
+
+
+# --- ranks that disagree in the middle of a run ------------------------------------
+#: The step at which the ranks of :func:`disagree` part ways.
+PARTING = 2
+
+
+def disagree(
+    rank: int,
+    world: int,
+    how: str,
+    timeout: float,
+    steps: int = 6,
+    every: int = 1,
+    odd: tuple[int, ...] = (1,),
+    wait_dir: str | None = None,
+) -> dict[str, Any]:
+    """Worker: a DDP run whose ranks ``odd`` part ways with the others at step 2.
+
+    Every step is wrapped in ``with cockpit(step, ...)`` (tracked every ``every``
+    steps) except where ``how`` says otherwise for the odd ranks:
+
+    * ``untracked``: their schedule skips step 2, which the others track (a
+      schedule that reads local state, agreed at the set-up check);
+    * ``plain``: they run step 2's ``loss.backward()`` outside cockpit;
+    * ``ahead``: from step 2 on they pass ``step + 1`` (a counter bug);
+    * ``caught``: they raise inside step 2 after the backward pass, catch the
+      error and go on training;
+    * ``left``: they raise inside step 2 and leave the loop (the process lives on,
+      silent, until the others wrote their results into ``wait_dir``, at most
+      ``timeout`` + 20 s);
+    * ``died``: they exit at once inside step 2 (``os._exit``);
+    * ``stuck``: they stay inside step 2 after the backward pass until rank 0 wrote
+      its result into ``wait_dir``, then go on.
+
+    Returns what the rank raised, the seconds from the start of step 2 until then,
+    and the steps it finished.
+    """
+    me = rank in odd
+    model = make_model("mlp")
+    network = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    skipped: set[int] = set()  # filled after the set-up check, from local state
+
+    def schedule(step: int) -> bool:
+        return step % every == 0 and step not in skipped
+
+    chosen = [quantities.GradNorm(schedule), quantities.NormTest(schedule)]
+    cockpit = Cockpit(
+        model.parameters(), quantities=chosen, diagnose=False, timeout=timeout
+    )
+    batches = joined_batches("mlp", [2 * world] * steps)
+    finished: list[int] = []
+    parted = None
+    try:
+        for step, (x, y) in enumerate(batches):
+            if step == PARTING:
+                parted = time.monotonic()
+            _disagreeing_step(
+                cockpit, network, optimizer, step, x[2 * rank : 2 * rank + 2],
+                y[2 * rank : 2 * rank + 2], how if me else "", rank, wait_dir,
+                timeout,
+            )  # fmt: skip
+            if how == "untracked" and me:
+                skipped.add(PARTING)  # (after the set-up check at step 0)
+            finished.append(step)
+    except Exception as error:
+        if how == "left" and me:  # alive and silent until the others are done
+            others = [r for r in range(world) if r not in odd]
+            _linger(wait_dir, others, timeout + 20)
+        return {
+            "raised": f"{type(error).__name__}: {error}",
+            "since_parting": None if parted is None else time.monotonic() - parted,
+            "finished": finished,
+            "traceback": traceback.format_exc(),
+        }
+    return {"raised": None, "finished": finished}
+
+
+def _disagreeing_step(
+    cockpit, network, optimizer, step, x, y, how, rank, wait_dir=None, timeout=0.0
+) -> None:
+    """One step of :func:`disagree` (``how``: this rank's way to part, or "")."""
+    optimizer.zero_grad()
+    outputs = network(x)
+    loss = torch.nn.functional.cross_entropy(outputs, y)
+    losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+    info = {"batch_size": 2, "individual_losses": losses, "loss": loss}
+    parting = step == PARTING
+    if parting and how == "plain":
+        loss.backward()
+        optimizer.step()
+        return
+    given = step + 1 if (how == "ahead" and step >= PARTING) else step
+    try:
+        with cockpit(given, info=info):
+            loss.backward()
+            if parting and how == "died":
+                os._exit(3)
+            if parting and how == "stuck":  # busy inside the step, then goes on
+                _linger(wait_dir, [0], timeout + 20)
+            if parting and how in ("caught", "left"):
+                raise ValueError(f"the user's code failed on rank {rank}")
+    except ValueError:
+        if how != "caught":
+            raise
+    optimizer.step()
+
+
+def _linger(wait_dir, ranks, seconds: float) -> None:
+    """Stay alive and silent until ``ranks`` wrote their results (a rank that left)."""
+    for other in ranks:
+        _wait_for(os.path.join(str(wait_dir), f"rank{other}.json"), seconds)

@@ -51,16 +51,37 @@ class Case:
         model: The model, in train mode, dropout off.
         inputs: ``batch(n, seed) -> (kwargs of model(...), targets)``.
         logits: ``outputs -> tensor`` the loss reads (``outputs.logits``).
-        loss_fn: Mean-reduced loss ``(logits, targets) -> scalar``.
+        loss_fn: Mean-reduced loss ``(logits, targets) -> scalar`` (``None``
+            where the model computes its loss itself).
         individual_loss_fn: ``(logits, targets) -> [N]`` per-sample losses.
+        model_loss: ``outputs -> scalar``, the mean-reduced loss the model
+            computed in ``forward`` from ``labels=targets`` (``None``: it does
+            not; the loop calls ``loss_fn``).
     """
 
     name: str
     model: torch.nn.Module
     inputs: Callable[[int, int], tuple[dict, torch.Tensor]]
     logits: Callable[[object], torch.Tensor]
-    loss_fn: torch.nn.Module
+    loss_fn: torch.nn.Module | None
     individual_loss_fn: torch.nn.Module
+    model_loss: Callable[[object], torch.Tensor] | None = None
+
+    def batch(self, n: int, seed: int) -> tuple[dict, torch.Tensor]:
+        """``inputs(n, seed)`` with floating-point inputs in the model's dtype.
+
+        A model that computes its loss itself (``model_loss``) gets the targets
+        as ``labels=`` too.
+        """
+        dtype = next(self.model.parameters()).dtype
+        kwargs, targets = self.inputs(n, seed)
+        kwargs = {
+            k: v.to(dtype) if torch.is_floating_point(v) else v
+            for k, v in kwargs.items()
+        }
+        if self.model_loss is not None:
+            kwargs["labels"] = targets
+        return kwargs, targets
 
 
 def _tokens(n: int, seed: int, classes: int | None = None):
@@ -175,6 +196,132 @@ def t5() -> Case:
     return _language_model("t5", T5ForConditionalGeneration(config), inputs)
 
 
+def bert_own_loss() -> Case:
+    """BERT computing its loss itself (``labels=``), as Hugging Face models do."""
+    case = bert()
+    case.name, case.loss_fn = "bert_own_loss", None
+    case.model_loss = lambda out: out.loss
+    return case
+
+
+# --- hand-written models: forward code BackPACK has never seen ------------------------
+class AttentionBlock(torch.nn.Module):
+    """Pre-norm block with fused attention and children named ``input0``/``output``.
+
+    ``input0`` projects to queries, keys and values, ``output`` back; the residual
+    is added in place to ``output``'s result (``h += x``), and the MLP's result
+    too. BackPACK would store this block's input as ``input0`` and its output as
+    ``output``, the names of two of its children.
+    """
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(width)
+        self.input0 = torch.nn.Linear(width, 3 * width)
+        self.output = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.LayerNorm(width),
+            torch.nn.Linear(width, 2 * width),
+            torch.nn.GELU(),
+            torch.nn.Linear(2 * width, width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, width = x.shape
+        q, k, v = self.input0(self.norm(x)).split(width, dim=-1)
+        q, k, v = (z.view(n, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True
+        )
+        h = self.output(attended.transpose(1, 2).reshape(n, t, width))
+        h += x  # in place, on a layer's output
+        out = self.mlp(h)
+        out += h
+        return out
+
+
+class TextClassifier(torch.nn.Module):
+    """Token classifier of :class:`AttentionBlock` s returning a ``dict``."""
+
+    def __init__(self, width: int = 8, classes: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.position = torch.nn.Parameter(0.1 * torch.randn(LENGTH, width))
+        self.blocks = torch.nn.ModuleList(AttentionBlock(width) for _ in range(2))
+        self.output = torch.nn.Linear(width, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> dict:
+        h = self.embed(input_ids) + self.position
+        for block in self.blocks:
+            h = block(h)
+        return {"logits": self.output(h.mean(1)), "hidden": h}
+
+
+def text_classifier() -> Case:
+    """:class:`TextClassifier`: ``dict`` output, ``output``/``input0`` children."""
+    return Case(
+        "text_classifier",
+        TextClassifier(),
+        lambda n, s: _tokens(n, s, classes=3),
+        lambda out: out["logits"],
+        torch.nn.CrossEntropyLoss(),
+        torch.nn.CrossEntropyLoss(reduction="none"),
+    )
+
+
+class ConvBlock(torch.nn.Module):
+    """Conv-BatchNorm twice; the skip is added in place to BatchNorm's output."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(channels)
+        self.conv2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(channels)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x  # as torchvision's BasicBlock
+        return self.act(out)
+
+
+class ConvNetWithLoss(torch.nn.Module):
+    """A residual CNN that computes its loss in ``forward``: ``(loss, logits)``.
+
+    The stem is a child named ``input0``, the head one named ``output``, the
+    loss an ``nn.CrossEntropyLoss`` child.
+    """
+
+    def __init__(self, channels: int = 4, classes: int = 3):
+        super().__init__()
+        self.input0 = torch.nn.Conv2d(3, channels, 3, padding=1)
+        self.block = ConvBlock(channels)
+        self.norm = torch.nn.GroupNorm(2, channels)
+        self.output = torch.nn.Linear(channels, classes)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor):
+        h = self.norm(self.block(self.input0(pixel_values)))
+        logits = self.output(h.mean(dim=(2, 3)))
+        return self.loss(logits, labels), logits
+
+
+def conv_with_loss() -> Case:
+    """:class:`ConvNetWithLoss`: loss in ``forward``, BatchNorm, in-place skip."""
+    return Case(
+        "conv_with_loss",
+        ConvNetWithLoss(),
+        _images,
+        lambda out: out[1],
+        None,
+        torch.nn.CrossEntropyLoss(reduction="none"),
+        model_loss=lambda out: out[0],
+    )
+
+
 #: Name -> builder; each call builds the model anew (seed it first).
 ZOO: dict[str, Callable[[], Case]] = {
     "bert": bert,
@@ -185,10 +332,18 @@ ZOO: dict[str, Callable[[], Case]] = {
     "t5": t5,
 }
 
+#: Models of our own, with forward code BackPACK has never seen (no transformers
+#: needed), and BERT computing its loss itself.
+MORE: dict[str, Callable[[], Case]] = {
+    "text_classifier": text_classifier,
+    "conv_with_loss": conv_with_loss,
+    "bert_own_loss": bert_own_loss,
+}
+
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:
-    """Build ``ZOO[name]`` with a fixed seed in ``dtype``, in train mode."""
+    """Build ``ZOO[name]`` (or ``MORE[name]``), seeded, in ``dtype``, train mode."""
     torch.manual_seed(seed)
-    case = ZOO[name]()
+    case = {**ZOO, **MORE}[name]()
     case.model = case.model.to(dtype).train()
     return case
