@@ -168,7 +168,7 @@ def test_a_log_history_reads_what_the_whole_file_readers_read(tmp_path):
 
 def test_the_dashboard_draws_the_same_series_from_columns(tmp_path):
     """Series made at once from a log's columns are those made value by value:
-    steps, values, moving average and errors, bit for bit, also thinned."""
+    steps, values and errors, bit for bit, also thinned (with the trend line)."""
     for name, path, _ in _logs(tmp_path):
         for mode in ("latest", "all"):
             with warnings.catch_warnings():
@@ -186,7 +186,7 @@ def test_the_dashboard_draws_the_same_series_from_columns(tmp_path):
             for key in [*old.history.keys, "absent"]:
                 for reduce in REDUCERS:
                     a, b = old.series(key, reduce), new.series(key, reduce)
-                    for part in ("steps", "values", "ema", "errors"):
+                    for part in ("steps", "values", "errors"):
                         x, y = getattr(a, part), getattr(b, part)
                         assert x.dtype == y.dtype, (name, key, reduce, part)
                         assert np.array_equal(x, y, equal_nan=True), (name, key, part)
