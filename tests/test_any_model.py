@@ -88,6 +88,9 @@ def test_first_order_quantities_match_brute_force(arch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", CockpitWarning)  # nothing to warn about
         warnings.filterwarnings("ignore", "Cockpit set inplace=False")  # but this
+        # and the live diagnosis, which judges the run (random data on random
+        # weights, where many gradient elements pass the histogram's edges)
+        warnings.filterwarnings("ignore", "cockpit diagnosis")
         result = run(problem, first_order_quantities(), steps=STEPS)
     coverage = result.cockpit.coverage()
     assert coverage.problems() == []

@@ -19,6 +19,8 @@ from cockpit import quantities as Q
 from cockpit.engines.backpack import quiet_backward
 from cockpit.engines.replay import ReplayEngine, Replayer
 from cockpit.engines.routing import PER_SAMPLE_BACKWARD, REPLAY, Router
+from cockpit.needs import Need
+from cockpit.quantities.base import SingleStepQuantity
 from cockpit.utils.schedules import linear
 from tests.utils.any_model import ARCHITECTURES, Gate, make_any_problem
 
@@ -450,3 +452,157 @@ def test_an_output_the_losses_stop_using_gets_zero_gradients():
     # at the second step split.b is unused (the router gives it zeros); split.a
     # was replayed with the first step's layout, the second output's gradient zero
     assert names.index("split.a") in found and names.index("split.b") not in found
+
+
+# --- the layout search: once per module, shapes and modes; never for BatchNorm -------
+class _Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+class _Middle(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gated = _Gated()
+
+    def forward(self, x):
+        return self.gated(x) + 1.0
+
+
+class _Outer(torch.nn.Module):
+    """Runs the batch in reverse order through ``middle`` and restores the order
+    (as code that sorts a batch by length does): ``w``'s owner and the module around
+    it see sample ``i``'s loss in slice ``N - 1 - i`` and cannot replay; the whole
+    model can."""
+
+    def __init__(self):
+        super().__init__()
+        self.middle = _Middle()
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.middle(x.flip(0)).flip(0))
+
+
+def _count_layout_searches(monkeypatch) -> list:
+    searched = []
+    original = Replayer._find_layout
+
+    def counted(self, module, *args):
+        searched.append(type(module).__name__)
+        return original(self, module, *args)
+
+    monkeypatch.setattr(Replayer, "_find_layout", counted)
+    return searched
+
+
+def test_a_refused_module_is_searched_once_and_its_container_at_the_same_step(
+    monkeypatch,
+):
+    """``w``'s owner and the module around it cannot replay, the outer module can:
+    all three are searched at the first step, which already replays ``w`` exactly;
+    later steps search nothing."""
+    searched = _count_layout_searches(monkeypatch)
+    torch.manual_seed(0)
+    model = _Outer().to(DTYPE)
+    params = list(model.parameters())
+    replayer = Replayer(Router(params).chain)
+    replayer.watch_chains(params)
+    gen = torch.Generator().manual_seed(1)
+    per_step = []
+    for _ in range(3):
+        x, y = features(gen, N), torch.randint(0, 3, (N,), generator=gen)
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        with quiet_backward():
+            found = dict(replayer.per_sample_gradients(losses, params, 1 << 26))
+        assert replayer.module_of[0] == "_Outer"  # w, from the first step on
+        want = torch.stack(
+            [
+                torch.autograd.grad(loss, params[0], retain_graph=True)[0]
+                for loss in losses
+            ]
+        )
+        torch.testing.assert_close(found[0], want, rtol=1e-10, atol=1e-12)
+        replayer.forget()
+        per_step.append(len(searched))
+        searched.clear()
+    replayer.close()
+    assert per_step[0] >= 3 and per_step[1:] == [0, 0], per_step
+
+
+class _NestedBatchNorms(torch.nn.Module):
+    """conv-BN-ReLU-conv-BN with a residual, a second block, a head (nested BNs)."""
+
+    def __init__(self, width=3):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(1, width, 3, padding=1)
+
+        def block():
+            return torch.nn.ModuleDict(
+                {
+                    "conv1": torch.nn.Conv2d(width, width, 3, padding=1, bias=False),
+                    "bn1": torch.nn.BatchNorm2d(width),
+                    "conv2": torch.nn.Conv2d(width, width, 3, padding=1, bias=False),
+                    "bn2": torch.nn.BatchNorm2d(width),
+                }
+            )
+
+        self.blocks = torch.nn.ModuleList([block(), block()])
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            out = torch.relu(b["bn1"](b["conv1"](h)))
+            h = torch.relu(b["bn2"](b["conv2"](out)) + h)
+        return self.head(h.mean((2, 3)))
+
+
+def test_parameters_before_a_train_mode_batch_norm_are_never_searched(monkeypatch):
+    """Replaying a module sample by sample cannot reproduce mini-batch statistics:
+    no layout is searched for the parameters before a batch norm, at any step, and
+    every per-sample gradient is exact (the batched backward per sample)."""
+    searched = _count_layout_searches(monkeypatch)
+    torch.manual_seed(0)
+    model = extend(_NestedBatchNorms().to(DTYPE))
+    params = list(model.parameters())
+    kept = {}
+
+    class Keep(SingleStepQuantity):
+        needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
+        Accumulator = Q.PerParameter
+
+        def accumulate(self, global_step, view):
+            kept[view.index] = self.acc.entries[view.index] = (
+                view.individual_gradients()
+            )
+
+        def _compute(self, global_step, ctx):
+            return len(self.acc.entries)
+
+    cockpit = Cockpit(params, quantities=[Keep(linear(1))])
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(N, 1, 4, 4, generator=gen, dtype=DTYPE)
+        y = torch.randint(0, 3, (N,), generator=gen)
+        model.zero_grad()
+        out = model(x)
+        losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+        info = {"batch_size": N, "individual_losses": losses, "loss": loss_fn(out, y)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(step, info=info):
+                info["loss"].backward()
+        assert searched == [], (step, searched)
+        losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        for index, p in enumerate(params):  # by definition, sample by sample
+            w = torch.stack(
+                [torch.autograd.grad(li, p, retain_graph=True)[0] for li in losses]
+            )
+            torch.testing.assert_close(kept[index], w, rtol=1e-10, atol=1e-12)
+    cockpit.close()

@@ -345,6 +345,14 @@ BATCHNORM_CASES = {
         ),
         _features(3), {0, 1, 2, 3, 4, 5}, set(),
     ),
+    # the first layer's and the first BatchNorm's samples mix through the second too
+    "nested-train-bns": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(3, 4), _bn(), torch.nn.Tanh(),
+            torch.nn.Linear(4, 4), _bn(), torch.nn.Tanh(), torch.nn.Linear(4, 2),
+        ),
+        _features(3), {0, 1, 2, 3, 4, 5}, set(),
+    ),
     "eval-bn-without-running-statistics": (
         lambda: torch.nn.Sequential(
             torch.nn.Linear(3, 4), _bn(train=False, running=False), torch.nn.Tanh(),
@@ -941,3 +949,72 @@ def test_quiet_warnings_takes_out_only_its_own_entries_even_on_error():
         assert warnings.filters == [users, *before]
         assert warnings.filters[0] is users
     assert [str(w.message) for w in caught] == ["signal, shown"]
+
+
+def _tiny_resnet():
+    from benchmarks.real_models import ResNet18
+
+    return ResNet18(width=2)  # nested BatchNorms, in-place residual, downsampling
+
+
+#: design A on the cases above (not centring: it mixes samples outside a batch norm)
+DESIGN_CASES = {
+    **{k: v[:2] for k, v in BATCHNORM_CASES.items() if k != "bn-then-centring"},
+    "resnet18-layout": (_tiny_resnet, _features(3, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DESIGN_CASES))
+def test_the_statistics_jacobian_design_is_exact(case):
+    """benchmarks.batchnorm_designs' low-rank design (per-sample gradients with the
+    statistics held, plus their Jacobian's rows) equals brute force in float64."""
+    from benchmarks.batchnorm_designs import stats_jacobian_gradients
+
+    build, features = DESIGN_CASES[case]
+    torch.manual_seed(0)
+    model = build().double()
+    x, _ = _mse_batch(features)
+    out = model(x)
+    y = torch.randn(out.shape, dtype=torch.float64)
+
+    def losses_of(output, target):
+        return ((output - target) ** 2).flatten(1).mean(1)
+
+    names = [n for n, _ in model.named_parameters()]
+    chunk = 64 if case == "resnet18-layout" else 7  # several chunks per call
+    got = stats_jacobian_gradients(model, x, y, losses_of, names, chunk=chunk)
+    losses = losses_of(model(x), y)
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(li, params, retain_graph=True) for li in losses]
+    for k, (name, g) in enumerate(zip(names, got, strict=True)):
+        want = torch.stack([row[k] for row in rows])
+        torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_large_batches_get_fewer_samples_per_batched_backward(monkeypatch):
+    """The chunk shrinks to ``pairs // N`` samples (the batched backward's memory
+    stays that of ``pairs`` samples), and the values stay exact."""
+    from cockpit.engines import autograd
+
+    assert autograd.chunk_size(32) == 8 and autograd.chunk_size(128) == 2
+    assert autograd.chunk_size(4096) == 1 and autograd.chunk_size(64, chunk=3) == 3
+    ranges = []
+    original = autograd._chunk
+
+    def counted(losses, params, start, stop):
+        ranges.append((start, stop))
+        return original(losses, params, start, stop)
+
+    monkeypatch.setattr(autograd, "_chunk", counted)
+    torch.manual_seed(0)
+    model = _batchnorm_net().double()
+    x, y = _mse_batch(_features(3))
+    params = list(model.parameters())
+    losses = ((model(x) - y) ** 2).mean(1)
+    got = dict(autograd.per_sample_gradients(losses, params, chunk=8, pairs=12))
+    assert ranges == [(0, 2), (2, 4), (4, 6)]
+    for k, p in enumerate(params):
+        want = torch.stack(
+            [torch.autograd.grad(li, p, retain_graph=True)[0] for li in losses]
+        )
+        torch.testing.assert_close(got[k], want, rtol=1e-10, atol=1e-12)

@@ -72,6 +72,43 @@ def graph_uses(roots: Iterable) -> tuple[set, Counter]:
     return seen, uses
 
 
+def batch_statistics_nodes(nodes: Iterable) -> list:
+    """The batch-norm nodes among ``nodes`` that normalise with mini-batch statistics.
+
+    A ``*BatchNormBackward*`` node saves whether it used the batch's statistics
+    (``_saved_training``: a BatchNorm layer in train mode or without running
+    statistics, ``F.batch_norm(training=True)``); a kernel that does not save it
+    counts as mixing (the safe side: nothing is computed per sample that is not).
+    """
+    return [
+        node
+        for node in nodes
+        if "BatchNormBackward" in type(node).__name__
+        and getattr(node, "_saved_training", True) is not False
+    ]
+
+
+def mixed_by_batch_statistics(nodes: Iterable) -> set[int]:
+    """``id`` of every leaf that reaches the input of a mini-batch-statistics norm.
+
+    Sample ``i``'s loss depends on such a leaf through every sample's input to the
+    batch norm (its mean and variance), so no per-sample computation of one sample's
+    graph alone gives ``d l_i / d leaf``.
+    """
+    roots = [
+        node.next_functions[0][0]
+        for node in batch_statistics_nodes(nodes)
+        if node.next_functions and node.next_functions[0][0] is not None
+    ]
+    _, reached = graph_uses(roots)
+    mixed = set(reached)
+    for root in roots:  # a leaf normalised directly
+        variable = getattr(root, "variable", None)
+        if variable is not None:
+            mixed.add(id(variable))
+    return mixed
+
+
 def describe(module: Module, attribute: str = "") -> str:
     """``"LayerNorm.weight"``-style label of a module (and a parameter of it)."""
     return type(module).__name__ + (f".{attribute}" if attribute else "")

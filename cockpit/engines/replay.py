@@ -30,6 +30,13 @@ reproduces the recorded outputs, which is checked again at every step. Whatever
 fails a check (dropout or other random operations, BatchNorm in train mode, inputs
 changed in place afterwards, operators ``vmap`` cannot batch, ...) is left to the
 autograd engine, which is exact for any graph; nothing here guesses.
+
+The search costs two backward passes per module, so it runs once per module, input
+shapes and train/eval modes: a refusal is remembered like a layout, and where a
+module is refused the next larger one is searched at the same step (a parameter's
+search ends at its first step). Parameters before a batch norm that normalises with
+mini-batch statistics are never searched: no module replayed sample by sample can
+reproduce those statistics.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from cockpit.engines.base import (
     Route,
     register_engine,
 )
-from cockpit.engines.modules import ancestors
+from cockpit.engines.modules import ancestors, graph_uses, mixed_by_batch_statistics
 from cockpit.errors import quiet_warnings
 from cockpit.param_view import ParamResults
 from cockpit.per_sample import DenseGradients
@@ -365,17 +372,21 @@ class Replayer:
         individual_losses: Tensor,
         params: Sequence[Tensor],
         max_elements: int,
+        mixed: set[int] | None = None,
     ) -> Iterator[tuple[int, Tensor]]:
         """Per-sample gradients of the ``params`` that a watched module covers.
 
-        Parameters it does not yield (no watched module covers them, or a replay
-        failed its check) are the autograd engine's.
+        Parameters it does not yield (no watched module covers them, a batch norm
+        with mini-batch statistics after them mixes the samples, or a replay failed
+        its check) are the autograd engine's.
 
         Args:
             individual_losses: The per-sample losses with their graph (kept).
             params: The parameters (positions refer to this list).
             max_elements: Per-sample numbers held at once (parameters beyond it
                 are replayed in further groups).
+            mixed: ``id`` of the parameters such a batch norm mixes, if known
+                (:func:`~cockpit.engines.modules.mixed_by_batch_statistics`).
 
         Yields:
             ``(position, g)`` with ``g[i] = d l_i / d params[position]``, no graph.
@@ -387,20 +398,32 @@ class Replayer:
             return
         self.recorder.paused = True
         try:
-            plan = self._plan(losses, params)
+            plan = self._plan(losses, params, n, mixed)
             yield from self._run(losses, params, plan, n, max_elements)
         finally:
             self.recorder.paused = False
 
-    def _plan(self, losses: Tensor, params: Sequence[Tensor]) -> dict:
-        """Choose a module for each parameter: ``id(module) -> (module, positions)``."""
-        from cockpit.engines.modules import graph_uses
+    def _plan(self, losses: Tensor, params: Sequence[Tensor], n: int, mixed) -> dict:
+        """Choose a module for each parameter: ``id(module) -> (module, positions)``.
 
+        A parameter before a batch norm that normalises with mini-batch statistics
+        is never replayed: sample ``i``'s loss depends on it through every sample,
+        and a module replayed sample by sample cannot reproduce those statistics
+        (no layout of its owner or of a container is searched for it).
+        """
         nodes, uses = graph_uses([losses.grad_fn])
+        if mixed is None:
+            mixed = mixed_by_batch_statistics(nodes)
         scopes: dict[int, _Scope | None] = {}
         chosen: dict[int, tuple[Module, list[int]]] = {}
+        probe = (losses, n)
         for position, param in enumerate(params):
-            module = self._container(param, uses[id(param)], nodes, scopes)
+            if id(param) in mixed:
+                self.notes["batch norm"] = (
+                    "samples mix through a batch norm with mini-batch statistics"
+                )
+                continue
+            module = self._container(param, uses[id(param)], nodes, scopes, probe)
             if module is not None:
                 chosen.setdefault(id(module), (module, []))[1].append(position)
         # one replay of a containing module serves its submodules' parameters too
@@ -444,8 +467,14 @@ class Replayer:
             name = names.get(id(param))
         return name
 
-    def _container(self, param, total, nodes, scopes) -> Module | None:
-        """The smallest watched module whose last call holds every use of ``param``."""
+    def _container(self, param, total, nodes, scopes, probe) -> Module | None:
+        """The smallest watched module whose last call holds every use of ``param``.
+
+        A module that holds them but whose layout is not known yet has it searched
+        now (:meth:`_layout`, remembered by module, shapes and modes); where none
+        reproduces, the next larger module is tried at the same step, so the search
+        for a parameter ends at its first step and is never repeated.
+        """
         if total == 0:
             return None
         for module in self._chain(param):
@@ -459,20 +488,16 @@ class Replayer:
                 continue
             if scope.reads_outside:
                 return None  # the parameter's uses sit in a call that cannot replay
-            if self._failed(module, scope.call):
-                continue  # a larger module may still replay
-            if scope.uses[id(param)] == total and self._name(module, param) is not None:
+            if scope.uses[id(param)] != total or self._name(module, param) is None:
+                continue
+            if self._layout(module, scope.call, *probe) is not None:
                 return module
+            # refused (remembered): a larger module may still replay
         return None
 
     def _works(self, module: Module, call: Call) -> bool:
         """Whether ``module`` is known to replay calls like ``call``."""
         return self._layouts.get(self._key(module, call)) is not None
-
-    def _failed(self, module: Module, call: Call) -> bool:
-        """Whether ``module`` is known not to replay calls like ``call``."""
-        key = self._key(module, call)
-        return key in self._layouts and self._layouts[key] is None
 
     def _scope(self, module: Module, nodes) -> _Scope | None:
         call = self.recorder.calls.get(id(module))
@@ -863,13 +888,19 @@ class ReplayEngine(Engine):
         )
 
     def before_backward(self, step: EngineStep, indices) -> dict[int, str]:
-        """Replay the watched modules that cover ``indices``."""
+        """Replay the watched modules that cover ``indices``.
+
+        Parameters before a batch norm with mini-batch statistics are left to the
+        next engine at once (no module of theirs is watched or searched).
+        """
         params = [self.params[i] for i in indices]
-        self.replayer.watch_chains(params)  # from the next step on if new
+        mixed = mixed_by_batch_statistics(step.nodes) if step.nodes else None
+        # watched from the next step on if new
+        self.replayer.watch_chains([p for p in params if id(p) not in (mixed or ())])
         served = {}
         budget = step.options.get("max_elements", 1 << 26)
         for position, grads in self.replayer.per_sample_gradients(
-            step.losses, params, budget
+            step.losses, params, budget, mixed
         ):
             who = self.replayer.module_of.get(position, "a module")
             served[indices[position]] = f"{REPLAY} {who}"
