@@ -27,6 +27,7 @@ class Need(str, Enum):
     PARAMETERS = "parameters"
     INDIVIDUAL_GRADIENTS = "individual_gradients"
     GRAM = "gram"
+    PROJECTIONS = "projections"
     BATCH_L2 = "batch_l2"
     SUM_GRAD_SQUARED = "sum_grad_squared"
     DIAG_H = "diag_h"
@@ -62,6 +63,11 @@ NEEDS: Mapping[Need, NeedSpec] = {
         in_backward=True,
     ),
     Need.GRAM: NeedSpec("inner products g_i . g_j of per-sample gradients", True),
+    Need.PROJECTIONS: NeedSpec(
+        "projections g_i . v of per-sample gradients onto one vector per parameter "
+        "(the mean gradient, an update) and the mean gradient",
+        True,
+    ),
     Need.BATCH_L2: NeedSpec("squared norms ||g_i||^2 of per-sample gradients", True),
     Need.SUM_GRAD_SQUARED: NeedSpec(
         "elementwise second moment sum_i g_i**2 of per-sample gradients", True

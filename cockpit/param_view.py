@@ -144,6 +144,16 @@ class ParamView:
         """
         return self._individual().project(direction)
 
+    def mean_dots(self) -> Tensor:
+        """Return ``g_i . g`` for every sample (``g`` the mean gradient), ``[N]``.
+
+        Computed once per parameter and shared: the gradient tests and Alpha's
+        plain-SGD direction both project onto ``g``.
+        """
+        return self._cached(
+            "mean_dots", lambda: self._individual().project(self.mean_gradient())
+        )
+
     def batch_l2(self) -> Tensor:
         """Return ``||g_i||^2`` for every sample, shape ``[N]``."""
 

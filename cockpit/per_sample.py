@@ -342,3 +342,327 @@ class FactoredLinearGradients(IndividualGradients):
     def linear_factors(self) -> LinearFactors:
         """The factors of ``b_i`` (``g_i = N * b_i``)."""
         return self._factors
+
+
+class OuterTerm:
+    """One use of a weight: ``b_i = sum_t rows[i, t] (outer) cols[i, t]``.
+
+    A linear map on sequences gets such a gradient from each call: for
+    ``torch.nn.Linear`` (weight ``[out, in]``) ``rows`` is the gradient at the output
+    and ``cols`` the input; for the transposed layout of Hugging Face's ``Conv1D``
+    (weight ``[in, out]``) the two swap. An embedding's rows are one-hot: ``rows``
+    then holds the indices (an integer tensor ``[N, T]``) and ``num_rows`` the size
+    of the table.
+
+    Args:
+        rows: ``[N, T, R]`` floating, or ``[N, T]`` integer indices into ``R`` rows.
+        cols: ``[N, T, C]``.
+        num_rows: ``R`` (read off ``rows`` unless they are indices).
+    """
+
+    __slots__ = ("rows", "cols", "num_rows")
+
+    def __init__(self, rows: Tensor, cols: Tensor, num_rows: int | None = None):
+        self.cols = upcast(cols.detach())
+        if rows.is_floating_point():
+            self.rows = upcast(rows.detach())
+            self.num_rows = rows.shape[-1]
+        else:
+            if num_rows is None:
+                raise ValueError("indexed rows need num_rows (the table's size)")
+            self.rows = rows.detach()
+            self.num_rows = num_rows
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the rows are one-hot (given by indices)."""
+        return not self.rows.is_floating_point()
+
+    @property
+    def positions(self) -> int:
+        """``T``, the positions summed over per sample."""
+        return self.cols.shape[1]
+
+    def row_products(self, other: OuterTerm, pairwise: bool = False) -> Tensor:
+        """Products of the rows of two terms.
+
+        ``rows[i, t] . other.rows[i, u]``, ``[N, T, U]``; pairwise
+        ``rows[i, t] . other.rows[j, u]``, ``[N, N, T, U]``.
+        """
+        if self.indexed and other.indexed:
+            a, b = self.rows, other.rows
+            if pairwise:
+                return (a[:, None, :, None] == b[None, :, None, :]).to(self.cols.dtype)
+            return (a[:, :, None] == b[:, None, :]).to(self.cols.dtype)
+        if self.indexed or other.indexed:
+            index, dense = (self, other) if self.indexed else (other, self)
+            if pairwise:  # dense.rows[j, u, index.rows[i, t]]
+                picked = dense.rows.permute(2, 0, 1)[index.rows]  # [N, T, N, U]
+                picked = picked.permute(0, 2, 1, 3)  # [N(i), N(j), T, U]
+                return picked if index is self else picked.permute(1, 0, 3, 2)
+            # dense.rows[i, u, index.rows[i, t]] -> [N, T, U]
+            gathered = torch.gather(
+                dense.rows.transpose(1, 2),
+                1,
+                index.rows.unsqueeze(-1).expand(-1, -1, dense.positions),
+            )
+            return gathered if index is self else gathered.transpose(1, 2)
+        if pairwise:
+            return torch.einsum("ntr,mur->nmtu", self.rows, other.rows)
+        return torch.bmm(self.rows, other.rows.transpose(1, 2))
+
+    def col_products(self, other: OuterTerm, pairwise: bool = False) -> Tensor:
+        """Products of the columns of two terms (shapes as :meth:`row_products`)."""
+        if pairwise:
+            return torch.einsum("ntc,muc->nmtu", self.cols, other.cols)
+        return torch.bmm(self.cols, other.cols.transpose(1, 2))
+
+    def dot(self, other: OuterTerm) -> Tensor:
+        """``b_i . other.b_i`` for every sample, ``[N]``, without forming ``b_i``."""
+        rows = self.row_products(other)
+        rows.mul_(self.col_products(other))
+        return rows.sum(dim=(1, 2))
+
+    def pairwise_dot(self, other: OuterTerm) -> Tensor:
+        """``b_i . other.b_j`` for every pair of samples, ``[N, N]``."""
+        rows = self.row_products(other, pairwise=True)
+        rows.mul_(self.col_products(other, pairwise=True))
+        return rows.sum(dim=(2, 3))
+
+    def add_to(self, out: Tensor | None, samples: slice, scale: float) -> Tensor:
+        """Add ``scale * b_i`` of ``samples`` to ``out`` (``[k, R, C]``, in place).
+
+        ``out=None`` starts a new buffer. The scale multiplies the smaller factor.
+        """
+        rows, cols = self.rows[samples], self.cols[samples]
+        k, t = cols.shape[:2]
+        if not self.indexed:
+            if scale != 1:
+                if rows.shape[-1] <= cols.shape[-1]:
+                    rows = rows * scale
+                else:
+                    cols = cols * scale
+            if out is None:
+                return torch.bmm(rows.transpose(1, 2), cols)
+            return out.baddbmm_(rows.transpose(1, 2), cols)
+        if out is None:
+            out = cols.new_zeros(k, self.num_rows, cols.shape[-1])
+        if scale != 1:
+            cols = cols * scale
+        offsets = torch.arange(k, device=cols.device).unsqueeze(1) * self.num_rows
+        flat = (rows + offsets).reshape(-1)
+        out.view(-1, out.shape[-1]).index_add_(0, flat, cols.reshape(k * t, -1))
+        return out
+
+    def project(self, direction: Tensor) -> Tensor:
+        """``b_i . direction`` for every sample (``direction``: ``[R, C]``).
+
+        ``sum_t rows_it . (direction cols_it)``: one product of the size of the
+        layer's forward pass, mapped to the smaller of the two sides.
+        """
+        direction = direction.to(self.cols.dtype)
+        if self.indexed:
+            picked = direction[self.rows]  # [N, T, C]
+            return (picked * self.cols).sum(dim=(1, 2))
+        if self.num_rows < self.cols.shape[-1]:
+            mapped, other = self.cols @ direction.T, self.rows  # [N, T, R]
+        else:
+            mapped, other = self.rows @ direction, self.cols  # [N, T, C]
+        return mapped.mul_(other).sum(dim=(1, 2))
+
+    def total(self) -> Tensor:
+        """``sum_i b_i``, ``[R, C]``."""
+        cols = self.cols.reshape(-1, self.cols.shape[-1])
+        if self.indexed:
+            out = cols.new_zeros(self.num_rows, cols.shape[-1])
+            return out.index_add_(0, self.rows.reshape(-1), cols)
+        return self.rows.reshape(-1, self.rows.shape[-1]).T @ cols
+
+    # --- costs, in multiply-adds --------------------------------------------------
+    def materialize_cost(self) -> int:
+        """Multiply-adds to add ``b_i`` of every sample to a buffer."""
+        n, t, c = self.cols.shape
+        return n * t * c * (1 if self.indexed else self.num_rows)
+
+    def dot_cost(self, other: OuterTerm, pairs: int = 1) -> int:
+        """Multiply-adds of :meth:`dot` (``pairs = N``: :meth:`pairwise_dot`)."""
+        n, t, c = self.cols.shape
+        rows = 1 if self.indexed or other.indexed else self.num_rows
+        return n * pairs * t * other.positions * (rows + c)
+
+
+class OuterProductGradients(IndividualGradients):
+    """Per-sample gradients of a weight as a sum of :class:`OuterTerm` s.
+
+    ``g_i = scale * b_i`` with ``b_i`` the sum of the terms (one per use of the
+    weight in the forward pass). Norms, Gram matrices and projections come from the
+    factors where that is cheaper than forming ``b_i`` (for norms of a layer on
+    sequences of length ``T``: ``T^2 (R + C)`` against ``T R C`` multiply-adds per
+    sample, the "ghost norm" of Li et al. 2022 and Bu et al. 2023); the elements
+    (histograms, second moments) are formed and kept once (:meth:`densify`) or
+    block by block.
+
+    Args:
+        terms: The uses of the weight.
+        shape: The weight's shape ``(R, C)``.
+        scale: ``s`` in ``g_i = s * b_i`` (``N`` for the gradient of a mean loss).
+        total: ``sum_i b_i`` if known (the weight's gradient in the backward pass),
+            else it is summed from the factors when asked for.
+    """
+
+    def __init__(
+        self,
+        terms: list[OuterTerm],
+        shape: torch.Size,
+        scale: float,
+        total: Tensor | None = None,
+    ):
+        if not terms:
+            raise ValueError("OuterProductGradients needs at least one term")
+        self._terms = terms
+        self._shape = torch.Size(shape)
+        self._scale = scale
+        self._total = None if total is None else upcast(total.detach())
+        self._dense: Tensor | None = None  # g_i, once formed
+
+    @property
+    def batch_size(self) -> int:
+        """N, the number of samples."""
+        return self._terms[0].cols.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype statistics are computed in."""
+        return self._terms[0].cols.dtype
+
+    def _numel(self) -> int:
+        return self._shape.numel()
+
+    def _block(self, samples: slice) -> Tensor:
+        """``g_i`` of ``samples``, freshly formed: ``[k, *shape]``."""
+        k = len(range(*samples.indices(self.batch_size)))
+        out = None
+        for term in sorted(self._terms, key=lambda term: term.indexed):
+            out = term.add_to(out, samples, self._scale)
+        return out.view(k, *self._shape)
+
+    def densify(self) -> Tensor:
+        """Form ``g_i`` of all samples once; every statistic reads them from then on."""
+        if self._dense is None:
+            self._dense = self._block(slice(0, self.batch_size))
+        return self._dense
+
+    @property
+    def dense(self) -> bool:
+        """Whether ``g_i`` were formed (:meth:`densify`)."""
+        return self._dense is not None
+
+    def materialize(self) -> Tensor:
+        """Return ``g_i`` (formed once, then shared by the other statistics)."""
+        return self.densify()
+
+    def chunks(self, max_elements: int) -> Iterator[Tensor]:
+        """Yield blocks of ``g_i``; all of them at once if :meth:`densify` was called.
+
+        Formed ``g_i`` take no further memory, and one block costs a reduction
+        less time than many.
+        """
+        n = self.batch_size
+        if self._dense is not None:
+            yield self._dense
+            return
+        rows = max(1, max_elements // max(1, self._numel()))
+        for start in range(0, n, rows):
+            yield self._block(slice(start, min(start + rows, n)))
+
+    def mean(self) -> Tensor:
+        """Return ``g = (1/N) sum_i g_i``."""
+        factor = self._scale / self.batch_size
+        if self._dense is not None and self._total is None:
+            return self._dense.sum(0) / self.batch_size
+        total = self._total
+        if total is None:
+            total = sum(term.total() for term in self._terms).view(self._shape)
+        return total if factor == 1 else total * factor
+
+    def _materialize_cost(self, pairs: int = 1) -> int:
+        n = self.batch_size
+        formed = sum(term.materialize_cost() for term in self._terms)
+        return formed + n * pairs * self._numel()
+
+    def _dot_cost(self, pairs: int = 1) -> int:
+        terms = self._terms
+        return sum(
+            terms[k].dot_cost(terms[m], pairs)
+            for k in range(len(terms))
+            for m in range(k, len(terms))
+        )
+
+    def _flat(self) -> Tensor:
+        """``g_i`` as rows: the kept ones, or formed for this statistic only."""
+        n = self.batch_size
+        formed = self._dense if self._dense is not None else self._block(slice(0, n))
+        return formed.reshape(n, -1)
+
+    def project(self, direction: Tensor) -> Tensor:
+        """Return ``g_i . direction`` (from the factors unless ``g_i`` were formed)."""
+        direction = direction.to(self.dtype)
+        if self._dense is not None:
+            return self._flat() @ direction.reshape(-1)
+        matrix = direction.reshape(self._terms[0].num_rows, -1)
+        dots = sum(term.project(matrix) for term in self._terms)
+        return dots * self._scale
+
+    def batch_l2(self) -> Tensor:
+        """Return ``||g_i||^2`` (ghost norms where cheaper than forming ``g_i``)."""
+        if self._dense is None and self._dot_cost() < self._materialize_cost():
+            terms = self._terms
+            total = None
+            for k in range(len(terms)):
+                for m in range(k, len(terms)):
+                    part = terms[k].dot(terms[m])
+                    if m != k:
+                        part = part * 2
+                    total = part if total is None else total + part
+            return total * self._scale**2
+        if self._dense is None:  # block by block, nothing kept
+            norms = [
+                torch.linalg.vector_norm(block.reshape(block.shape[0], -1), dim=1)
+                for block in self.chunks(1 << 22)
+            ]
+            return torch.cat(norms).square()
+        return torch.linalg.vector_norm(self._flat(), dim=1).square()
+
+    def gram(self) -> Tensor:
+        """Return ``g_i . g_j`` (from the factors where cheaper)."""
+        n = self.batch_size
+        if self._dense is None and self._dot_cost(n) < self._materialize_cost(n):
+            terms = self._terms
+            total = None
+            for k in range(len(terms)):
+                for m in range(k, len(terms)):
+                    part = terms[k].pairwise_dot(terms[m])
+                    if m != k:
+                        part = part + part.T
+                    total = part if total is None else total + part
+            return total * self._scale**2
+        flat = self._flat()
+        return flat @ flat.T
+
+    def scaled_sum_grad_squared(self) -> Tensor:
+        """Return ``(1/N^2) sum_i g_i**2`` elementwise."""
+        n = self.batch_size
+        total = None
+        for block in self.chunks(1 << 22):
+            squares = (block * block).sum(0)
+            total = squares if total is None else total + squares
+        return total / n**2
+
+    def linear_factors(self) -> LinearFactors | None:
+        """A single dense term at one position with ``scale = N``, as factors."""
+        if len(self._terms) != 1 or self._scale != self.batch_size:
+            return None
+        term = self._terms[0]
+        if term.indexed or term.positions != 1:
+            return None
+        return LinearFactors(term.cols, term.rows)

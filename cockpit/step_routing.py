@@ -131,6 +131,7 @@ class StepRouting:
             needs=plan.needs,
             plan=plan,
             user=tuple(user),
+            quiet=self.quiet,
         )
         self.routes = None
         self.curvature = None
@@ -271,15 +272,18 @@ class StepRouting:
             plan.needs_of(q) & PER_SAMPLE_NEEDS for q in plan.consumers
         )
         if self.routes is not None and self.engine_step.per_sample:
-            if self.engine_step.losses is not None:
-                for index, route in enumerate(self.routes):
-                    for engine in self.engines:
-                        if engine.name == route.engine:
+            with_losses = self.engine_step.losses is not None
+            for index, route in enumerate(self.routes):
+                for engine in self.engines:
+                    if engine.name == route.engine:
+                        if with_losses or not engine.needs_losses:
                             served.setdefault(engine, []).append(index)
-                            break
+                        break
         self.before = {e: ix for e, ix in served.items() if e.needs_losses}
-        others = sorted(i for ix in self.before.values() for i in ix)
-        for engine in self.engines:
+        for engine in self.engines:  # each skips what the others serve
+            others = sorted(
+                i for e, ix in served.items() if e is not engine for i in ix
+            )
             engine.prepare(self.engine_step, dispatcher, others)
         self.served = {e: served.get(e, []) for e in self.engines if not e.needs_losses}
 
@@ -323,6 +327,13 @@ class StepRouting:
     def release(self) -> None:
         """Let go of the step once it is over (no cycle through it stays)."""
         self._run = None
+
+    def quiet(self) -> contextlib.AbstractContextManager:
+        """A context for extra backward passes before the user's (hooks keep still)."""
+        stack = contextlib.ExitStack()
+        for engine in self.engines:
+            stack.enter_context(engine.quiet())
+        return stack
 
     def idle(self) -> contextlib.AbstractContextManager:
         """A context in which the engines' hooks do nothing (extra backward passes)."""

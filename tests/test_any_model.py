@@ -96,6 +96,8 @@ def test_first_order_quantities_match_brute_force(arch):
     coverage = result.cockpit.coverage()
     assert coverage.problems() == []
     engines = {"backpack"} if arch in BACKPACK_ONLY else {"autograd", "backpack"}
+    if arch == "tied-custom":  # the tied output layer: the ghost engine
+        engines.add("ghost")
     assert set(coverage.engines()) == engines
     observed = {s: quiet_per_sample(problem, result.records[s]) for s in range(STEPS)}
     for step in range(STEPS):
@@ -148,7 +150,8 @@ def test_each_parameter_goes_to_the_engine_with_a_rule_for_it():
 def test_sequence_first_layouts_and_tying_are_detected():
     problem = make_any_problem("lstm-seq-first")  # T == N: only the probe can tell
     routes = _routes(run(problem, [Q.Variance(linear(1))], steps=1).cockpit)
-    assert "Batch axis must be first" in routes[0].reason  # BackPACK's LSTM rule
+    backpack = routes[0].declines[0].message  # BackPACK's LSTM rule
+    assert "Batch axis must be first" in backpack
     assert "not the sample axis" in routes[4].reason  # Linear on [T, N, H]
     assert [r.engine for r in routes[6:]] == ["backpack", "backpack"]
     problem = make_any_problem("tied-custom")
@@ -156,7 +159,7 @@ def test_sequence_first_layouts_and_tying_are_detected():
     assert "tied: owned by Embedding.weight and Linear.weight" in routes[1].reason
 
 
-def test_a_layer_called_twice_goes_to_autograd():
+def test_a_layer_called_twice_is_left_to_the_ghost_engine():
     torch.manual_seed(0)
     layer = torch.nn.Linear(3, 3).double()
     head = torch.nn.Linear(3, 2).double()
@@ -180,7 +183,7 @@ def test_a_layer_called_twice_goes_to_autograd():
     with cockpit(0, info={"loss": loss, "individual_losses": losses}):
         loss.backward()
     routes = _routes(cockpit)
-    assert routes[0].engine == "autograd" and "used 2 times" in routes[0].reason
+    assert routes[0].engine == "ghost" and "used 2 times" in routes[0].reason
     assert routes[2].engine == "backpack"
     G = []
     for i in range(5):
@@ -370,7 +373,7 @@ def test_an_extra_batch_grad_of_the_user_keeps_its_results_and_routing_follows()
     with cockpit(0, BatchGrad(), info={"loss": loss, "individual_losses": losses}):
         loss.backward()
     engines = [row.route.engine for row in cockpit.coverage().params]
-    assert engines == ["backpack"] * 2 + ["autograd"] * 2 + ["backpack"] * 2
+    assert engines == ["backpack"] * 2 + ["ghost"] * 2 + ["backpack"] * 2
     assert model[0].weight.grad_batch.shape == (5, 4, 3)  # the user's, kept
     G = torch.stack(
         [
@@ -427,7 +430,9 @@ def test_without_per_sample_losses_a_shared_layer_is_never_left_to_backpack():
             loss.backward()
     out = cockpit.get_output()[0]
     assert set(out) == {"GradNorm", "missing"} and set(out["missing"]) == {"Variance"}
-    assert "used 2 times" in cockpit.coverage().params[0].route.reason
+    declines = cockpit.coverage().params[0].route.declines
+    assert "used 2 times" in declines[0].message  # BackPACK's
+    assert "per-sample losses" in declines[1].message  # the ghost engine's
 
 
 def test_coverage_of_a_step_like_the_one_before_is_reused_and_the_same(monkeypatch):

@@ -10,7 +10,11 @@ from cockpit.history import History
 from tests.test_examples import assert_png, load_example
 
 CASES = {
-    "char_transformer": ("char_transformer", {}, "6 from autograd, 11 from backpack"),
+    "char_transformer": (
+        "char_transformer",
+        {},
+        "5 from autograd, 11 from backpack, 1 from ghost",
+    ),
     # BatchNorm in train mode: the convolutions before one go to autograd
     "resnet_digits": ("resnet_digits", {}, "12 from autograd, 4 from backpack"),
     "resnet_digits-group": ("resnet_digits", {"norm": "group"}, "16 from backpack"),

@@ -177,13 +177,13 @@ def _mse_step(model, cockpit, step=0, loss_fn=None, x=None):
 
 
 def test_model_not_extended():
-    # with the per-sample losses, the autograd engine computes what BackPACK cannot
+    # with the per-sample losses, the ghost engine computes what BackPACK cannot
     model = torch.nn.Linear(3, 2).double()
     cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])
     _mse_step(model, cockpit)
     assert len(cockpit.get_output()[0]["Variance"]) == 2
     route = cockpit.coverage().params[0].route
-    assert route.engine == "autograd" and "not backpack.extend-ed" in route.reason
+    assert route.engine == "ghost" and "not backpack.extend-ed" in route.reason
     # without them, a forgotten extend() is the error
     model.zero_grad()
     cockpit = Cockpit(model.parameters(), [Q.Variance(EVERY)])

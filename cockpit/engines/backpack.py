@@ -68,6 +68,7 @@ SAVEFIELD_NEEDS: Mapping[str, frozenset[Need]] = {
         {
             Need.INDIVIDUAL_GRADIENTS,
             Need.GRAM,
+            Need.PROJECTIONS,
             Need.BATCH_L2,
             Need.SUM_GRAD_SQUARED,
         }
@@ -178,7 +179,7 @@ def extensions_for(
     """
     needs = set(needs)
     extensions: list[BackpropExtension] = []
-    per_sample = {Need.INDIVIDUAL_GRADIENTS, Need.GRAM}
+    per_sample = {Need.INDIVIDUAL_GRADIENTS, Need.GRAM, Need.PROJECTIONS}
     if low_precision:
         per_sample |= {Need.BATCH_L2, Need.SUM_GRAD_SQUARED}
     if needs & per_sample:

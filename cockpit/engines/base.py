@@ -63,11 +63,15 @@ class Decline:
         why: The kind, for code to act on.
         message: The reason, for people (shown in the coverage report).
         fix: What the user can do about it (empty if nothing).
+        passive: The engine serves only some kinds of modules and this is not
+            one (e.g. the ghost engine and a convolution): said only when no
+            other engine gave a reason (:attr:`Route.reason`).
     """
 
     why: Why
     message: str
     fix: str = ""
+    passive: bool = False
 
     def __str__(self) -> str:
         return self.message
@@ -94,8 +98,14 @@ class Route:
 
     @property
     def reason(self) -> str:
-        """The reason of the last engine that declined (empty if none did)."""
-        return self.declines[-1].message if self.declines else ""
+        """The reason of the last engine that declined (empty if none did).
+
+        Passive declines (:attr:`Decline.passive`) count only when every
+        decline is passive.
+        """
+        active = [d for d in self.declines if not d.passive]
+        chosen = active or self.declines
+        return chosen[-1].message if chosen else ""
 
     def declined(self, why: Why) -> bool:
         """Whether an engine declined the parameter for reason ``why``."""
@@ -121,6 +131,8 @@ class EngineStep:
         needs: What the quantities of the step need (all of them: before a step).
         plan: The step's plan (``None`` for routes from the structure alone).
         user: The user's extra extensions of the step.
+        quiet: ``() -> context`` for an engine's own extra backward passes before
+            the user's (the other engines' hooks keep still), or ``None``.
     """
 
     global_step: int
@@ -135,6 +147,7 @@ class EngineStep:
     needs: frozenset = frozenset()
     plan: Any = None
     user: tuple = ()
+    quiet: Callable[[], Any] | None = None
 
 
 class Engine:

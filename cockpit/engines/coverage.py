@@ -20,7 +20,13 @@ MISSING = "not covered"
 
 #: Needs served by per-sample gradients (from either engine).
 PER_SAMPLE_NEEDS = frozenset(
-    {Need.INDIVIDUAL_GRADIENTS, Need.GRAM, Need.BATCH_L2, Need.SUM_GRAD_SQUARED}
+    {
+        Need.INDIVIDUAL_GRADIENTS,
+        Need.GRAM,
+        Need.PROJECTIONS,
+        Need.BATCH_L2,
+        Need.SUM_GRAD_SQUARED,
+    }
 )
 #: Needs served by BackPACK's curvature diagonals.
 CURVATURE_NEEDS = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})

@@ -126,7 +126,7 @@ class Alpha(TwoStepQuantity):
             sample of the backward pass.
     """
 
-    needs = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.OPTIMIZER_UPDATE})
+    needs = frozenset({Need.PROJECTIONS, Need.OPTIMIZER_UPDATE})
     info_keys = ("loss", "individual_losses", "optimizer")
     Accumulator = _StepParts
     #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
@@ -155,13 +155,18 @@ class Alpha(TwoStepQuantity):
             else:
                 grad = view.mean_gradient().detach()
                 self.acc.starts[view.index] = self._start_entry(
-                    view.param, grad, lambda v: _per_sample_dots(view, v)
+                    view.param,
+                    grad,
+                    lambda v: _per_sample_dots(view, v),
+                    lambda: view.mean_dots().detach(),
                 )
 
-    def _start_entry(self, param, grad: Tensor, project) -> _StartEntry:
+    def _start_entry(self, param, grad: Tensor, project, mean_dots=None) -> _StartEntry:
+        """What a start step keeps of one parameter (``mean_dots``: ``g_i . g``)."""
         optimizer = self._optimizer
         if is_plain_sgd(optimizer):
-            return _StartEntry("sgd", grad, project(grad))
+            dots = mean_dots() if mean_dots is not None else project(grad)
+            return _StartEntry("sgd", grad, dots)
         try:
             update = replay_update(optimizer, param, grad)
         except ReplayError as error:

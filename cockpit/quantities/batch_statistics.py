@@ -87,16 +87,18 @@ def total_squared_norms(
 
 
 class GramQuantity(SingleStepQuantity):
-    """Base for statistics of the whole model's per-sample Gram matrix.
+    """Base for statistics of ``||g_i||^2``, ``g_i . g`` and ``||g||^2``.
 
-    Each parameter adds its ``[N, N]`` Gram matrix ``g_i,p . g_j,p`` to a running
-    sum, so a module's per-sample gradients are reduced and freed in its hook.
-    Subclasses implement ``_from_projections(norms, dots, grad_squared_norm)``.
+    These are the diagonal and the row means of the per-sample Gram matrix; each
+    parameter adds its ``||g_i,p||^2`` and ``g_i,p . g_p`` (``[N]`` each) to running
+    sums inside the backward pass, so a module's per-sample results are reduced
+    and freed in its hook, and no ``[N, N]`` matrix is formed. Subclasses
+    implement ``_from_projections(norms, dots, grad_squared_norm)``.
     """
 
     @dataclass
     class Accumulator:
-        """The running sum of the parameters' Gram matrices.
+        """The running sums of ``||g_i,p||^2`` and ``g_i,p . g_p`` over parameters.
 
         Data-parallel runs keep each parameter's per-sample gradients instead
         (``kept``): the projections ``g_i . g`` need the joined batch's ``g``.
@@ -104,19 +106,22 @@ class GramQuantity(SingleStepQuantity):
         over the joined batch.
         """
 
-        gram: torch.Tensor | None = None
+        norms: torch.Tensor | None = None
+        dots: torch.Tensor | None = None
         kept: dict[int, object] = field(default_factory=dict)
         joined: tuple | None = None
 
-    needs = frozenset({Need.GRAM, Need.GRADIENT})
+    needs = frozenset({Need.BATCH_L2, Need.PROJECTIONS, Need.GRADIENT})
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
-        """Add the parameter's Gram matrix to the running sum."""
+        """Add the parameter's ``||g_i,p||^2`` and ``g_i,p . g_p`` to the sums."""
         if self.shared is not None:
             self.acc.kept[view.index] = view.keep_individual()
             return
-        gram = view.gram().detach()
-        self.acc.gram = gram if self.acc.gram is None else gram + self.acc.gram
+        norms, dots = view.batch_l2().detach(), view.mean_dots().detach()
+        acc = self.acc
+        acc.norms = norms if acc.norms is None else acc.norms + norms
+        acc.dots = dots if acc.dots is None else acc.dots + dots
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Project the kept per-sample gradients onto the joined ``g``; gather.
@@ -148,11 +153,8 @@ class GramQuantity(SingleStepQuantity):
             norms, dots = (slot.value for slot in self.acc.joined)
             grad_squared_norm = sum((g**2).sum() for g in ctx.gradients())
         else:
-            gram = self.acc.gram
-            n = gram.shape[0]
-            norms = torch.diagonal(gram)
-            dots = gram.sum(1) / n  # g_i . g
-            grad_squared_norm = dots.sum() / n  # ||g||^2
+            norms, dots = self.acc.norms, self.acc.dots  # ||g_i||^2, g_i . g
+            grad_squared_norm = dots.sum() / dots.shape[0]  # ||g||^2
         dtype = norms.dtype
         undefined = defined.first(
             defined.samples(dots.shape[0]),
