@@ -106,7 +106,7 @@ def main(steps: int = 40, out: str = "loss_is_not_enough.png") -> dict[str, floa
         for column, (name, history) in enumerate(histories.items()):
             ax = fig.add_subplot(grid[1, column])
             instruments.plot_alpha(ax, history)
-            ax.set_title(f"Alpha: {name}")
+            ax.title.set_text(f"Alpha: {name}")  # keeps the room for the caption
         fig.suptitle("Loss is not enough: the Alpha gauge separates the two runs")
         parent = os.path.dirname(out)
         if parent:
