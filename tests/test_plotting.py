@@ -1003,3 +1003,21 @@ def test_alpha_and_gradient_tests_explain_their_geometry():
         gauge(ax, history)
         captions = [t.full_text for t in ax.texts if isinstance(t, FittedText)]
         assert len(captions) == 1 and all(w in captions[0] for w in words)
+
+
+def test_a_quantity_tracked_without_values_keeps_its_gauge_and_says_why():
+    """TICDiag recorded only as missing (its curvature could not be formed) is not
+    "not tracked": the TIC gauge stays and names the key and the reason's start."""
+    reason = "BackPACK cannot compute curvature diagonals for this model. Fix: ..."
+    history = History()
+    for step, entries in synthetic_history(5).items():
+        for key, value in entries.items():
+            if key != "TICDiag":
+                history.add(step, key, value)
+        history.add(step, "missing", {"TICDiag": reason})
+    plotter = CockpitPlotter()
+    plotter.plot(history, show_plot=False)
+    texts = [t.get_text() for t in plotter.fig.findobj(matplotlib.text.Text)]
+    assert not [t for t in texts if "not shown" in t and "TICDiag" in t], texts
+    (hint,) = [t for t in texts if "TICDiag tracked, no value" in t]
+    assert "BackPACK cannot compute curvature diagonals for this model" in hint

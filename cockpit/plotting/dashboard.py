@@ -557,13 +557,15 @@ class CockpitPlotter:
         return found
 
     def _tracked(self, name: str) -> bool:
-        """Whether a run recorded, or a live cockpit tracks, what a gauge reads."""
+        """Whether a run recorded (a value, or its absence), or a cockpit tracks it."""
         gauge = instruments.GAUGES[name]
         keys = {role: key for role, key, _ in gauge.keys}
         reads = set(instruments.gauge_reads(gauge, keys))
         for run, configured in zip(self.runs, self._configured):
             if reads & configured or instruments.run_has(run, gauge, keys):
                 return True
+            if instruments.missing_record(run, reads) is not None:
+                return True  # tracked, without a value: the gauge says why
         return False
 
     def build_animation(

@@ -388,7 +388,9 @@ def draw_gauge(
     if missing:
         options["notes"] = [_missing_handle(gauge, keys, missing)]
     if not DRAWERS[gauge.kind](ax, runs, gauge, keys, options):
-        hint = _text(gauge.hint, context) or "track " + " or ".join(keys.values())
+        hint = _missing_hint(runs, gauge_reads(gauge, keys, options)) or (
+            _text(gauge.hint, context) or "track " + " or ".join(keys.values())
+        )
         no_data(ax, title, hint)
         ax.set_gid(NO_DATA_GID)
         return ax
@@ -429,6 +431,42 @@ def run_has(run: Run, gauge: Gauge, keys: Mapping[str, str], options=None) -> bo
     if gauge.kind == "hist_2d" and options.get("param") is not None:
         return layer_count(run.data, keys["key"]) > options["param"]
     return any(run.data.has(key) for key in gauge_reads(gauge, keys, options))
+
+
+#: Latest steps searched for a ``missing`` record of a gauge's keys.
+MISSING_LOOKBACK = 50
+
+
+def missing_record(run: Run, keys) -> tuple[str, str] | None:
+    """``(key, reason)`` of one of ``keys`` a run tracked but recorded as missing.
+
+    Searches the run's latest :data:`MISSING_LOOKBACK` steps; ``None`` if none.
+    """
+    wanted = set(keys)
+    history = run.data.history
+    for step in history.steps[::-1][:MISSING_LOOKBACK]:
+        missing = history.missing_at(int(step)) or {}
+        for key in sorted(wanted & set(missing)):
+            return key, str(missing[key])
+    return None
+
+
+def _missing_hint(runs, reads) -> str:
+    """Say that a key was tracked but has no value, where a run recorded it missing.
+
+    A gauge without data whose quantity was tracked but recorded under ``missing``
+    says so (with the start of the reason), instead of asking to track it.
+    """
+    for run in runs:
+        found = missing_record(run, reads)
+        if found is not None:
+            key, reason = found
+            reason = reason.split(". ")[0]
+            if len(reason) > 60:
+                reason = reason[:59].rstrip() + "…"
+            where = "(cockpit report <log> says why)"
+            return f"{key} tracked, no value:\n{reason}\n{where}"
+    return ""
 
 
 def _missing_handle(gauge: Gauge, keys: Mapping[str, str], missing: list[Run]):
