@@ -13,6 +13,7 @@ import warnings
 import matplotlib
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from cockpit import quantities as Q
@@ -483,6 +484,9 @@ def test_window_path_reuses_its_figure_and_keeps_the_current_one(monkeypatch):
     from cockpit.plotting import dashboard
 
     monkeypatch.setattr(dashboard, "_display_kind", lambda: "gui")
+    # a GUI canvas draws when its event loop is idle; Agg's draw_idle draws at once
+    # (3 s a dashboard), which this test of the figures' bookkeeping does not need
+    monkeypatch.setattr(FigureCanvasAgg, "draw_idle", lambda self, *a, **k: None)
     history = synthetic_history(5)
     user_fig = plt.figure()
     fignums = plt.get_fignums()
