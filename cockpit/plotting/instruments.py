@@ -444,7 +444,7 @@ def missing_record(run: Run, keys) -> tuple[str, str] | None:
     """
     wanted = set(keys)
     history = run.data.history
-    for step in history.steps[::-1][:MISSING_LOOKBACK]:
+    for step in reversed(history.steps[-MISSING_LOOKBACK:]):
         missing = history.missing_at(int(step)) or {}
         for key in sorted(wanted & set(missing)):
             return key, str(missing[key])
