@@ -44,16 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cockpit.torch_state import in_transform
+
 _ORIGINAL = F.scaled_dot_product_attention
 _LOCK = threading.Lock()
 _HOLDERS = 0
-
-
-def _in_transform() -> bool:
-    try:
-        return torch._C._functorch.maybe_current_level() is not None
-    except AttributeError:  # pragma: no cover - builds without functorch
-        return False
 
 
 def _compiling() -> bool:
@@ -112,7 +107,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
 
 
 def _wrappable(tensors, dropout_p: float) -> bool:
-    if dropout_p or not torch.is_grad_enabled() or _in_transform() or _compiling():
+    if dropout_p or not torch.is_grad_enabled() or in_transform() or _compiling():
         return False
     present = [t for t in tensors if t is not None]
     if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter

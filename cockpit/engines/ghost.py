@@ -57,6 +57,7 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamResults
 from cockpit.per_sample import DenseGradients, OuterProductGradients, OuterTerm
 from cockpit.precision import upcast
+from cockpit.torch_state import autocast_on, in_transform
 
 #: The engine's name in the coverage report.
 GHOST = "ghost"
@@ -66,23 +67,6 @@ METHOD = "ghost: from layer inputs and output gradients"
 ELEMENT_NEEDS = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.SUM_GRAD_SQUARED})
 #: Calls of one module kept between forgets (older ones are dropped).
 MAX_CALLS = 64
-
-
-def _in_transform() -> bool:
-    try:
-        return torch._C._functorch.maybe_current_level() is not None
-    except AttributeError:  # pragma: no cover - builds without functorch
-        return False
-
-
-def _autocast_on() -> bool:
-    for device in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return True
-        except (RuntimeError, TypeError):  # a device type this build lacks
-            continue
-    return False
 
 
 def _first_tensor(args, kwargs, name: str) -> Tensor | None:
@@ -403,7 +387,7 @@ class GhostEngine(Engine):
     # --- the forward pass -------------------------------------------------------------
     def record(self, module, args, kwargs, output) -> None:
         """The forward hook: keep the call's input, listen at its output."""
-        if not torch.is_grad_enabled() or _in_transform():
+        if not torch.is_grad_enabled() or in_transform():
             return
         if not isinstance(output, Tensor) or output.grad_fn is None:
             return
@@ -415,7 +399,7 @@ class GhostEngine(Engine):
             key = (id(module), tuple(x.shape), x.dtype)
             if key not in self._scales:
                 self._scales[key] = _SCALE.fits(module, x, output)
-        call = Call(self, module, x, output.grad_fn, _autocast_on())
+        call = Call(self, module, x, output.grad_fn, autocast_on())
         output.register_hook(call.receive)
         calls = self._calls[id(module)]
         kept = []

@@ -71,6 +71,7 @@ from cockpit.engines.modules import ancestors, graph_uses, mixed_by_batch_statis
 from cockpit.errors import quiet_warnings
 from cockpit.param_view import ParamResults
 from cockpit.per_sample import DenseGradients
+from cockpit.torch_state import autocast_on, in_transform
 
 _LOG = logging.getLogger(__name__)
 
@@ -100,24 +101,6 @@ def _now() -> int:
     """The sequence number the next autograd node of this thread gets (about)."""
     with torch.enable_grad():
         return (_CLOCK * 1).grad_fn._sequence_nr()
-
-
-def _in_transform() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) is running."""
-    try:
-        return torch._C._functorch.maybe_current_level() is not None
-    except AttributeError:  # pragma: no cover - builds without functorch
-        return False
-
-
-def _autocast_on() -> bool:
-    for device in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return True
-        except (RuntimeError, TypeError):  # a device type this build lacks
-            continue
-    return False
 
 
 @dataclass
@@ -188,8 +171,8 @@ class CallRecorder:
 
     def started(self, key: int) -> None:
         """A watched module's forward begins (called by its pre-hook)."""
-        if torch.is_grad_enabled() and not self.paused and not _in_transform():
-            self._starts[key] = (_now(), _autocast_on())
+        if torch.is_grad_enabled() and not self.paused and not in_transform():
+            self._starts[key] = (_now(), autocast_on())
 
     def returned(self, key: int, args, kwargs, output) -> None:
         """A watched module's forward returned (called by its hook)."""
