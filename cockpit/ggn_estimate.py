@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from cockpit.precision import compute_dtype, upcast
-from cockpit.trace_estimators import TraceEstimate, _block_sums, _split
+from cockpit.trace_estimators import TraceEstimate, _block_sums
 
 #: Draws of the Monte-Carlo GGN per step (``2 * Cockpit.HUTCHINSON_PROBES``: a draw
 #: is one backward pass, a Hessian-vector product about two).
@@ -121,6 +121,131 @@ def row_weights(loss: Tensor, log_p: Tensor, dim: int) -> Tensor:
     return weights.clamp(min=0)
 
 
+class Head:
+    """The cross-entropy head of a loss: ``log p``, row weights and probabilities.
+
+    Read once per step (:func:`log_probabilities`, :func:`row_weights`); the
+    estimates below multiply vectors from ``log p`` back to the parameters.
+
+    Args:
+        loss: The mini-batch loss, with its graph.
+        params: The parameters.
+
+    Raises:
+        NotCrossEntropy: Where the loss is not a cross-entropy on log-probabilities.
+    """
+
+    def __init__(self, loss: Tensor, params: Sequence[Tensor]):
+        self.params = list(params)
+        self.log_p, self.dim = log_probabilities(loss, self.params)
+        weights = row_weights(loss, self.log_p, self.dim)
+        self.moved_shape = self.log_p.movedim(self.dim, -1).shape
+        self.classes = self.moved_shape[-1]
+        moved = self.log_p.detach().movedim(self.dim, -1)
+        self.probs = moved.reshape(-1, self.classes).to("cpu", torch.float64).exp()
+        self.root = weights.reshape(-1).to("cpu", torch.float64).sqrt()
+        self.sizes = [p.numel() for p in self.params]
+        self.shapes = [p.shape for p in self.params]
+
+    @property
+    def rows(self) -> int:
+        """Rows with a positive weight (tokens or samples the loss counts)."""
+        return int((self.root > 0).sum())
+
+    @property
+    def exact_products(self) -> int:
+        """Vector-Jacobian products of the exact diagonal (:meth:`exact`)."""
+        return self.rows * self.classes
+
+    def _products(self, outputs: Tensor):
+        """``outputs`` ``[k, rows, classes]`` (float64, CPU) back to the parameters."""
+        count = outputs.shape[0]
+        outputs = outputs.reshape(count, *self.moved_shape).movedim(-1, self.dim + 1)
+        outputs = outputs.to(device=self.log_p.device, dtype=self.log_p.dtype)
+        grads = _vector_jacobian(self.log_p, self.params, outputs)
+        return [
+            upcast(g.detach()) ** 2
+            if g is not None
+            else torch.zeros(count, *p.shape, dtype=compute_dtype(p.dtype),
+                             device=p.device)
+            for g, p in zip(grads, self.params, strict=True)
+        ]  # fmt: skip
+
+    def draws(self, samples: int, generator, chunk: int = 4) -> TraceEstimate:
+        """The Monte-Carlo GGN from ``samples`` drawn labels per row (see the module).
+
+        Args:
+            samples: Draws (at least 2).
+            generator: Random source of the labels (CPU).
+            chunk: Draws per batched backward pass (memory: ``chunk`` gradients).
+
+        Returns:
+            The estimate (``traces``: per draw, each parameter's ``||v_p||**2``).
+        """
+        samples = max(2, int(samples))
+        totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+                  for p in self.params]  # fmt: skip
+        traces = []
+        rows, classes = self.probs.shape
+        done = 0
+        while done < samples:
+            count = min(chunk, samples - done)
+            labels = torch.multinomial(
+                self.probs, count, replacement=True, generator=generator
+            )
+            outputs = torch.zeros(count, rows, classes, dtype=torch.float64)
+            outputs.scatter_(
+                2, labels.T.unsqueeze(2), -self.root.expand(count, -1).unsqueeze(2)
+            )
+            squares = self._products(outputs)
+            for k, square in enumerate(squares):
+                totals[k] += square.sum(0)
+            flat = torch.cat([s.reshape(count, -1) for s in squares], dim=1)
+            traces.extend(_block_sums(row, self.sizes) for row in flat)
+            done += count
+        return TraceEstimate(
+            [t / samples for t in totals],
+            torch.stack(traces),
+            samples,
+            ggn_method(samples),
+        )
+
+    def exact(self, chunk: int = 8) -> TraceEstimate:
+        """The GGN's diagonal exactly: one product per row and class.
+
+        ``diag(G) = sum_rk c_r p_rk (J_r^T (e_k - p_r))**2`` (the middle matrix
+        is ``sum_k p_k (e_k - p)(e_k - p)^T``); the product of row ``r`` and class
+        ``k`` starts from ``sqrt(c_r p_rk) e_k`` at ``log p_r`` (the backward of
+        ``log_softmax`` subtracts ``p_r``). :attr:`exact_products` of them.
+
+        Returns:
+            The diagonal, with ``traces`` its block traces as a single row (no
+            spread: the estimate is exact).
+        """
+        rows, classes = self.probs.shape
+        scale = (self.probs * self.root.unsqueeze(1) ** 2).sqrt()  # sqrt(c_r p_rk)
+        pairs = (self.root > 0).nonzero().reshape(-1)
+        pairs = torch.cartesian_prod(pairs, torch.arange(classes))
+        totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+                  for p in self.params]  # fmt: skip
+        for start in range(0, pairs.shape[0], chunk):
+            block = pairs[start : start + chunk]
+            count = block.shape[0]
+            outputs = torch.zeros(count, rows, classes, dtype=torch.float64)
+            outputs[torch.arange(count), block[:, 0], block[:, 1]] = scale[
+                block[:, 0], block[:, 1]
+            ]
+            for k, square in enumerate(self._products(outputs)):
+                totals[k] += square.sum(0)
+        flat = torch.cat([t.reshape(-1) for t in totals])
+        return TraceEstimate(
+            totals,
+            _block_sums(flat, self.sizes).unsqueeze(0),
+            pairs.shape[0],
+            exact_method(pairs.shape[0]),
+        )
+
+
 def monte_carlo_ggn(
     loss: Tensor,
     params: Sequence[Tensor],
@@ -145,41 +270,12 @@ def monte_carlo_ggn(
     Raises:
         NotCrossEntropy: Where the loss is not a cross-entropy on log-probabilities.
     """
-    samples = max(2, int(samples))
-    log_p, dim = log_probabilities(loss, params)
-    weights = row_weights(loss, log_p, dim)
-    moved = log_p.detach().movedim(dim, -1)
-    classes = moved.shape[-1]
-    probs = moved.reshape(-1, classes).to("cpu", torch.float64).exp()
-    root = weights.reshape(-1).to("cpu", torch.float64).sqrt()
-    sizes = [p.numel() for p in params]
-    shapes = [p.shape for p in params]
-    totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) for p in params]
-    traces = []
-    done = 0
-    while done < samples:
-        count = min(chunk, samples - done)
-        labels = torch.multinomial(probs, count, replacement=True, generator=generator)
-        outputs = torch.zeros(count, probs.shape[0], classes, dtype=torch.float64)
-        outputs.scatter_(2, labels.T.unsqueeze(2), -root.expand(count, -1).unsqueeze(2))
-        outputs = outputs.reshape(count, *moved.shape).movedim(-1, dim + 1)
-        outputs = outputs.to(device=log_p.device, dtype=log_p.dtype)
-        grads = _vector_jacobian(log_p, params, outputs)
-        for draw in range(count):
-            flat = []
-            for k, grad in enumerate(grads):
-                g = grad[draw] if grad is not None else torch.zeros_like(params[k])
-                square = upcast(g.detach()) ** 2
-                totals[k] += square
-                flat.append(square.reshape(-1))
-            traces.append(_block_sums(torch.cat(flat), sizes))
-        done += count
-    return TraceEstimate(
-        _split(torch.cat([t.reshape(-1) for t in totals]) / samples, shapes),
-        torch.stack(traces),
-        samples,
-        ggn_method(samples),
-    )
+    return Head(loss, params).draws(samples, generator, chunk)
+
+
+def exact_ggn(loss: Tensor, params: Sequence[Tensor], chunk: int = 8):
+    """The exact GGN diagonal of ``loss`` (:meth:`Head.exact`)."""
+    return Head(loss, params).exact(chunk)
 
 
 def _vector_jacobian(log_p: Tensor, params, outputs: Tensor):
@@ -199,6 +295,13 @@ def _vector_jacobian(log_p: Tensor, params, outputs: Tensor):
     return tuple(
         None if pieces[0] is None else torch.stack(pieces)
         for pieces in zip(*rows, strict=True)
+    )
+
+
+def exact_method(products: int) -> str:
+    """How the exact GGN diagonal is made (the coverage report's words)."""
+    return (
+        f"exact GGN of the cross-entropy, {products} products (one per row and class)"
     )
 
 

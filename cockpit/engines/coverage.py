@@ -155,6 +155,8 @@ class Coverage:
         groups: dict[tuple[str, str], list[str]] = {}
         for key, status in worst.items():
             note = _remedy(status.how) if status.kind == MISSING else ""
+            if status.kind == ESTIMATED and "in place of the Hessian" in status.how:
+                note = "the GGN, in place of the Hessian"
             groups.setdefault((status.kind, note), []).append(key)
         flagged = "; ".join(
             f"{' and '.join(keys)} {kind}" + (f" ({note})" if note else "")

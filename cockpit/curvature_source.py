@@ -1,0 +1,186 @@
+"""Which curvature an estimated quantity reads, and how many draws it takes.
+
+Where BackPACK cannot form a curvature diagonal (a model it cannot backpropagate
+through), a quantity that accepts an estimate (``Quantity.estimable``) gets one of
+two sources, chosen by :func:`choose` when the step is routed:
+
+* the **GGN** of the cross-entropy (:mod:`cockpit.ggn_estimate`): for
+  ``curvature="diag_ggn_exact"`` / ``"diag_ggn_mc"``, and, for the whole run, in
+  place of the Hessian (``"diag_h"``, the default) whenever the loss reaches the
+  model through one ``log_softmax``. Hutchinson's estimate of the Hessian trace
+  needs 24 to 11663 products per step for a 10 % relative error on the Hugging Face
+  zoo (``benchmarks/curvature_zoo_results.md``), far beyond any budget; the GGN is
+  positive semi-definite, its estimate reaches 10 % in a few dozen backward passes,
+  and the step says which curvature it used (the ``<key>_estimate`` record's
+  ``"curvature"``, the coverage line, a :class:`~cockpit.errors.CockpitWarning`);
+* **Hutchinson**'s estimate of the Hessian (:mod:`cockpit.trace_estimators`) for
+  ``curvature="hutchinson"`` (the Hessian, never replaced), where the loss is not a
+  cross-entropy, and in data-parallel runs.
+
+The GGN's diagonal is exact (:meth:`~cockpit.ggn_estimate.Head.exact`) where that
+takes at most :data:`EXACT_MAX_PRODUCTS` backward passes (rows times classes: a
+classifier on a small batch); otherwise it is the Monte-Carlo estimate with as many
+drawn labels as make the relative standard error of the summed trace about
+:data:`TARGET_RELATIVE_SE` (:func:`draws_for`). The count is chosen from the
+*previous* estimate's spread (at the first step from a pilot estimate that is then
+discarded), never from the draws it is reported with, so the reported standard
+error stays the honest spread of independent draws.
+
+Quantities that divide elementwise by the diagonal (TICDiag:
+``exact_curvature_only``) take only the exact diagonal.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+from cockpit.engines.coverage import CURVATURE_NEEDS
+from cockpit.ggn_estimate import NotCrossEntropy, exact_method, log_probabilities
+from cockpit.needs import Need
+
+#: Source names (also the ``"curvature"`` of the estimate records: ``"ggn"`` or
+#: ``"hessian"``).
+GGN = "ggn"
+HUTCHINSON = "hutchinson"
+#: The curvature label that asks for the Hessian always (Hutchinson's estimate
+#: where BackPACK cannot form it), never the GGN in its place.
+HESSIAN_ONLY = "hutchinson"
+
+#: The GGN diagonal is formed exactly where it takes at most this many backward
+#: passes (rows times classes). Chosen on the zoo (seed 0, batches 0-2): the
+#: classifiers (4 rows, 3 classes) take 12, where 57-70 drawn labels would be needed
+#: for a 10 % error; the language models (24 rows, 23 classes: 552) draw labels.
+EXACT_MAX_PRODUCTS = 64
+#: The relative standard error of the summed trace the draws aim at (the goal is
+#: 10 %; the margin covers the step-to-step change of the spread and the noise of
+#: the previous step's spread).
+TARGET_RELATIVE_SE = 0.085
+#: The fewest and the most drawn labels per step (the standard error of fewer
+#: than 16 draws is itself too noisy to read; 128 costs about what 64 Hessian-vector
+#: products do).
+MIN_DRAWS = 16
+MAX_DRAWS = 128
+
+_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SPREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: ``(weak reference to the last step's losses, their head size)``.
+_LAST_SIZE: list = [None, None]
+
+
+def chosen(quantity) -> str | None:
+    """The source chosen for ``quantity`` (``None``: none yet)."""
+    return _CHOICES.get(quantity)
+
+
+def substitutes(quantity) -> bool:
+    """Whether ``quantity`` reads the GGN in place of the Hessian it asked for."""
+    return chosen(quantity) == GGN and getattr(quantity, "curvature", None) == "diag_h"
+
+
+def fall_back(quantity) -> None:
+    """Serve ``quantity`` with Hutchinson from now on (its loss is not read)."""
+    _CHOICES[quantity] = HUTCHINSON
+
+
+def head_size(losses, params) -> int | NotCrossEntropy:
+    """Rows times classes of the loss's ``log_softmax`` (the exact GGN's passes).
+
+    Read once per loss tensor (the graph is walked once per step).
+
+    Returns:
+        The size, or the :class:`NotCrossEntropy` error that says why the loss
+        has no such head.
+    """
+    ref, known = _LAST_SIZE
+    if ref is None or ref() is not losses:
+        try:
+            known = log_probabilities(losses, params)[0].numel()
+        except NotCrossEntropy as error:
+            known = error
+        _LAST_SIZE[:] = [weakref.ref(losses), known]
+    return known
+
+
+def choose(run, plan, quantity, losses) -> str | None:
+    """The source of ``quantity``'s curvature at this step (``None``: none serves).
+
+    Args:
+        run: The step (its parameters, communicator).
+        plan: Its plan.
+        quantity: An estimable quantity no engine forms the curvature for.
+        losses: The step's per-sample losses, with their graph.
+    """
+    wanted = plan.needs_of(quantity) & CURVATURE_NEEDS
+    if not wanted or not wanted <= quantity.estimable:
+        return None
+    exact_only = getattr(quantity, "exact_curvature_only", False)
+    hessian = wanted == {Need.DIAG_H}
+    if hessian and (
+        getattr(quantity, "hessian_only", False) or run.communicator is not None
+    ):
+        return None if exact_only else HUTCHINSON
+    if run.communicator is not None:
+        return None
+    known = _CHOICES.get(quantity)
+    if known == HUTCHINSON:
+        return None if exact_only else known
+    size = head_size(losses, run.params)
+    if isinstance(size, NotCrossEntropy):
+        if hessian and not exact_only:
+            _CHOICES[quantity] = HUTCHINSON
+            return HUTCHINSON
+        return None
+    if exact_only and size > EXACT_MAX_PRODUCTS:
+        return None
+    _CHOICES[quantity] = GGN
+    return GGN
+
+
+def method(source: str, size: int | None) -> str:
+    """How the source estimates the curvature (the coverage report's words)."""
+    if source != GGN:
+        return ""
+    if size is not None and size <= EXACT_MAX_PRODUCTS:
+        return exact_method(size)
+    return (
+        "Monte-Carlo GGN of the cross-entropy, drawn labels (one backward pass "
+        f"each) for a {TARGET_RELATIVE_SE:.1%} relative error of the trace, "
+        f"{MIN_DRAWS}-{MAX_DRAWS}"
+    )
+
+
+def draws_for(key) -> int | None:
+    """Drawn labels for this step, from the previous estimate's spread.
+
+    ``(relative spread of one draw's summed trace / TARGET_RELATIVE_SE)**2``,
+    between :data:`MIN_DRAWS` and :data:`MAX_DRAWS`; ``None`` before any estimate
+    (the step draws a pilot first).
+
+    Args:
+        key: What the spread is kept for (the cockpit's router).
+    """
+    spread = _SPREADS.get(key)
+    if spread is None:
+        return None
+    return needed_draws(spread)
+
+
+def needed_draws(spread: float) -> int:
+    """Draws for :data:`TARGET_RELATIVE_SE` given one draw's relative spread."""
+    if not math.isfinite(spread):
+        return MAX_DRAWS
+    wanted = math.ceil((spread / TARGET_RELATIVE_SE) ** 2)
+    return min(MAX_DRAWS, max(MIN_DRAWS, wanted))
+
+
+def relative_spread(traces) -> float:
+    """Relative standard deviation of one draw's summed trace (``[K, P]`` traces)."""
+    sums = traces.sum(dim=1)
+    mean = float(sums.mean())
+    return float(sums.std()) / mean if mean > 0 else math.inf
+
+
+def remember(key, traces) -> None:
+    """Keep the spread of this step's draws for the next step's count."""
+    _SPREADS[key] = relative_spread(traces)
