@@ -32,6 +32,7 @@ Quantities that divide elementwise by the diagonal (TICDiag:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -61,6 +62,12 @@ TARGET_RELATIVE_SE = 0.085
 #: products do).
 MIN_DRAWS = 16
 MAX_DRAWS = 128
+
+#: Whether the GGN serves estimated curvature in a single process. Data-parallel
+#: runs have no GGN estimate yet (Hutchinson's estimate of the Hessian is joined
+#: over the processes, the GGN choices are missing there); :func:`as_data_parallel`
+#: makes a single process do the same, to compare the two value by value.
+USE_GGN = True
 
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SPREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,11 +123,10 @@ def choose(run, plan, quantity, losses) -> str | None:
         return None
     exact_only = getattr(quantity, "exact_curvature_only", False)
     hessian = wanted == {Need.DIAG_H}
-    if hessian and (
-        getattr(quantity, "hessian_only", False) or run.communicator is not None
-    ):
+    parallel = run.communicator is not None or not USE_GGN
+    if hessian and (getattr(quantity, "hessian_only", False) or parallel):
         return None if exact_only else HUTCHINSON
-    if run.communicator is not None:
+    if parallel:
         return None
     known = _CHOICES.get(quantity)
     if known == HUTCHINSON:
@@ -184,3 +190,14 @@ def relative_spread(traces) -> float:
 def remember(key, traces) -> None:
     """Keep the spread of this step's draws for the next step's count."""
     _SPREADS[key] = relative_spread(traces)
+
+
+@contextlib.contextmanager
+def as_data_parallel():
+    """Estimate curvature as a data-parallel run does (no GGN), in this block."""
+    global USE_GGN
+    before, USE_GGN = USE_GGN, False
+    try:
+        yield
+    finally:
+        USE_GGN = before

@@ -101,7 +101,9 @@ class Ledger:
     def set_errors(self, quantity, errors, settings=None) -> None:
         """The standard errors of ``quantity``'s estimate (and how it was made)."""
         entry = self.entries[id(quantity)]
-        entry.errors, entry.settings = errors, settings
+        entry.errors = errors
+        if settings is not None:  # (joined errors keep the settings)
+            entry.settings = settings
 
     # --- reading ----------------------------------------------------------------------
     def out(self, quantity) -> bool:
