@@ -19,12 +19,19 @@ two sources, chosen by :func:`choose` when the step is routed:
 
 The GGN's diagonal is exact (:meth:`~cockpit.ggn_estimate.Head.exact`) where that
 takes at most :data:`EXACT_MAX_PRODUCTS` backward passes (rows times classes: a
-classifier on a small batch); otherwise it is the Monte-Carlo estimate with as many
-drawn labels as make the relative standard error of the summed trace about
-:data:`TARGET_RELATIVE_SE` (:func:`draws_for`). The count is chosen from the
-*previous* estimate's spread (at the first step from a pilot estimate that is then
-discarded), never from the draws it is reported with, so the reported standard
-error stays the honest spread of independent draws.
+classifier on a small batch); otherwise it is the Monte-Carlo estimate
+(:func:`monte_carlo`): as many drawn labels as make the relative standard error of
+the summed trace about :data:`TARGET_RELATIVE_SE`, counted from the *previous*
+estimate's spread (at the first step from a pilot estimate that is then discarded),
+then topped up :data:`TOP_UP` draws at a time while the reported relative error
+is above :data:`GOAL_RELATIVE_SE` (10 %), up to :data:`MAX_DRAWS`. A count chosen
+from the draws it is reported with makes the reported error optimistic (stopping
+when the draws happen to agree); starting from an independent count keeps the
+top-up rare and small. Measured on the hand-written GPT (4000 simulated runs from
+2000 draws per batch): the mean squared reported error is 0.94-0.98 of the
+estimates' variance and the bias under 0.7 % of the trace, where drawing from 16
+until 10 % would give 0.78-0.83 and 1 %; the count alone, without the top-up,
+left 26-31 % of the steps above 10 %.
 
 Quantities that divide elementwise by the diagonal (TICDiag:
 ``exact_curvature_only``) take only the exact diagonal.
@@ -36,8 +43,15 @@ import contextlib
 import math
 import weakref
 
+import torch
+
 from cockpit.engines.coverage import CURVATURE_NEEDS
-from cockpit.ggn_estimate import NotCrossEntropy, exact_method, log_probabilities
+from cockpit.ggn_estimate import (
+    NotCrossEntropy,
+    exact_method,
+    ggn_method,
+    log_probabilities,
+)
 from cockpit.needs import Need
 
 #: Source names (also the ``"curvature"`` of the estimate records: ``"ggn"`` or
@@ -57,6 +71,10 @@ EXACT_MAX_PRODUCTS = 64
 #: 10 %; the margin covers the step-to-step change of the spread and the noise of
 #: the previous step's spread).
 TARGET_RELATIVE_SE = 0.085
+#: The reported relative standard error of the summed trace the top-up goes for.
+GOAL_RELATIVE_SE = 0.10
+#: Draws added at a time while the reported relative error exceeds the goal.
+TOP_UP = 8
 #: The fewest and the most drawn labels per step (the standard error of fewer
 #: than 16 draws is itself too noisy to read; 128 costs about what 64 Hessian-vector
 #: products do).
@@ -151,8 +169,8 @@ def method(source: str, size: int | None) -> str:
         return exact_method(size)
     return (
         "Monte-Carlo GGN of the cross-entropy, drawn labels (one backward pass "
-        f"each) for a {TARGET_RELATIVE_SE:.1%} relative error of the trace, "
-        f"{MIN_DRAWS}-{MAX_DRAWS}"
+        f"each) for a relative error of the trace of at most "
+        f"{GOAL_RELATIVE_SE:.0%}, {MIN_DRAWS}-{MAX_DRAWS}"
     )
 
 
@@ -185,6 +203,47 @@ def relative_spread(traces) -> float:
     sums = traces.sum(dim=1)
     mean = float(sums.mean())
     return float(sums.std()) / mean if mean > 0 else math.inf
+
+
+def relative_error(traces) -> float:
+    """Reported relative standard error of the summed trace (``[K, P]`` traces)."""
+    return relative_spread(traces) / traces.shape[0] ** 0.5
+
+
+def monte_carlo(head, key, generator):
+    """The Monte-Carlo GGN of this step (see the module for the count).
+
+    Args:
+        head: The loss's :class:`~cockpit.ggn_estimate.Head`.
+        key: What the previous estimate's spread is kept under (the router).
+        generator: Random source of the labels.
+
+    Returns:
+        The :class:`~cockpit.trace_estimators.TraceEstimate`.
+    """
+    draws = draws_for(key)
+    if draws is None:  # a pilot, discarded: only its spread is used
+        draws = needed_draws(relative_spread(head.draws(MIN_DRAWS, generator).traces))
+    estimate = head.draws(draws, generator)
+    while (
+        estimate.products < MAX_DRAWS
+        and relative_error(estimate.traces) > GOAL_RELATIVE_SE
+    ):
+        more = head.draws(min(TOP_UP, MAX_DRAWS - estimate.products), generator)
+        estimate = _joined(estimate, more)
+    remember(key, estimate.traces)
+    return estimate
+
+
+def _joined(first, second):
+    """Two Monte-Carlo estimates of one GGN as one (their draws pooled)."""
+    n, m = first.products, second.products
+    return type(first)(
+        [(a * n + b * m) / (n + m) for a, b in zip(first.diagonals, second.diagonals)],
+        torch.cat([first.traces, second.traces]),
+        n + m,
+        ggn_method(n + m),
+    )
 
 
 def remember(key, traces) -> None:

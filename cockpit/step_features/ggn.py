@@ -81,16 +81,9 @@ class GGNCurvature(StepFeature):
                 estimate = head.exact()
                 settings = {"method": "ggn_exact", "probes": estimate.products}
             else:
-                generator, key = run.router.generator, run.router
-                draws = curvature_source.draws_for(key)
-                if draws is None:  # a pilot, discarded: only its spread is used
-                    pilot = head.draws(curvature_source.MIN_DRAWS, generator)
-                    draws = curvature_source.needed_draws(
-                        curvature_source.relative_spread(pilot.traces)
-                    )
-                    pilot = None
-                estimate = head.draws(draws, generator)
-                curvature_source.remember(key, estimate.traces)
+                estimate = curvature_source.monte_carlo(
+                    head, run.router, run.router.generator
+                )
                 settings = {"method": "ggn_monte_carlo", "probes": estimate.products}
             head = loss = None
         settings["curvature"] = curvature_source.GGN

@@ -67,6 +67,14 @@ def dense_ggn(case, snapshot, kwargs, targets, chunk: int = 64) -> DenseGGN:
         count = logits.numel()
         for start in range(0, count, chunk):
             eye = torch.eye(count, dtype=logits.dtype)[start : start + chunk]
+            if count <= chunk:  # a loop: vmap over a small model's backward is slow
+                for vector in eye:
+                    grads = torch.autograd.grad(
+                        logits, leaves, vector.view_as(logits), retain_graph=True,
+                        allow_unused=True,
+                    )  # fmt: skip
+                    rows.append(flat(grads).unsqueeze(0))
+                continue
             grads = torch.autograd.grad(
                 logits, leaves, eye.view(-1, *logits.shape), retain_graph=True,
                 allow_unused=True, is_grads_batched=True,
