@@ -321,8 +321,8 @@ def zoo_report(results: list[dict], args) -> str:
         "steps.",
         "",
         "| model | config | tracked / plain (CPU) | HessMaxEV | HessTrace | TICDiag | "
-        "TICTrace | curvature | trace rel. SE (sum) | per-tensor rel. SE | "
-        "products | TICTrace rel. SE | error |",
+        "TICTrace | curvature | trace rel. SE (sum), median (max) | "
+        "per-tensor rel. SE | products | TICTrace rel. SE | error |",
         "| --- | --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: "
         "| --- |",
     ]
@@ -347,12 +347,17 @@ def zoo_report(results: list[dict], args) -> str:
                 values = [r[key] for r in rows if r.get(key) is not None]
                 return statistics.median(values) if values else None
 
+            def largest(key, rows=rows):
+                values = [r[key] for r in rows if r.get(key) is not None]
+                return max(values) if values else None
+
             curvatures = sorted({r["curvature"] for r in rows if "curvature" in r})
             lines.append(
                 f"| {result['spec']['model']} | {config} | {ratio:.1f} | "
                 + " | ".join(status)
                 + f" | {', '.join(curvatures) or '–'} | "
-                f"{_fmt(median('trace_rel_se'), '.1%')} | "
+                f"{_fmt(median('trace_rel_se'), '.1%')} "
+                f"({_fmt(largest('trace_rel_se'), '.1%')}) | "
                 f"{_fmt(median('tensor_rel_se'), '.0%')} | {_fmt(median('probes'))} | "
                 f"{_fmt(median('tic_rel_se'), '.1%')} | {data['error'] or '–'} |"
             )
