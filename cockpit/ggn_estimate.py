@@ -24,9 +24,11 @@ mean zero, so ``E[v o v] = diag(G)``: the Monte-Carlo GGN, averaged over ``sampl
 draws (one batched backward pass). Each draw's per-parameter ``||v_p||**2`` is an
 unbiased trace; their spread is the standard error.
 
-Not used by any quantity yet: tested against the dense float64 GGN
-(``tests/test_ggn_estimate.py``), to be wired in as a curvature source for
-HessTrace / TIC where the Hessian cannot be formed or is too noisy.
+Where rows times classes are few, :meth:`Head.exact` forms the diagonal exactly
+instead, one product per row and class. Both are tested against the dense float64
+GGN (``tests/test_ggn_estimate.py``); :mod:`cockpit.curvature_source` chooses them
+as the curvature of HessTrace and the TIC quantities where BackPACK cannot form it
+(:mod:`cockpit.step_features.ggn` forms them at the step).
 """
 
 from __future__ import annotations
@@ -39,9 +41,6 @@ from torch import Tensor
 from cockpit.precision import compute_dtype, upcast
 from cockpit.trace_estimators import TraceEstimate, _block_sums
 
-#: Draws of the Monte-Carlo GGN per step (``2 * Cockpit.HUTCHINSON_PROBES``: a draw
-#: is one backward pass, a Hessian-vector product about two).
-SAMPLES_PER_PROBE = 2
 
 
 class NotCrossEntropy(ValueError):

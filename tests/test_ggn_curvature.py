@@ -173,3 +173,35 @@ def test_a_loss_that_is_not_a_cross_entropy_keeps_the_hessian():
     assert entry["HessTrace_estimate"]["method"] == "hutchinson"
     assert entry["HessTrace_estimate"]["curvature"] == "hessian"
     assert "GGNTrace" in entry["missing"] and "GGNTrace" not in entry
+
+
+def test_dashboard_says_the_ggn_stood_in_for_the_hessian():
+    """The Trace and TIC gauges' titles and legends name the GGN where the estimates
+    say ``"curvature": "ggn"``; a Hutchinson run's say only "(estimated)"."""
+    from matplotlib.figure import Figure
+
+    from cockpit.history import History
+    from cockpit.plotting import instruments
+
+    def estimate(curvature, stderr):
+        return {"method": "m", "probes": 4, "curvature": curvature,
+                "stderr": stderr, "stderr_sum": sum(stderr)}  # fmt: skip
+
+    def history(curvature):
+        return History({
+            step: {"HessTrace": [1.0 + step, 2.0],
+                   "HessTrace_estimate": estimate(curvature, [0.1, 0.2]),
+                   "TICTrace": 3.0 - step,
+                   "TICTrace_estimate": estimate(curvature, [0.3])}
+            for step in range(3)
+        })  # fmt: skip
+
+    for curvature, suffix in (("ggn", "(estimated, GGN)"), ("hessian", "(estimated)")):
+        fig = Figure()
+        trace, tic = fig.subplots(1, 2)
+        instruments.plot_trace(trace, history(curvature))
+        instruments.plot_tic(tic, history(curvature))
+        for ax in (trace, tic):
+            assert ax.get_title().endswith(suffix), ax.get_title()
+            labels = [t.get_text() for t in ax.get_legend().get_texts()]
+            assert any(suffix in label for label in labels), labels

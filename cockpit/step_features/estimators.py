@@ -2,10 +2,11 @@
 
 Where BackPACK cannot form the curvature (a model it cannot backpropagate
 through), a quantity that accepts an unbiased estimate (``Quantity.estimable``)
-reads an estimate of the Hessian diagonal made from Hessian-vector products
-(:mod:`cockpit.trace_estimators`), with its standard error; the ledger records
-both. Two ways, chosen per step (the first is off, :data:`SHARE_LANCZOS`, so
-today every estimate is Hutchinson's):
+gets a source from :mod:`cockpit.curvature_source`: the GGN of the cross-entropy
+(:mod:`cockpit.step_features.ggn`) or, here, an estimate of the Hessian diagonal
+made from Hessian-vector products (:mod:`cockpit.trace_estimators`), with its
+standard error; the ledger records both. Two ways, chosen per step (the first is
+off, :data:`SHARE_LANCZOS`, so today every estimate is Hutchinson's):
 
 * the step runs HessMaxEV's Lanczos anyway (the user's backward pass carries the
   graph, ``create_graph=True``): after the backward pass, that Lanczos run is done
