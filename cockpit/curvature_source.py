@@ -45,7 +45,6 @@ import weakref
 
 import torch
 
-from cockpit.engines.coverage import CURVATURE_NEEDS
 from cockpit.ggn_estimate import (
     NotCrossEntropy,
     exact_method,
@@ -53,6 +52,9 @@ from cockpit.ggn_estimate import (
     log_probabilities,
 )
 from cockpit.needs import Need
+
+#: The curvature needs (as ``cockpit.engines.coverage.CURVATURE_NEEDS``).
+CURVATURE_NEEDS = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
 
 #: Source names (also the ``"curvature"`` of the estimate records: ``"ggn"`` or
 #: ``"hessian"``).
@@ -159,6 +161,24 @@ def choose(run, plan, quantity, losses) -> str | None:
         return None
     _CHOICES[quantity] = GGN
     return GGN
+
+
+def expected_method(quantity, probes: int) -> str:
+    """How ``quantity``'s curvature will be estimated, before any step.
+
+    The loss is not known yet: the words say what the first step will choose
+    between (the coverage report before the first step).
+    """
+    wanted = set(quantity.needs) & CURVATURE_NEEDS
+    hutchinson = f"Hutchinson, {probes} Hessian-vector products"
+    if getattr(quantity, "hessian_only", False):
+        return hutchinson
+    ggn = "the GGN of the cross-entropy where the loss is one (chosen at step 1)"
+    if getattr(quantity, "exact_curvature_only", False):
+        return f"exactly: {ggn}, with at most {EXACT_MAX_PRODUCTS} rows times classes"
+    if wanted == {Need.DIAG_H}:
+        return f"{ggn}, else {hutchinson}"
+    return ggn
 
 
 def method(source: str, size: int | None) -> str:

@@ -42,7 +42,6 @@ from cockpit.precision import compute_dtype, upcast
 from cockpit.trace_estimators import TraceEstimate, _block_sums
 
 
-
 class NotCrossEntropy(ValueError):
     """The loss is not one the GGN estimate can read (the message says why)."""
 

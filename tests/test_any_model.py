@@ -409,7 +409,10 @@ def test_coverage_before_the_first_step_reads_the_structure():
     assert by_name["norm1.weight"].route.engine == "backpack"  # cockpit's rule
     assert by_name["attention.in_proj_weight"].route.engine == "autograd"
     hess_trace = str(by_name["position"].quantities["HessTrace"])
-    assert hess_trace == "estimated (Hutchinson, 16 Hessian-vector products)"
+    assert hess_trace == (
+        "estimated (the GGN of the cross-entropy where the loss is one (chosen at "
+        "step 1), else Hutchinson, 16 Hessian-vector products)"
+    )
     assert "attention.in_proj_weight" in str(coverage)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from cockpit.curvature_source import expected_method
 from cockpit.engines.base import AUTOGRAD, BACKPACK, UNUSED, EngineStep, Route
 from cockpit.needs import Need
 
@@ -241,14 +242,13 @@ def static_coverage(
         step = EngineStep(-1, router.params, needs=every)
         decline = router.curvature_decline(routes, step)
         problem = with_fix(decline.message, decline.fix) if decline else None
-    estimate = Status(ESTIMATED, f"Hutchinson, {probes} Hessian-vector products")
     rows = []
     for index, route in enumerate(routes):
         statuses = {}
         for q in quantities:
             wanted = needs[id(q)] & CURVATURE_NEEDS
             if problem is not None and wanted and wanted <= q.estimable:
-                statuses[q.key] = estimate
+                statuses[q.key] = Status(ESTIMATED, expected_method(q, probes))
             else:
                 statuses[q.key] = status_for(needs[id(q)], route, problem)
         rows.append(ParamCoverage(index, labels[index], route, statuses))
