@@ -41,6 +41,10 @@ from torch import Tensor
 from cockpit.precision import compute_dtype, upcast
 from cockpit.trace_estimators import TraceEstimate, _block_sums
 
+#: The most elements of output gradients of ``log p`` held at once (a batch of
+#: drawn labels is as large as ``log p`` per draw: a language model's logits).
+MAX_OUTPUT_ELEMENTS = 2**26
+
 
 class NotCrossEntropy(ValueError):
     """The loss is not one the GGN estimate can read (the message says why)."""
@@ -139,11 +143,11 @@ class Head:
         weights = row_weights(loss, self.log_p, self.dim)
         self.moved_shape = self.log_p.movedim(self.dim, -1).shape
         self.classes = self.moved_shape[-1]
-        moved = self.log_p.detach().movedim(self.dim, -1)
-        self.probs = moved.reshape(-1, self.classes).to("cpu", torch.float64).exp()
-        self.root = weights.reshape(-1).to("cpu", torch.float64).sqrt()
+        #: ``sqrt(c_r)`` per row, on the loss's device.
+        self.root = upcast(weights.reshape(-1)).sqrt()
         self.sizes = [p.numel() for p in self.params]
         self.shapes = [p.shape for p in self.params]
+        self._cdf = None
 
     @property
     def rows(self) -> int:
@@ -155,8 +159,17 @@ class Head:
         """Vector-Jacobian products of the exact diagonal (:meth:`exact`)."""
         return self.rows * self.classes
 
+    def probabilities(self) -> Tensor:
+        """``p`` as ``[rows, classes]`` (upcast, on the loss's device)."""
+        moved = self.log_p.detach().movedim(self.dim, -1)
+        return upcast(moved.reshape(-1, self.classes)).exp()
+
+    def _chunk(self, chunk: int) -> int:
+        """Draws per pass: each holds an output gradient of ``log p``'s size."""
+        return max(1, min(chunk, MAX_OUTPUT_ELEMENTS // max(1, self.log_p.numel())))
+
     def _products(self, outputs: Tensor):
-        """``outputs`` ``[k, rows, classes]`` (float64, CPU) back to the parameters."""
+        """``outputs`` ``[k, rows, classes]`` back to the parameters, squared."""
         count = outputs.shape[0]
         outputs = outputs.reshape(count, *self.moved_shape).movedim(-1, self.dim + 1)
         outputs = outputs.to(device=self.log_p.device, dtype=self.log_p.dtype)
@@ -169,33 +182,51 @@ class Head:
             for g, p in zip(grads, self.params, strict=True)
         ]  # fmt: skip
 
+    def labels(self, count: int, generator) -> Tensor:
+        """``count`` labels per row drawn from ``p`` (``[count, rows]``).
+
+        By the inverse of the cumulative distribution, on the loss's device, from
+        uniform numbers of ``generator`` (CPU): reproducible on any device, and no
+        copy of ``p`` leaves the device.
+        """
+        if self._cdf is None:
+            self._cdf = self.probabilities().cumsum(-1)
+        cdf = self._cdf
+        uniform = torch.rand(count, cdf.shape[0], generator=generator,
+                             dtype=torch.float64)  # fmt: skip
+        uniform = uniform.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]
+        found = torch.searchsorted(cdf, uniform.T.contiguous(), right=True)
+        return found.clamp(max=self.classes - 1).T
+
     def draws(self, samples: int, generator, chunk: int = 4) -> TraceEstimate:
         """The Monte-Carlo GGN from ``samples`` drawn labels per row (see the module).
 
         Args:
             samples: Draws (at least 2).
             generator: Random source of the labels (CPU).
-            chunk: Draws per batched backward pass (memory: ``chunk`` gradients).
+            chunk: Draws per batched backward pass (memory: ``chunk`` gradients
+                and output gradients of ``log p``'s size, fewer where that is
+                large, :data:`MAX_OUTPUT_ELEMENTS`).
 
         Returns:
             The estimate (``traces``: per draw, each parameter's ``||v_p||**2``).
         """
         samples = max(2, int(samples))
+        chunk = self._chunk(chunk)
         totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
                   for p in self.params]  # fmt: skip
         traces = []
-        rows, classes = self.probs.shape
+        rows = self.root.shape[0]
         done = 0
         while done < samples:
             count = min(chunk, samples - done)
-            labels = torch.multinomial(
-                self.probs, count, replacement=True, generator=generator
-            )
-            outputs = torch.zeros(count, rows, classes, dtype=torch.float64)
-            outputs.scatter_(
-                2, labels.T.unsqueeze(2), -self.root.expand(count, -1).unsqueeze(2)
-            )
+            labels = self.labels(count, generator)
+            outputs = torch.zeros(count, rows, self.classes, dtype=self.log_p.dtype,
+                                  device=self.log_p.device)  # fmt: skip
+            values = -self.root.to(self.log_p.dtype).expand(count, -1)
+            outputs.scatter_(2, labels.unsqueeze(2), values.unsqueeze(2))
             squares = self._products(outputs)
+            outputs = None
             for k, square in enumerate(squares):
                 totals[k] += square.sum(0)
             flat = torch.cat([s.reshape(count, -1) for s in squares], dim=1)
@@ -220,16 +251,18 @@ class Head:
             The diagonal, with ``traces`` its block traces as a single row (no
             spread: the estimate is exact).
         """
-        rows, classes = self.probs.shape
-        scale = (self.probs * self.root.unsqueeze(1) ** 2).sqrt()  # sqrt(c_r p_rk)
-        pairs = (self.root > 0).nonzero().reshape(-1)
+        probs, root = self.probabilities().cpu(), self.root.cpu()
+        rows, classes = probs.shape
+        scale = (probs * root.unsqueeze(1) ** 2).sqrt()  # sqrt(c_r p_rk)
+        pairs = (root > 0).nonzero().reshape(-1)
         pairs = torch.cartesian_prod(pairs, torch.arange(classes))
+        chunk = self._chunk(chunk)
         totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
                   for p in self.params]  # fmt: skip
         for start in range(0, pairs.shape[0], chunk):
             block = pairs[start : start + chunk]
             count = block.shape[0]
-            outputs = torch.zeros(count, rows, classes, dtype=torch.float64)
+            outputs = torch.zeros(count, rows, classes, dtype=scale.dtype)
             outputs[torch.arange(count), block[:, 0], block[:, 1]] = scale[
                 block[:, 0], block[:, 1]
             ]
