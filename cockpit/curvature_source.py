@@ -194,7 +194,7 @@ def method(source: str, size: int | None) -> str:
     )
 
 
-def draws_for(key) -> int | None:
+def draws_for(keys) -> int | None:
     """Drawn labels for this step, from the previous estimate's spread.
 
     ``(relative spread of one draw's summed trace / TARGET_RELATIVE_SE)**2``,
@@ -202,12 +202,13 @@ def draws_for(key) -> int | None:
     (the step draws a pilot first).
 
     Args:
-        key: What the spread is kept for (the cockpit's router).
+        keys: What the spread is kept under (the quantities the estimate serves;
+            each keeps it in its ``state_dict``, so a resumed run goes on alike).
     """
-    spread = _SPREADS.get(key)
-    if spread is None:
+    spreads = [_SPREADS[key] for key in keys if key in _SPREADS]
+    if not spreads:
         return None
-    return needed_draws(spread)
+    return needed_draws(spreads[0])
 
 
 def needed_draws(spread: float) -> int:
@@ -230,18 +231,20 @@ def relative_error(traces) -> float:
     return relative_spread(traces) / traces.shape[0] ** 0.5
 
 
-def monte_carlo(head, key, generator):
+def monte_carlo(head, keys, generator):
     """The Monte-Carlo GGN of this step (see the module for the count).
 
     Args:
         head: The loss's :class:`~cockpit.ggn_estimate.Head`.
-        key: What the previous estimate's spread is kept under (the router).
+        keys: What the previous estimate's spread is kept under (the quantities
+            the estimate serves).
         generator: Random source of the labels.
 
     Returns:
         The :class:`~cockpit.trace_estimators.TraceEstimate`.
     """
-    draws = draws_for(key)
+    keys = list(keys)
+    draws = draws_for(keys)
     if draws is None:  # a pilot, discarded: only its spread is used
         draws = needed_draws(relative_spread(head.draws(MIN_DRAWS, generator).traces))
     estimate = head.draws(draws, generator)
@@ -251,7 +254,7 @@ def monte_carlo(head, key, generator):
     ):
         more = head.draws(min(TOP_UP, MAX_DRAWS - estimate.products), generator)
         estimate = _joined(estimate, more)
-    remember(key, estimate.traces)
+    remember(keys, estimate.traces)
     return estimate
 
 
@@ -266,9 +269,34 @@ def _joined(first, second):
     )
 
 
-def remember(key, traces) -> None:
+def remember(keys, traces) -> None:
     """Keep the spread of this step's draws for the next step's count."""
-    _SPREADS[key] = relative_spread(traces)
+    spread = relative_spread(traces)
+    for key in keys:
+        _SPREADS[key] = spread
+
+
+def state_of(quantity) -> dict:
+    """What a resumed run needs of ``quantity``'s source (its ``state_dict``).
+
+    The source chosen for the run and the last Monte-Carlo spread: the resumed run
+    chooses alike and draws the count (and with the saved random source the
+    labels) of an uninterrupted run.
+    """
+    state = {}
+    if quantity in _CHOICES:
+        state["curvature_source"] = _CHOICES[quantity]
+    if quantity in _SPREADS:
+        state["ggn_spread"] = _SPREADS[quantity]
+    return state
+
+
+def restore(quantity, state) -> None:
+    """Restore what :func:`state_of` saved."""
+    if "curvature_source" in state:
+        _CHOICES[quantity] = state["curvature_source"]
+    if "ggn_spread" in state:
+        _SPREADS[quantity] = float(state["ggn_spread"])
 
 
 @contextlib.contextmanager

@@ -95,7 +95,7 @@ def test_hugging_face_bert_reads_the_exact_ggn():
 
 
 class SpreadKey:
-    """Stands in for the cockpit's router, under which the spread is kept."""
+    """Stands in for a quantity, under which the previous spread is kept."""
 
 
 def test_monte_carlo_count_rule_reports_an_honest_error_of_at_most_ten_percent():
@@ -120,10 +120,10 @@ def test_monte_carlo_count_rule_reports_an_honest_error_of_at_most_ten_percent()
     head = Head(case.individual_loss_fn(logits, targets).mean(), params)
     assert head.log_p.numel() > curvature_source.EXACT_MAX_PRODUCTS
     generator = torch.Generator().manual_seed(3)
-    key = SpreadKey()  # where the previous estimate's spread is kept (the router)
+    keys = [SpreadKey()]  # where the previous spread is kept (the quantities)
     values, squared = [], []
     for _ in range(120):
-        estimate = curvature_source.monte_carlo(head, key, generator)
+        estimate = curvature_source.monte_carlo(head, keys, generator)
         sums = estimate.traces.sum(1)
         value, error = float(sums.mean()), float(sums.std() / len(sums) ** 0.5)
         assert error <= curvature_source.GOAL_RELATIVE_SE * value
@@ -205,3 +205,49 @@ def test_dashboard_says_the_ggn_stood_in_for_the_hessian():
             assert ax.get_title().endswith(suffix), ax.get_title()
             labels = [t.get_text() for t in ax.get_legend().get_texts()]
             assert any(suffix in label for label in labels), labels
+
+
+def test_a_resumed_monte_carlo_ggn_is_bit_identical():
+    """The hand-written GPT, HessTrace by the Monte-Carlo GGN: a run resumed from
+    ``state_dict()`` after step 1 draws the labels (and the count) of the
+    uninterrupted run, so steps 2-3 hold the same values and errors, bit for bit."""
+    import copy
+
+    torch.manual_seed(2)
+    case = tiny_gpt()
+    case.model = case.model.double()
+    batches = [case.inputs(hf_models.BATCH, 80 + step) for step in range(4)]
+
+    def steps(model, cockpit, first, last):
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.05)
+        for step in range(first, last):
+            kwargs, targets = batches[step]
+            opt.zero_grad()
+            logits = case.logits(model(**kwargs))
+            losses = case.individual_loss_fn(logits, targets)
+            info = {"batch_size": hf_models.BATCH, "individual_losses": losses,
+                    "loss": losses.mean()}  # fmt: skip
+            with cockpit(step, info=info):
+                info["loss"].backward()
+            opt.step()
+
+    def fresh(model):
+        params = [p for p in model.parameters() if p.requires_grad]
+        return Cockpit(params, quantities=[Q.HessTrace(linear(1))])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = extend(case.model)
+        whole = fresh(model)
+        steps(model, whole, 0, 2)
+        state, saved = whole.state_dict(), copy.deepcopy(model)
+        steps(model, whole, 2, 4)
+        resumed = fresh(saved)
+        resumed.load_state_dict(state)
+        steps(saved, resumed, 2, 4)
+    want, got = whole.history.to_dict(), resumed.history.to_dict()
+    for step in (2, 3):
+        assert want[step]["HessTrace_estimate"]["method"] == "ggn_monte_carlo"
+        assert got[step]["HessTrace"] == want[step]["HessTrace"], step
+        assert got[step]["HessTrace_estimate"] == want[step]["HessTrace_estimate"]

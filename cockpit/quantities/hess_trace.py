@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cockpit import attention
+from cockpit import attention, curvature_source
 from cockpit.curvature_source import HESSIAN_ONLY
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
@@ -69,6 +69,14 @@ class HessTrace(SingleStepQuantity):
         if self.curvature == "diag_h" and not getattr(self, "_holds_attention", False):
             self._holds_attention = True
             attention.hold(self)
+
+    def state_dict(self) -> dict:
+        """The curvature source chosen for the run (and the GGN's last spread)."""
+        return curvature_source.state_of(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        curvature_source.restore(self, state)
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum the parameter's curvature diagonal."""

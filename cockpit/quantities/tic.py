@@ -128,6 +128,14 @@ class _TIC(SingleStepQuantity):
             bucket.sum(curvature, then)
         acc.seen_batch_size = n if acc.seen_batch_size is not None else None
 
+    def state_dict(self) -> dict:
+        """The curvature source chosen for the run (and the GGN's last spread)."""
+        return curvature_source.state_of(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        curvature_source.restore(self, state)
+
     @abc.abstractmethod
     def _reduce(self, scaled, diag):
         """Implemented by each subclass."""

@@ -82,7 +82,7 @@ class GGNCurvature(StepFeature):
                 settings = {"method": "ggn_exact", "probes": estimate.products}
             else:
                 estimate = curvature_source.monte_carlo(
-                    head, run.router, run.router.generator
+                    head, quantities, run.router.generator
                 )
                 settings = {"method": "ggn_monte_carlo", "probes": estimate.products}
             head = loss = None
