@@ -138,8 +138,11 @@ def test_monte_carlo_count_rule_reports_an_honest_error_of_at_most_ten_percent()
     assert abs(float(values.mean()) - want) <= 4 * float(values.std()) / 120**0.5
 
 
-def test_a_loss_that_is_not_a_cross_entropy_keeps_the_hessian():
-    """Squared error on the hand-written classifier: no log_softmax, so HessTrace
+@pytest.mark.parametrize("loss", ["squared error", "squared cross-entropy"])
+def test_a_loss_that_is_not_a_cross_entropy_keeps_the_hessian(loss):
+    """Squared error on the hand-written classifier (no log_softmax: seen when the
+    step is routed) or the square of the cross-entropy (not linear in the
+    log-probabilities: seen when the GGN is formed, the step falls back): HessTrace
     stays Hutchinson's estimate of the Hessian, without the GGN's warning, and the
     GGN choices have no value."""
     torch.manual_seed(0)
@@ -147,8 +150,12 @@ def test_a_loss_that_is_not_a_cross_entropy_keeps_the_hessian():
     case.model = case.model.double()
 
     def squared(logits, targets, reduction="mean"):
-        onehot = torch.nn.functional.one_hot(targets, logits.shape[1])
-        per_sample = ((logits - onehot) ** 2).sum(1)
+        if loss == "squared error":
+            onehot = torch.nn.functional.one_hot(targets, logits.shape[1])
+            per_sample = ((logits - onehot) ** 2).sum(1)
+        else:
+            ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            per_sample = ce**2
         return per_sample.mean() if reduction == "mean" else per_sample
 
     case.loss_fn = torch.nn.Identity()  # extend() needs a module; not called
@@ -173,6 +180,8 @@ def test_a_loss_that_is_not_a_cross_entropy_keeps_the_hessian():
     assert entry["HessTrace_estimate"]["method"] == "hutchinson"
     assert entry["HessTrace_estimate"]["curvature"] == "hessian"
     assert "GGNTrace" in entry["missing"] and "GGNTrace" not in entry
+    if loss != "squared error":
+        assert "not linear in the log-probabilities" in entry["missing"]["GGNTrace"]
 
 
 def test_dashboard_says_the_ggn_stood_in_for_the_hessian():
