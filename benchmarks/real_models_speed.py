@@ -534,7 +534,8 @@ def measure_all(args) -> dict:
     models = args.models.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     variants = [v for v in args.variants.split(",") if v]
-    for model in models:
+    parts = args.parts.split(",")
+    for model in models if "time" in parts else ():
         for batch in batches:
             key = f"{model} N={batch}"
             results["ours"][key] = _child(
@@ -559,7 +560,7 @@ def measure_all(args) -> dict:
                         if v not in ("plain", "vmap")
                     }
     memory_batches = [int(b) for b in (args.memory_batches or args.batches).split(",")]
-    for allocator in args.allocators.split(","):
+    for allocator in args.allocators.split(",") if "memory" in parts else ():
         with allocator_interpreter(allocator) as interpreter:
             for model in models:
                 for batch in memory_batches:
@@ -611,7 +612,15 @@ def report(data: dict) -> str:
         f"Commit {machine['commit']}, {machine['date']}, {machine['cpu']} "
         f"({machine['cores']} cores, load {machine['load']}), torch "
         f"{machine['torch']}, BackPACK {machine['backpack']}. Command: "
-        f"`{' '.join(data['argv'])}`. Reference: commit "
+        f"`{' '.join(data['argv'])}`"
+        + (
+            f"; memory: `{' '.join(data['memory_run']['argv'])}` "
+            f"(commit {data['memory_run']['machine']['commit']}, "
+            f"{data['memory_run']['machine']['date']})"
+            if "memory_run" in data
+            else ""
+        )
+        + ". Reference: commit "
         f"{data['settings'].get('reference_commit') or '–'} in the same run.",
         "",
         "Ratios: median CPU time of a step over the plain step's (one thread; wall "
@@ -746,6 +755,18 @@ def main(argv=None) -> None:
         default=",".join(ALLOCATORS),
         help="allocator settings of the memory children (live, heap)",
     )
+    parser.add_argument(
+        "--parts",
+        default="time,memory",
+        help="time, memory or both (two runs' records merge with --merge)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs=2,
+        metavar=("TIME", "MEMORY"),
+        help="write --out from a time-only and a memory-only record",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=4 * 3600)
     parser.add_argument("--reference-commit", default=REFERENCE_COMMIT)
@@ -754,6 +775,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.table is not None:
         print(report(json.loads(args.table.read_text())))
+        return
+    if args.merge is not None:
+        data = json.loads(args.merge[0].read_text())
+        memory = json.loads(args.merge[1].read_text())
+        data["results"]["memory"] = memory["results"]["memory"]
+        data["memory_run"] = {"machine": memory["machine"], "argv": memory["argv"]}
+        args.out.write_text(json.dumps(data, indent=1))
+        text = report(data)
+        args.out.with_suffix(".md").write_text(text)
+        print(text)
         return
     results = measure_all(args)
     data = {
