@@ -484,7 +484,7 @@ def _child(args, mode, model, batch, variants, interpreter, rounds=None):
     result = spawn(
         "benchmarks.real_models_speed", argv, args.threads, args.timeout, interpreter
     )
-    label = "reference" if interpreter is not OURS else "ours"
+    label = "reference" if interpreter.cwd != REPO else "ours"
     print(
         f"[{label}] {mode} {model} N={batch} {variants}: "
         f"{time.perf_counter() - started:.0f} s "
@@ -567,7 +567,7 @@ def measure_all(args) -> dict:
                     key = f"{model} N={batch}"
                     results["memory"].setdefault(allocator, {})[key] = {
                         v: _child(args, "memory", model, batch, v, interpreter)
-                        for v in MEMORY
+                        for v in args.memory_variants.split(",")
                     }
     results["memory"]["ours"] = results["memory"].get(
         "heap", results["memory"].get("live", {})
@@ -613,12 +613,10 @@ def report(data: dict) -> str:
         f"({machine['cores']} cores, load {machine['load']}), torch "
         f"{machine['torch']}, BackPACK {machine['backpack']}. Command: "
         f"`{' '.join(data['argv'])}`"
-        + (
-            f"; memory: `{' '.join(data['memory_run']['argv'])}` "
-            f"(commit {data['memory_run']['machine']['commit']}, "
-            f"{data['memory_run']['machine']['date']})"
-            if "memory_run" in data
-            else ""
+        + "".join(
+            f"; memory: `{' '.join(run['argv'])}` (commit "
+            f"{run['machine']['commit']}, {run['machine']['date']})"
+            for run in data.get("memory_runs", ())
         )
         + ". Reference: commit "
         f"{data['settings'].get('reference_commit') or '–'} in the same run.",
@@ -751,6 +749,11 @@ def main(argv=None) -> None:
         "--memory-batches", default="", help="batches of the memory children"
     )
     parser.add_argument(
+        "--memory-variants",
+        default=",".join(MEMORY),
+        help="variants of the memory children (plain first)",
+    )
+    parser.add_argument(
         "--allocators",
         default=",".join(ALLOCATORS),
         help="allocator settings of the memory children (live, heap)",
@@ -763,9 +766,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--merge",
         type=Path,
-        nargs=2,
-        metavar=("TIME", "MEMORY"),
-        help="write --out from a time-only and a memory-only record",
+        nargs="+",
+        metavar="RECORD",
+        help="write --out from a time-only record and memory-only records",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=4 * 3600)
@@ -778,9 +781,18 @@ def main(argv=None) -> None:
         return
     if args.merge is not None:
         data = json.loads(args.merge[0].read_text())
-        memory = json.loads(args.merge[1].read_text())
-        data["results"]["memory"] = memory["results"]["memory"]
-        data["memory_run"] = {"machine": memory["machine"], "argv": memory["argv"]}
+        merged = {}
+        for path in args.merge[1:]:
+            memory = json.loads(path.read_text())
+            for allocator in ALLOCATORS:
+                for key, entries in (
+                    memory["results"]["memory"].get(allocator, {}).items()
+                ):
+                    merged.setdefault(allocator, {}).setdefault(key, {}).update(entries)
+            data.setdefault("memory_runs", []).append(
+                {"machine": memory["machine"], "argv": memory["argv"]}
+            )
+        data["results"]["memory"] = merged
         args.out.write_text(json.dumps(data, indent=1))
         text = report(data)
         args.out.with_suffix(".md").write_text(text)
