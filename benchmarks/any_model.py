@@ -492,7 +492,9 @@ def measure_all(args) -> dict:
 def measure_memory(base: dict, args) -> dict[str, dict]:
     """The memory children, ``--jobs`` at a time (a process's peak is its own)."""
     wanted = [
-        (str(batch), kind) for batch in args.memory_batches for kind in MEMORY_ALL
+        (str(batch), kind)
+        for batch in args.memory_batches
+        for kind in ("plain", *args.memory_kinds)
     ]
 
     def run(item):
@@ -727,7 +729,8 @@ def _memory_table(saved: dict) -> list[str]:
         "| --- |" + " ---: |" * (len(batches) + 2),
     ]
     factor = int(batches[-1]) / int(batches[0])
-    for kind in MEMORY_ALL:
+    measured = {kind for row in saved["memory"].values() for kind in row}
+    for kind in (k for k in MEMORY_ALL if k in measured):
         if kind == "plain":
             values = [
                 saved["memory"][b].get("plain", {}).get("peak_rss_mib") for b in batches
@@ -764,6 +767,17 @@ def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
 
+def _names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = sorted(set(names) - set(MEMORY_KINDS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown memory kind(s) {', '.join(unknown)}; choose from "
+            + ", ".join(MEMORY_KINDS)
+        )
+    return names
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.any_model",
@@ -771,6 +785,13 @@ def parse(argv=None):
     )
     parser.add_argument("--batch", type=int, default=None, help="windows per step")
     parser.add_argument("--memory-batches", type=_ints, default=None, metavar="N,M")
+    parser.add_argument(
+        "--memory-kinds",
+        type=_names,
+        default=list(MEMORY_KINDS),
+        metavar="KIND,KIND",
+        help=f"memory children beside 'plain' (default: {','.join(MEMORY_KINDS)})",
+    )
     parser.add_argument("--configs", default="economy,business,full")
     parser.add_argument(
         "--members",
@@ -839,6 +860,7 @@ def main(argv=None) -> int:
     settings = _args_for_child(args) | {
         "batch": args.batch,
         "memory_batches": args.memory_batches,
+        "memory_kinds": args.memory_kinds,
         "jobs": args.jobs,
         "configs": args.configs,
         "block": BLOCK,

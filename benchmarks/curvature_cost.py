@@ -35,8 +35,10 @@ attention kernel (``eager``; 6fc3e24 has no curvature under the fused one),
 ``--zoo gpt2,vit,llama,t5,bert,resnet,tiny-gpt`` instead tabulates, per model of
 ``tests/utils/hf_models.py`` (and the hand-written GPT of
 ``tests/utils/hand_written.py``) and configuration, which curvature quantity is exact,
-estimated or missing, the estimates' relative standard errors and the tracked /
-plain CPU time (this checkout only)::
+estimated or missing, which curvature HessTrace read (the GGN in place of the
+Hessian, exact or Monte-Carlo, see ``cockpit/curvature_source.py``), the estimates'
+relative standard errors and the tracked / plain CPU time (this checkout only; model
+seed ``--seed``, default 1, not the seed 0 the GGN's count rule was chosen on)::
 
     python -m benchmarks.curvature_cost --zoo gpt2,vit,llama,t5,bert,resnet,tiny-gpt \\
         --steps 3 --out benchmarks/curvature_zoo_results.md
@@ -203,7 +205,22 @@ def _status(entry: dict, key: str) -> str:
         return "missing"
     if key not in entry:
         return "–"
-    return "estimated" if f"{key}_estimate" in entry else "exact"
+    estimate = entry.get(f"{key}_estimate")
+    if estimate is None:
+        return "exact"
+    return "exact GGN" if estimate.get("method") == "ggn_exact" else "estimated"
+
+
+def _curvature(estimate: dict | None) -> str:
+    """Which curvature and how, from an estimate record (``None``: BackPACK's)."""
+    if estimate is None:
+        return "Hessian (BackPACK)"
+    method = estimate.get("method", "")
+    if method == "ggn_exact":
+        return "GGN, exact"
+    if method == "ggn_monte_carlo":
+        return "GGN, Monte-Carlo"
+    return "Hessian, Hutchinson"
 
 
 def zoo_child(spec: dict) -> dict:
@@ -222,8 +239,9 @@ def zoo_child(spec: dict) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     out = {"spec": spec, "configs": {}}
+    seed = spec.get("seed", 0)
     for config in spec["configs"]:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         if spec["model"] == "tiny-gpt":
             case = tiny_gpt()
         else:
@@ -238,7 +256,7 @@ def zoo_child(spec: dict) -> dict:
         tracker = cockpit.Cockpit(params, quantities=quantities)
         rows, error = [], None
         for step in range(spec["steps"]):
-            kwargs, targets = case.inputs(hf_models.BATCH, step)
+            kwargs, targets = case.inputs(hf_models.BATCH, 100 * seed + step)
             clock = time.process_time()
             try:
                 opt.zero_grad()
@@ -270,6 +288,8 @@ def zoo_child(spec: dict) -> dict:
                     e / abs(t) for e, t in zip(estimate["stderr"], traces) if t
                 )
                 row["probes"] = estimate["probes"]
+            if "HessTrace" in entry:
+                row["curvature"] = _curvature(estimate)
             tic = entry.get("TICTrace_estimate")
             if tic and "TICTrace" in entry:
                 row["tic_rel_se"] = tic["stderr_sum"] / abs(entry["TICTrace"])
@@ -289,20 +309,25 @@ def zoo_report(results: list[dict], args) -> str:
         "",
         f"Made by `python -m benchmarks.curvature_cost {' '.join(args.argv)}` at "
         f"commit {_commit()} on {_cpu()}, one torch thread; "
-        f"{args.steps} tracked steps per model and configuration (batch 4, float32), "
-        "each followed by a plain step of an unextended copy. Status per quantity "
-        "(e = exact, E = estimated, m = missing, – = not tracked); relative standard "
-        "errors are medians over the steps: of the summed trace, and the median "
-        "over tensors of each tensor's; 'products for 10 %' is what the estimate's "
-        "probes would have to become for a 10 % relative error of the sum.",
+        f"{args.steps} tracked steps per model and configuration (batch 4, float32, "
+        f"model seed {args.seed}, batches {100 * args.seed}-"
+        f"{100 * args.seed + args.steps - 1}), each followed by a plain step of an "
+        "unextended copy; TICTrace added to business and full. Status per quantity "
+        "(e = exact from BackPACK, x = exact GGN, E = estimated, m = missing, – = "
+        "not tracked); 'curvature' is what HessTrace read; relative standard errors "
+        "are medians over the steps: of the summed trace, and the median over "
+        "tensors of each tensor's; 'products' are Hessian-vector products "
+        "(Hutchinson) or backward passes (GGN) of the estimate, median over the "
+        "steps.",
         "",
         "| model | config | tracked / plain (CPU) | HessMaxEV | HessTrace | TICDiag | "
-        "TICTrace | trace rel. SE (sum) | per-tensor rel. SE | trace probes | "
-        "products for 10 % | TICTrace rel. SE | error |",
-        "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: "
+        "TICTrace | curvature | trace rel. SE (sum), median (max) | "
+        "per-tensor rel. SE | products | TICTrace rel. SE | error |",
+        "| --- | --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: "
         "| --- |",
     ]
-    short = {"exact": "e", "estimated": "E", "missing": "m", "–": "–"}
+    short = {"exact": "e", "exact GGN": "x", "estimated": "E", "missing": "m",
+             "–": "–"}  # fmt: skip
     for result in results:
         for config, data in result["configs"].items():
             rows = data["rows"]
@@ -322,14 +347,19 @@ def zoo_report(results: list[dict], args) -> str:
                 values = [r[key] for r in rows if r.get(key) is not None]
                 return statistics.median(values) if values else None
 
-            rel, probes = median("trace_rel_se"), median("probes")
-            needed = probes * (rel / 0.1) ** 2 if rel is not None else None
+            def largest(key, rows=rows):
+                values = [r[key] for r in rows if r.get(key) is not None]
+                return max(values) if values else None
+
+            curvatures = sorted({r["curvature"] for r in rows if "curvature" in r})
             lines.append(
                 f"| {result['spec']['model']} | {config} | {ratio:.1f} | "
                 + " | ".join(status)
-                + f" | {_fmt(rel, '.0%')} | {_fmt(median('tensor_rel_se'), '.0%')} | "
-                f"{_fmt(probes)} | {_fmt(needed, '.0f')} | "
-                f"{_fmt(median('tic_rel_se'), '.0%')} | {data['error'] or '–'} |"
+                + f" | {', '.join(curvatures) or '–'} | "
+                f"{_fmt(median('trace_rel_se'), '.1%')} "
+                f"({_fmt(largest('trace_rel_se'), '.1%')}) | "
+                f"{_fmt(median('tensor_rel_se'), '.0%')} | {_fmt(median('probes'))} | "
+                f"{_fmt(median('tic_rel_se'), '.1%')} | {data['error'] or '–'} |"
             )
     reasons = {}
     for result in results:
@@ -485,6 +515,13 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="zoo: model seed; batches 100 * seed + step (the GGN "
+        "count rule was chosen on seed 0)",
+    )
     args = parser.parse_args(argv)  # fmt: skip
     if args.child or args.zoo_child:
         work = child if args.child else zoo_child
@@ -496,7 +533,8 @@ def main(argv=None) -> None:
         configs = ["economy", "business", "full"]
         results = [
             run_child({"model": model, "root": str(REPO), "steps": args.steps,
-                       "configs": configs}, args.timeout, "--zoo-child")
+                       "configs": configs, "seed": args.seed}, args.timeout,
+                      "--zoo-child")
             for model in args.zoo.split(",")
         ]  # fmt: skip
         text = zoo_report(results, args)

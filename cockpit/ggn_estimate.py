@@ -24,9 +24,11 @@ mean zero, so ``E[v o v] = diag(G)``: the Monte-Carlo GGN, averaged over ``sampl
 draws (one batched backward pass). Each draw's per-parameter ``||v_p||**2`` is an
 unbiased trace; their spread is the standard error.
 
-Not used by any quantity yet: tested against the dense float64 GGN
-(``tests/test_ggn_estimate.py``), to be wired in as a curvature source for
-HessTrace / TIC where the Hessian cannot be formed or is too noisy.
+Where rows times classes are few, :meth:`Head.exact` forms the diagonal exactly
+instead, one product per row and class. Both are tested against the dense float64
+GGN (``tests/test_ggn_estimate.py``); :mod:`cockpit.curvature_source` chooses them
+as the curvature of HessTrace and the TIC quantities where BackPACK cannot form it
+(:mod:`cockpit.step_features.ggn` forms them at the step).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ import torch
 from torch import Tensor
 
 from cockpit.precision import compute_dtype, upcast
-from cockpit.trace_estimators import TraceEstimate, _block_sums, _split
+from cockpit.trace_estimators import TraceEstimate, _block_sums
 
-#: Draws of the Monte-Carlo GGN per step (``2 * Cockpit.HUTCHINSON_PROBES``: a draw
-#: is one backward pass, a Hessian-vector product about two).
-SAMPLES_PER_PROBE = 2
+#: The most elements of output gradients of ``log p`` held at once (a batch of
+#: drawn labels is as large as ``log p`` per draw: a language model's logits).
+MAX_OUTPUT_ELEMENTS = 2**26
 
 
 class NotCrossEntropy(ValueError):
@@ -121,6 +123,160 @@ def row_weights(loss: Tensor, log_p: Tensor, dim: int) -> Tensor:
     return weights.clamp(min=0)
 
 
+class Head:
+    """The cross-entropy head of a loss: ``log p``, row weights and probabilities.
+
+    Read once per step (:func:`log_probabilities`, :func:`row_weights`); the
+    estimates below multiply vectors from ``log p`` back to the parameters.
+
+    Args:
+        loss: The mini-batch loss, with its graph.
+        params: The parameters.
+
+    Raises:
+        NotCrossEntropy: Where the loss is not a cross-entropy on log-probabilities.
+    """
+
+    def __init__(self, loss: Tensor, params: Sequence[Tensor]):
+        self.params = list(params)
+        self.log_p, self.dim = log_probabilities(loss, self.params)
+        weights = row_weights(loss, self.log_p, self.dim)
+        self.moved_shape = self.log_p.movedim(self.dim, -1).shape
+        self.classes = self.moved_shape[-1]
+        #: ``sqrt(c_r)`` per row, on the loss's device.
+        self.root = upcast(weights.reshape(-1)).sqrt()
+        self.sizes = [p.numel() for p in self.params]
+        self.shapes = [p.shape for p in self.params]
+        self._cdf = None
+
+    @property
+    def rows(self) -> int:
+        """Rows with a positive weight (tokens or samples the loss counts)."""
+        return int((self.root > 0).sum())
+
+    @property
+    def exact_products(self) -> int:
+        """Vector-Jacobian products of the exact diagonal (:meth:`exact`)."""
+        return self.rows * self.classes
+
+    def probabilities(self) -> Tensor:
+        """``p`` as ``[rows, classes]`` (upcast, on the loss's device)."""
+        moved = self.log_p.detach().movedim(self.dim, -1)
+        return upcast(moved.reshape(-1, self.classes)).exp()
+
+    def _chunk(self, chunk: int) -> int:
+        """Draws per pass: each holds an output gradient of ``log p``'s size."""
+        return max(1, min(chunk, MAX_OUTPUT_ELEMENTS // max(1, self.log_p.numel())))
+
+    def _products(self, outputs: Tensor):
+        """``outputs`` ``[k, rows, classes]`` back to the parameters, squared."""
+        count = outputs.shape[0]
+        outputs = outputs.reshape(count, *self.moved_shape).movedim(-1, self.dim + 1)
+        outputs = outputs.to(device=self.log_p.device, dtype=self.log_p.dtype)
+        grads = _vector_jacobian(self.log_p, self.params, outputs)
+        return [
+            upcast(g.detach()) ** 2
+            if g is not None
+            else torch.zeros(count, *p.shape, dtype=compute_dtype(p.dtype),
+                             device=p.device)
+            for g, p in zip(grads, self.params, strict=True)
+        ]  # fmt: skip
+
+    def labels(self, count: int, generator) -> Tensor:
+        """``count`` labels per row drawn from ``p`` (``[count, rows]``).
+
+        By the inverse of the cumulative distribution, on the loss's device, from
+        uniform numbers of ``generator`` (CPU): reproducible on any device, and no
+        copy of ``p`` leaves the device.
+        """
+        if self._cdf is None:
+            self._cdf = self.probabilities().cumsum(-1)
+        cdf = self._cdf
+        uniform = torch.rand(count, cdf.shape[0], generator=generator,
+                             dtype=torch.float64)  # fmt: skip
+        uniform = uniform.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]
+        found = torch.searchsorted(cdf, uniform.T.contiguous(), right=True)
+        return found.clamp(max=self.classes - 1).T
+
+    def draws(self, samples: int, generator, chunk: int = 4) -> TraceEstimate:
+        """The Monte-Carlo GGN from ``samples`` drawn labels per row (see the module).
+
+        Args:
+            samples: Draws (at least 2).
+            generator: Random source of the labels (CPU).
+            chunk: Draws per batched backward pass (memory: ``chunk`` gradients
+                and output gradients of ``log p``'s size, fewer where that is
+                large, :data:`MAX_OUTPUT_ELEMENTS`).
+
+        Returns:
+            The estimate (``traces``: per draw, each parameter's ``||v_p||**2``).
+        """
+        samples = max(2, int(samples))
+        chunk = self._chunk(chunk)
+        totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+                  for p in self.params]  # fmt: skip
+        traces = []
+        rows = self.root.shape[0]
+        done = 0
+        while done < samples:
+            count = min(chunk, samples - done)
+            labels = self.labels(count, generator)
+            outputs = torch.zeros(count, rows, self.classes, dtype=self.log_p.dtype,
+                                  device=self.log_p.device)  # fmt: skip
+            values = -self.root.to(self.log_p.dtype).expand(count, -1)
+            outputs.scatter_(2, labels.unsqueeze(2), values.unsqueeze(2))
+            squares = self._products(outputs)
+            outputs = None
+            for k, square in enumerate(squares):
+                totals[k] += square.sum(0)
+            flat = torch.cat([s.reshape(count, -1) for s in squares], dim=1)
+            traces.extend(_block_sums(row, self.sizes) for row in flat)
+            done += count
+        return TraceEstimate(
+            [t / samples for t in totals],
+            torch.stack(traces),
+            samples,
+            ggn_method(samples),
+        )
+
+    def exact(self, chunk: int = 8) -> TraceEstimate:
+        """The GGN's diagonal exactly: one product per row and class.
+
+        ``diag(G) = sum_rk c_r p_rk (J_r^T (e_k - p_r))**2`` (the middle matrix
+        is ``sum_k p_k (e_k - p)(e_k - p)^T``); the product of row ``r`` and class
+        ``k`` starts from ``sqrt(c_r p_rk) e_k`` at ``log p_r`` (the backward of
+        ``log_softmax`` subtracts ``p_r``). :attr:`exact_products` of them.
+
+        Returns:
+            The diagonal, with ``traces`` its block traces as a single row (no
+            spread: the estimate is exact).
+        """
+        probs, root = self.probabilities().cpu(), self.root.cpu()
+        rows, classes = probs.shape
+        scale = (probs * root.unsqueeze(1) ** 2).sqrt()  # sqrt(c_r p_rk)
+        pairs = (root > 0).nonzero().reshape(-1)
+        pairs = torch.cartesian_prod(pairs, torch.arange(classes))
+        chunk = self._chunk(chunk)
+        totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+                  for p in self.params]  # fmt: skip
+        for start in range(0, pairs.shape[0], chunk):
+            block = pairs[start : start + chunk]
+            count = block.shape[0]
+            outputs = torch.zeros(count, rows, classes, dtype=scale.dtype)
+            outputs[torch.arange(count), block[:, 0], block[:, 1]] = scale[
+                block[:, 0], block[:, 1]
+            ]
+            for k, square in enumerate(self._products(outputs)):
+                totals[k] += square.sum(0)
+        flat = torch.cat([t.reshape(-1) for t in totals])
+        return TraceEstimate(
+            totals,
+            _block_sums(flat, self.sizes).unsqueeze(0),
+            pairs.shape[0],
+            exact_method(pairs.shape[0]),
+        )
+
+
 def monte_carlo_ggn(
     loss: Tensor,
     params: Sequence[Tensor],
@@ -145,41 +301,12 @@ def monte_carlo_ggn(
     Raises:
         NotCrossEntropy: Where the loss is not a cross-entropy on log-probabilities.
     """
-    samples = max(2, int(samples))
-    log_p, dim = log_probabilities(loss, params)
-    weights = row_weights(loss, log_p, dim)
-    moved = log_p.detach().movedim(dim, -1)
-    classes = moved.shape[-1]
-    probs = moved.reshape(-1, classes).to("cpu", torch.float64).exp()
-    root = weights.reshape(-1).to("cpu", torch.float64).sqrt()
-    sizes = [p.numel() for p in params]
-    shapes = [p.shape for p in params]
-    totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) for p in params]
-    traces = []
-    done = 0
-    while done < samples:
-        count = min(chunk, samples - done)
-        labels = torch.multinomial(probs, count, replacement=True, generator=generator)
-        outputs = torch.zeros(count, probs.shape[0], classes, dtype=torch.float64)
-        outputs.scatter_(2, labels.T.unsqueeze(2), -root.expand(count, -1).unsqueeze(2))
-        outputs = outputs.reshape(count, *moved.shape).movedim(-1, dim + 1)
-        outputs = outputs.to(device=log_p.device, dtype=log_p.dtype)
-        grads = _vector_jacobian(log_p, params, outputs)
-        for draw in range(count):
-            flat = []
-            for k, grad in enumerate(grads):
-                g = grad[draw] if grad is not None else torch.zeros_like(params[k])
-                square = upcast(g.detach()) ** 2
-                totals[k] += square
-                flat.append(square.reshape(-1))
-            traces.append(_block_sums(torch.cat(flat), sizes))
-        done += count
-    return TraceEstimate(
-        _split(torch.cat([t.reshape(-1) for t in totals]) / samples, shapes),
-        torch.stack(traces),
-        samples,
-        ggn_method(samples),
-    )
+    return Head(loss, params).draws(samples, generator, chunk)
+
+
+def exact_ggn(loss: Tensor, params: Sequence[Tensor], chunk: int = 8):
+    """The exact GGN diagonal of ``loss`` (:meth:`Head.exact`)."""
+    return Head(loss, params).exact(chunk)
 
 
 def _vector_jacobian(log_p: Tensor, params, outputs: Tensor):
@@ -199,6 +326,13 @@ def _vector_jacobian(log_p: Tensor, params, outputs: Tensor):
     return tuple(
         None if pieces[0] is None else torch.stack(pieces)
         for pieces in zip(*rows, strict=True)
+    )
+
+
+def exact_method(products: int) -> str:
+    """How the exact GGN diagonal is made (the coverage report's words)."""
+    return (
+        f"exact GGN of the cross-entropy, {products} products (one per row and class)"
     )
 
 

@@ -31,11 +31,14 @@ class Entry:
         reason: Why it is missing, or how it is estimated.
         errors: ``(per-parameter standard errors, standard error of the sum)``
             of an estimate, once known.
+        settings: How the estimate was made (``method``, ``curvature``, ...), as
+            recorded with the errors (over the step's :attr:`Ledger.estimator`).
     """
 
     status: str = COMPUTED
     reason: str = ""
     errors: Any = None
+    settings: Any = None
 
 
 class Ledger:
@@ -95,9 +98,12 @@ class Ledger:
         """Mark ``quantity`` as estimated at this step (``how``: the method)."""
         self.entries[id(quantity)] = Entry(ESTIMATED, how)
 
-    def set_errors(self, quantity, errors) -> None:
-        """The standard errors of ``quantity``'s estimate."""
-        self.entries[id(quantity)].errors = errors
+    def set_errors(self, quantity, errors, settings=None) -> None:
+        """The standard errors of ``quantity``'s estimate (and how it was made)."""
+        entry = self.entries[id(quantity)]
+        entry.errors = errors
+        if settings is not None:  # (joined errors keep the settings)
+            entry.settings = settings
 
     # --- reading ----------------------------------------------------------------------
     def out(self, quantity) -> bool:
@@ -126,7 +132,8 @@ class Ledger:
         self.recorder.record(save_step, quantity.key, value)
         for key, extra in quantity.companions(save_step).items():
             self.recorder.record(save_step, key, extra)
-        errors = self.entries.get(id(quantity), Entry()).errors
+        entry = self.entries.get(id(quantity), Entry())
+        errors = entry.errors
         if errors is not None:
             errors = quantity.estimate_error(save_step, errors)
         if errors is not None:
@@ -136,6 +143,7 @@ class Ledger:
                 f"{quantity.key}{ESTIMATE_SUFFIX}",
                 {
                     **self.estimator,
+                    **(entry.settings or {}),
                     "stderr": [float(e) for e in per_param],
                     "stderr_sum": float(total),
                 },

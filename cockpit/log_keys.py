@@ -21,8 +21,12 @@ LEARNING_RATES_KEY = "learning_rates"
 
 #: Suffix of an estimate's description: a step where ``<key>`` was estimated (not
 #: computed exactly) also holds ``<key>_estimate``, a mapping with ``"method"``
-#: (``"hutchinson"``), ``"probes"`` (Hessian-vector products), ``"stderr"`` (the
-#: standard error of each per-parameter value) and ``"stderr_sum"`` (the standard
+#: (``"hutchinson"``, ``"ggn_monte_carlo"``, ``"ggn_exact"``), ``"probes"``
+#: (Hessian-vector products, or backward passes of the GGN), ``"curvature"`` (the
+#: curvature used: ``"hessian"`` or ``"ggn"``, which stands in for the Hessian on
+#: models BackPACK cannot serve, see :mod:`cockpit.curvature_source`),
+#: ``"stderr"`` (the standard error of each per-parameter value; 0 where the GGN
+#: was formed exactly) and ``"stderr_sum"`` (the standard
 #: error of their sum; the parameters' estimates share the probes, so their errors
 #: are correlated and the sum's error is not the root of their summed squares; for
 #: a single value, e.g. TICTrace, both are its standard error). Logs written before

@@ -110,7 +110,7 @@ def curvature_need(curvature: str) -> Need:
     try:
         return CURVATURES[curvature]
     except (KeyError, TypeError):
-        valid = ", ".join(repr(c) for c in CURVATURES)
+        valid = ", ".join(repr(c) for c in [*CURVATURES, "hutchinson"])
         raise ValueError(
             f"Unknown curvature {curvature!r}. Choose one of {valid}."
         ) from None

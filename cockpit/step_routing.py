@@ -186,11 +186,17 @@ class StepRouting:
             wanted = plan.needs_of(q) & CURVATURE_NEEDS
             if not wanted or run.ledger.out(q):
                 continue
-            if self.engine_step.losses is not None and wanted <= q.estimable:
-                run.ledger.estimate(q, estimate_method(run, plan))
+            losses = self.engine_step.losses
+            how = None
+            if losses is not None and wanted <= q.estimable:
+                how = estimate_method(run, plan, q, losses)
+            if how is not None:
+                run.ledger.estimate(q, how)
                 continue
             reason, fix = decline.message, decline.fix
-            if q.not_estimable is not None and Need.DIAG_H in wanted:
+            if q.not_estimable is not None and (
+                Need.DIAG_H in wanted or wanted <= q.estimable
+            ):
                 reason = f"{reason}; {q.not_estimable[0]}"
                 fix = f"{fix}, {q.not_estimable[1]}"
             groups.setdefault((reason, fix), []).append(q)

@@ -208,20 +208,21 @@ def test_sequential_models_of_supported_layers_use_backpack_only():
 
 def test_curvature_without_backpack_rules_is_missing_warned_once_or_strict():
     problem = make_any_problem("rmsnorm-mlp")
-    ggn = "diag_ggn_exact"  # (the Hessian's trace is estimated instead)
-    quantities = [Q.HessTrace(linear(1), curvature=ggn), Q.GradNorm(linear(1))]
-    with pytest.warns(CockpitWarning, match=r"HessTrace has no value.*Fix") as record:
+    # the Hessian's diagonal (TICDiag takes no estimate; the GGN serves the others)
+    hessian = "hutchinson"
+    quantities = [Q.TICDiag(linear(1), curvature=hessian), Q.GradNorm(linear(1))]
+    with pytest.warns(CockpitWarning, match=r"TICDiag has no value.*Fix") as record:
         result = run(problem, quantities, steps=2)
-    assert len([w for w in record if "HessTrace" in str(w.message)]) == 1
-    assert all("HessTrace" not in values for values in result.output.values())
+    assert len([w for w in record if "TICDiag" in str(w.message)]) == 1
+    assert all("TICDiag" not in values for values in result.output.values())
     assert all("GradNorm" in values for values in result.output.values())
     problems = result.cockpit.coverage().problems()
-    assert problems and all(p.startswith("HessTrace for") for p in problems)
+    assert problems and all(p.startswith("TICDiag for") for p in problems)
     assert "not covered" in problems[0]
-    with pytest.raises(CoverageError, match=r"strict=True.*HessTrace.*Fix"):
+    with pytest.raises(CoverageError, match=r"strict=True.*TICDiag.*Fix"):
         run(
             make_any_problem("rmsnorm-mlp"),
-            [Q.HessTrace(linear(1), curvature=ggn)],
+            [Q.TICDiag(linear(1), curvature=hessian)],
             1,
             **_strict(),
         )
@@ -408,7 +409,10 @@ def test_coverage_before_the_first_step_reads_the_structure():
     assert by_name["norm1.weight"].route.engine == "backpack"  # cockpit's rule
     assert by_name["attention.in_proj_weight"].route.engine == "autograd"
     hess_trace = str(by_name["position"].quantities["HessTrace"])
-    assert hess_trace == "estimated (Hutchinson, 16 Hessian-vector products)"
+    assert hess_trace == (
+        "estimated (the GGN of the cross-entropy where the loss is one (chosen at "
+        "step 1), else Hutchinson, 16 Hessian-vector products)"
+    )
     assert "attention.in_proj_weight" in str(coverage)
 
 

@@ -33,7 +33,9 @@ def tracked_run(problem, logpath=None, steps=STEPS):
     """Train ``steps`` steps tracking HessTrace and Loss; return the cockpit."""
     optimizer = problem.optimizer()
     cockpit = Cockpit(
-        problem.params, [Q.HessTrace(linear(1)), Q.Loss(linear(1))], logpath=logpath
+        problem.params,
+        [Q.HessTrace(linear(1), curvature="hutchinson"), Q.Loss(linear(1))],
+        logpath=logpath,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook")
@@ -67,7 +69,8 @@ def test_logged_errors_are_those_of_the_probes_drawn():
     cockpit = tracked_run(make_any_problem("rmsnorm-mlp", batch_size=6), steps=1)
     values = cockpit.history.to_dict()[0]
     entry = values["HessTrace_estimate"]
-    assert set(entry) == {"method", "probes", "stderr", "stderr_sum"}
+    assert set(entry) == {"method", "probes", "curvature", "stderr", "stderr_sum"}
+    assert entry["curvature"] == "hessian"
     probes = table.shape[0]
     assert probes == entry["probes"] == 16
     np.testing.assert_allclose(values["HessTrace"], [float(d.sum()) for d in diagonals])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from cockpit.ggn_estimate import NotCrossEntropy, monte_carlo_ggn
+from cockpit.ggn_estimate import NotCrossEntropy, exact_ggn, monte_carlo_ggn
 
 
 class TokenModel(nn.Module):
@@ -129,3 +129,20 @@ def test_a_loss_that_is_not_a_cross_entropy_is_refused():
     with pytest.raises(NotCrossEntropy, match="not linear"):
         log_p = out.log_softmax(1)
         monte_carlo_ggn((log_p**2).mean(), params, 2, gen)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tokens"])
+def test_exact_ggn_equals_the_dense_ggn(kind):
+    """One product per row and class: the GGN's diagonal exactly (label smoothing
+    and all), as a single row of block traces."""
+    model, x, loss_of, _ = _setup(kind)
+    params = list(model.parameters())
+    diag_exact = _dense_ggn(model, x).diagonal()
+    est = exact_ggn(loss_of(model(x)), params, chunk=5)
+    got = torch.cat([d.reshape(-1) for d in est.diagonals])
+    torch.testing.assert_close(got, diag_exact, rtol=1e-10, atol=1e-14)
+    sizes = [p.numel() for p in params]
+    blocks = torch.stack([b.sum() for b in diag_exact.split(sizes)])
+    torch.testing.assert_close(est.traces, blocks.unsqueeze(0), rtol=1e-10, atol=0)
+    rows = x.shape[0] * (x.shape[1] if kind == "tokens" else 1)
+    assert est.products == rows * model(x).shape[-1]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+import torch
+
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.utils.schedules import linear
@@ -59,3 +62,38 @@ def test_the_watch_still_sees_clipping_while_the_cockpit_lives():
     opt.step()
     assert "missing" in cockpit.get_output()[0]
     assert ".grad" in cockpit.get_output()[0]["missing"]["Alpha"]
+
+
+def _stored_io(model) -> list[str]:
+    """What BackPACK's forward hook left on the model's modules."""
+    return [
+        f"{name or 'model'}.{attribute}"
+        for name, module in model.named_modules()
+        for attribute in vars(module)
+        if attribute == "output" or attribute.startswith("input")
+    ]
+
+
+def test_a_step_that_fails_before_its_backward_pass_leaves_no_stored_io():
+    """BackPACK stores each extended module's input and output (with the graph) in
+    the forward pass and deletes them when its backward hook runs. A step the
+    cockpit refuses before the backward pass (CABS with Adam) must not leave them:
+    the graph holds the modules' hooks, a cycle through autograd that gc cannot
+    free, so the model and its graph would stay in memory for good."""
+    problem = make_problem("mlp", "ce", "sgd")
+    opt = torch.optim.Adam(problem.params)
+    cockpit = Cockpit(problem.params, [Q.CABS(EVERY)])
+    with pytest.raises(ValueError, match="CABS is only defined"):
+        _tracked_step(cockpit, problem, opt, 0)
+    assert _stored_io(problem.model) == []
+    # a forward pass of its own stores them again (BackPACK is unchanged)
+    problem.model(problem.make_batch(0)[0])
+    assert _stored_io(problem.model)
+
+
+def test_a_finished_step_leaves_no_stored_io():
+    problem = make_problem("cnn", "ce", "sgd")
+    opt = problem.optimizer()
+    cockpit = Cockpit(problem.params, [Q.GradNorm(EVERY), Q.Variance(EVERY)])
+    _tracked_step(cockpit, problem, opt, 0)
+    assert _stored_io(problem.model) == []

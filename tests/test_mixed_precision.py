@@ -350,15 +350,24 @@ def test_curvature_of_half_precision_parameters(mode):
 )
 def test_curvature_under_autocast_is_estimated_or_missing_with_the_fix(mode, arch):
     """BackPACK's curvature cannot run under autocast (nor through ScaledMLP's
-    forward): HessTrace is a Hutchinson estimate, within 4 standard errors (plus
-    the ``8 u`` of the low dtype's products) of the float64 truth; TICDiag is
-    missing with a reason that names the fix; HessMaxEV within ``4 u``."""
+    forward): HessTrace with ``curvature="hutchinson"`` is a Hutchinson estimate,
+    within 4 standard errors (plus the ``8 u`` of the low dtype's products) of the
+    float64 truth; TICDiag of the GGN is the exact GGN of the cross-entropy (one
+    backward pass per row and class, ``cockpit.curvature_source``), within ``8 u``
+    as BackPACK's; HessMaxEV within ``4 u``. TICDiag of the Hessian is missing with
+    a reason that names the fix."""
     setup = Setup(mode, arch)
-    cockpit = Cockpit(setup.model.parameters(), curvature_quantities())
-    with pytest.warns(CockpitWarning, match="TICDiag has no value") as record:
+    quantities = [
+        Q.HessTrace(linear(1), curvature="hutchinson"),
+        Q.TICDiag(linear(1), curvature="diag_ggn_exact"),
+        Q.HessMaxEV(linear(1)),
+        Q.TICDiag(linear(1), curvature="hutchinson", key="TICDiagHessian"),
+    ]
+    cockpit = Cockpit(setup.model.parameters(), quantities)
+    with pytest.warns(CockpitWarning, match="TICDiagHessian has no value") as record:
         setup.step(cockpit)
     values = cockpit.history.to_dict()[0]
-    reason = values["missing"]["TICDiag"]
+    reason = values["missing"]["TICDiagHessian"]
     if arch == "mlp":  # the only obstacle is autocast
         assert "ran under torch.autocast" in reason
         assert "Fix: run the forward pass of tracked steps outside torch.autocast" in (
@@ -368,12 +377,16 @@ def test_curvature_under_autocast_is_estimated_or_missing_with_the_fix(mode, arc
         assert "ScaledMLP.scale gets its per-sample gradients from autograd" in reason
         assert "Fix: build the model from nn.Sequential" in reason
     u = roundoff(setup.low)
-    params, hessian, _, _ = curvature_truth(setup)
+    params, hessian, ggn, per_sample = curvature_truth(setup)
     stderr = values["HessTrace_estimate"]["stderr"]
     diagonals = bf.split_diagonal(hessian, params)
     for got, error, diagonal in zip(values["HessTrace"], stderr, diagonals):
         slack = 4 * error + 8 * u * float(diagonal.abs().sum())
         assert abs(got - float(diagonal.sum())) <= slack
+    second_moment = torch.cat([(g**2).mean(0).reshape(-1) for g in per_sample])
+    tic = float((second_moment / (torch.diagonal(ggn) + 1e-7)).sum())
+    assert values["TICDiag_estimate"]["method"] == "ggn_exact"
+    assert abs(values["TICDiag"] - tic) <= 8 * u * tic, (values["TICDiag"], tic)
     top = float(torch.linalg.eigvalsh(hessian).max())
     assert abs(values["HessMaxEV"] - top) <= 4 * u * top, (values["HessMaxEV"], top)
 

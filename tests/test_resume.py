@@ -168,7 +168,11 @@ def test_alpha_resumes_with_stateful_optimizers(tmp_path, optimizer):
 
 
 def estimated_quantities():
-    return [Q.HessTrace(EVERY), Q.Loss(EVERY), Q.GradNorm(linear(2))]
+    return [
+        Q.HessTrace(EVERY, curvature="hutchinson"),
+        Q.Loss(EVERY),
+        Q.GradNorm(linear(2)),
+    ]
 
 
 ESTIMATED = ("HessTrace", "HessTrace_estimate", "Loss", "GradNorm")

@@ -480,6 +480,32 @@ def free_buffers(param: Tensor, fields: Iterable[str]) -> None:
             delattr(param, name)
 
 
+def drop_stored_io(modules: Iterable[Module]) -> None:
+    """Delete the inputs and output BackPACK's forward hook stored on ``modules``.
+
+    ``hook_store_io`` keeps every extended module's last ``input0``, ``input1``, ...
+    and ``output`` (with their autograd graph) until a backward pass runs its
+    extensions. A step that stops before that (an error in the ``with`` block, a
+    forward pass without a backward) would leave them: the graph holds the
+    modules' backward hooks, which hold the modules, a cycle through autograd that
+    Python's collector cannot see, so the model and its graph would never be
+    freed. Only tensors stored on modules that carry BackPACK's hook go (a child
+    module or parameter named ``output`` is not in the instance's ``__dict__``).
+    """
+    for module in modules:
+        if STORE_IO_HOOK not in module._forward_hooks.values():
+            continue
+        stored = vars(module)
+        names = [
+            name
+            for name, value in stored.items()
+            if (name == "output" or (name[:5] == "input" and name[5:].isdigit()))
+            and isinstance(value, Tensor)
+        ]
+        for name in names:
+            del stored[name]
+
+
 @dataclass
 class Unsupported:
     """A module whose parameters lack results the quantities need.

@@ -413,10 +413,16 @@ class BackpackEngine(Engine):
             bp.free_buffers(param, fields)
 
     def forget(self) -> None:
-        """Drop the step's hook and extensions (and the layers' hooked nodes)."""
+        """Drop the step's hook, extensions, hooked nodes and BackPACK's stored io.
+
+        The inputs and outputs BackPACK's forward hook stored are still there when
+        the step stopped before its backward pass (:func:`bp.drop_stored_io`).
+        """
         self.hook = None
         self._setup_cache = None
         hooks.forget(self._rewired)
+        for root in rules.roots_of(self.modules.owners, self.modules.parents):
+            bp.drop_stored_io(root.modules())
 
     def close(self) -> None:
         """Give BackPACK its hooks back (once no other cockpit holds the modules)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from cockpit.curvature_source import expected_method
 from cockpit.engines.base import AUTOGRAD, BACKPACK, UNUSED, EngineStep, Route
 from cockpit.needs import Need
 
@@ -155,6 +156,8 @@ class Coverage:
         groups: dict[tuple[str, str], list[str]] = {}
         for key, status in worst.items():
             note = _remedy(status.how) if status.kind == MISSING else ""
+            if status.kind == ESTIMATED and "in place of the Hessian" in status.how:
+                note = "the GGN, in place of the Hessian"
             groups.setdefault((status.kind, note), []).append(key)
         flagged = "; ".join(
             f"{' and '.join(keys)} {kind}" + (f" ({note})" if note else "")
@@ -239,14 +242,13 @@ def static_coverage(
         step = EngineStep(-1, router.params, needs=every)
         decline = router.curvature_decline(routes, step)
         problem = with_fix(decline.message, decline.fix) if decline else None
-    estimate = Status(ESTIMATED, f"Hutchinson, {probes} Hessian-vector products")
     rows = []
     for index, route in enumerate(routes):
         statuses = {}
         for q in quantities:
             wanted = needs[id(q)] & CURVATURE_NEEDS
             if problem is not None and wanted and wanted <= q.estimable:
-                statuses[q.key] = estimate
+                statuses[q.key] = Status(ESTIMATED, expected_method(q, probes))
             else:
                 statuses[q.key] = status_for(needs[id(q)], route, problem)
         rows.append(ParamCoverage(index, labels[index], route, statuses))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from dataclasses import dataclass
+from itertools import compress
 from typing import Iterable, Sequence
 
 from torch import Tensor
@@ -35,9 +36,7 @@ def discover(params: Sequence[Tensor]) -> ModuleMap:
     wanted = {id(p) for p in params}
     owners: dict[int, list[tuple[Module, str]]] = {i: [] for i in wanted}
     parents: dict[int, list[Module]] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), Module):
-            continue
+    for obj in _all_modules():
         for name, param in vars(obj).get("_parameters", {}).items():
             if param is not None and id(param) in wanted:
                 owners[id(param)].append((obj, name))
@@ -45,6 +44,29 @@ def discover(params: Sequence[Tensor]) -> ModuleMap:
             if child is not None:
                 parents.setdefault(id(child), []).append(obj)
     return ModuleMap(owners, parents)
+
+
+def _module_classes() -> set[type]:
+    """``nn.Module`` and every subclass of it that exists now."""
+    found, stack = set(), [Module]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.add(cls)
+            stack.extend(type.__subclasses__(cls))
+    return found
+
+
+def _all_modules() -> list[Module]:
+    """Every module the garbage collector tracks.
+
+    The filter runs in C (``map``, ``compress``, a set's ``__contains__``), about
+    three times faster than a Python loop calling ``issubclass`` on each of the
+    hundreds of thousands of objects a process that imported transformers holds.
+    """
+    objects = gc.get_objects()
+    classes = _module_classes()
+    return list(compress(objects, map(classes.__contains__, map(type, objects))))
 
 
 def graph_uses(roots: Iterable) -> tuple[set, Counter]:

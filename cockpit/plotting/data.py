@@ -146,6 +146,14 @@ class Series:
         self._n = 0
         #: Whether some error is only an upper bound (see :func:`estimate_error`).
         self.error_bound = False
+        #: The curvatures its estimates say they used (``{"ggn"}``: the GGN stood
+        #: in for the Hessian, see :mod:`cockpit.curvature_source`).
+        self.curvatures: set[str] = set()
+
+    def note_estimate(self, estimate: Any) -> None:
+        """Keep the curvature an estimate description names, if any."""
+        if isinstance(estimate, Mapping) and isinstance(estimate.get("curvature"), str):
+            self.curvatures.add(estimate["curvature"])
 
     def __len__(self) -> int:
         return self._n
@@ -545,6 +553,7 @@ def _column_series(history, key: str, reduce: str, last: int | None) -> Series |
                 error, bound = estimate_error(estimate, reduce)
                 errors[index] = error
                 series.error_bound |= bound
+                series.note_estimate(estimate)
     series.extend(steps, reduced, errors)
     return series
 
@@ -555,6 +564,7 @@ def _append(series: Series, step: int, value: Any, estimate: Any, reduce: str):
     if estimate is not None:
         error, bound = estimate_error(estimate, reduce)
         series.error_bound |= bound
+        series.note_estimate(estimate)
     series.append(step, REDUCERS[reduce](value), error)
 
 

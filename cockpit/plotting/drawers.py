@@ -333,7 +333,9 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     """Series vs iteration, left axis and optionally a twin right axis.
 
     Estimated values get a band of their standard errors, ``(estimated)`` in
-    their label, and ``options["estimated"]`` is set (the title says so).
+    their label, and ``options["estimated"]`` is set (the title says so); values
+    of the GGN standing in for the Hessian (their estimates say
+    ``"curvature": "ggn"``) say ``GGN`` there too (``options["curvature"]``).
     """
     several = _several(runs)
     styles = ("-", "--", ":")
@@ -349,6 +351,8 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
             view = series.view_errors(options["upto"])
             if len(view[0]):
                 pending.append((run, line, view, series.error_bound))
+                if "ggn" in series.curvatures:  # the GGN stood in for the Hessian
+                    options["curvature"] = "GGN"
     if not pending:
         return _only_nonfinite(ax, runs, options) if recorded_any else set()
     style_iteration_axis(ax, options["show_log_iter"])
@@ -367,6 +371,12 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
         for run, line, with_errors, bound in side:
             estimated = bool(np.isfinite(with_errors[3]).any())
             label = f"{line.label} (estimated)" if estimated else line.label
+            if options.get("curvature"):
+                label = (
+                    f"{label[:-1]}, {options['curvature']})"
+                    if estimated
+                    else (f"{label} ({options['curvature']})")
+                )
             if several:
                 label = f"{run.label}: {label}" if len(gauge.lines) > 1 else run.label
             style = styles[gauge.lines.index(line) % len(styles)] if several else "-"

@@ -396,6 +396,12 @@ def draw_gauge(
         return ax
     if options.get("estimated"):
         title += " (estimated)"
+    if options.get("curvature"):  # the GGN in place of the Hessian
+        title = (
+            f"{title[:-1]}, {options['curvature']})"
+            if options.get("estimated")
+            else f"{title} ({options['curvature']})"
+        )
     if gauge.caption:
         drawers.fitted_caption(ax, title, gauge.caption)
     else:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cockpit import attention
+from cockpit import attention, curvature_source
+from cockpit.curvature_source import HESSIAN_ONLY
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
@@ -20,10 +21,21 @@ class HessTrace(SingleStepQuantity):
     estimate of the GGN (``"diag_ggn_mc"``, random). The diagonal of each parameter is
     summed as soon as BackPACK produced it and freed right away.
 
+    Where BackPACK cannot form the diagonal (a model it cannot backpropagate
+    through), the trace is estimated (:mod:`cockpit.curvature_source`), with its
+    standard errors under ``<key>_estimate``: the GGN choices by the GGN of the
+    cross-entropy (exact where rows times classes are few, else Monte-Carlo);
+    ``"diag_h"`` by the same GGN, for the whole run, whenever the loss is a
+    cross-entropy (Hutchinson's estimate of the Hessian trace is too noisy to read;
+    the record's ``"curvature"`` says ``"ggn"`` and a warning says so), else by
+    Hutchinson. ``curvature="hutchinson"`` keeps the Hessian always (Hutchinson's
+    estimate where BackPACK cannot form it).
+
     Args:
         track_schedule: When to track.
         verbose: Extra diagnostics.
-        curvature: ``"diag_h"`` (default), ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
+        curvature: ``"diag_h"`` (default), ``"hutchinson"``, ``"diag_ggn_exact"`` or
+            ``"diag_ggn_mc"``.
         key: History key (default ``"HessTrace"``).
 
     Raises:
@@ -31,14 +43,17 @@ class HessTrace(SingleStepQuantity):
     """
 
     Accumulator = PerParameter
-    #: Where BackPACK has no exact Hessian diagonal (a layer without a rule, a
-    #: model that is not nn.Sequential), an unbiased Hutchinson estimate serves:
-    #: the trace only sums the diagonal. Its standard errors are recorded under
+    #: Where BackPACK has no exact curvature diagonal (a layer without a rule, a
+    #: model that is not nn.Sequential), an unbiased estimate serves: the trace
+    #: only sums the diagonal. Its standard errors are recorded under
     #: ``<key>_estimate``.
-    estimable = frozenset({Need.DIAG_H})
+    estimable = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
 
     def __init__(self, track_schedule, verbose=False, curvature="diag_h", key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
+        #: ``curvature="hutchinson"``: the Hessian, never the GGN in its place.
+        self.hessian_only = curvature == HESSIAN_ONLY
+        curvature = "diag_h" if self.hessian_only else curvature
         self.needs = frozenset({curvature_need(curvature)})
         self.curvature = curvature
 
@@ -54,6 +69,14 @@ class HessTrace(SingleStepQuantity):
         if self.curvature == "diag_h" and not getattr(self, "_holds_attention", False):
             self._holds_attention = True
             attention.hold(self)
+
+    def state_dict(self) -> dict:
+        """The curvature source chosen for the run (and the GGN's last spread)."""
+        return curvature_source.state_of(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        curvature_source.restore(self, state)
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum the parameter's curvature diagonal."""

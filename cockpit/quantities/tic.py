@@ -19,11 +19,15 @@ diagonal is requested as a need, so it is computed once per step for every quant
 that reads it (e.g. one ``DiagHessian`` run feeds HessTrace, TICDiag and TICTrace).
 
 Where BackPACK has no exact curvature for the model (residuals, attention, raw
-parameters, tied weights), ``TICTrace`` with the Hessian (``curvature="diag_h"``) is
-estimated: the second moments stay exact (per-sample gradients of either engine),
-the trace ``T`` is Hutchinson's estimate from the probes the step draws anyway (the
-same ones as HessTrace's), and the standard error is propagated by the delta method
-(:func:`tic_trace_estimate`). ``TICDiag`` is not estimated (see its docstring).
+parameters, tied weights), the curvature comes from :mod:`cockpit.curvature_source`:
+the GGN of the cross-entropy (for the GGN choices, and for ``"diag_h"`` in place of
+the Hessian whenever the loss is a cross-entropy), else Hutchinson's estimate of the
+Hessian (``curvature="hutchinson"``, or a loss that is not a cross-entropy).
+``TICTrace`` is then estimated: the second moments stay exact (per-sample gradients
+of either engine), the trace ``T`` is the estimate the step makes anyway (the same
+as HessTrace's), and the standard error is propagated by the delta method
+(:func:`tic_trace_estimate`). ``TICDiag`` takes only an exact diagonal: the exact
+GGN where rows times classes are few (see its docstring).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import Callable
 
 import torch
 
-from cockpit import attention
+from cockpit import attention, curvature_source
+from cockpit.curvature_source import EXACT_MAX_PRODUCTS, HESSIAN_ONLY
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
@@ -48,8 +53,9 @@ class _TIC(SingleStepQuantity):
     Args:
         track_schedule: When to track.
         verbose: Extra diagnostics.
-        curvature: ``"diag_h"`` (exact Hessian diagonal, default),
-            ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
+        curvature: ``"diag_h"`` (exact Hessian diagonal, default), ``"hutchinson"``
+            (the Hessian, never the GGN in its place), ``"diag_ggn_exact"`` or
+            ``"diag_ggn_mc"``.
         epsilon: Added to the curvature in the denominator (``1e-7``).
         key: History key (default: the class name).
 
@@ -79,6 +85,9 @@ class _TIC(SingleStepQuantity):
         key: str | None = None,
     ):
         super().__init__(track_schedule, verbose=verbose, key=key)
+        #: ``curvature="hutchinson"``: the Hessian, never the GGN in its place.
+        self.hessian_only = curvature == HESSIAN_ONLY
+        curvature = "diag_h" if self.hessian_only else curvature
         self.needs = frozenset({Need.SUM_GRAD_SQUARED, curvature_need(curvature)})
         self.curvature = curvature
         if not epsilon >= 0:
@@ -119,6 +128,14 @@ class _TIC(SingleStepQuantity):
             bucket.sum(curvature, then)
         acc.seen_batch_size = n if acc.seen_batch_size is not None else None
 
+    def state_dict(self) -> dict:
+        """The curvature source chosen for the run (and the GGN's last spread)."""
+        return curvature_source.state_of(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        curvature_source.restore(self, state)
+
     @abc.abstractmethod
     def _reduce(self, scaled, diag):
         """Implemented by each subclass."""
@@ -157,24 +174,69 @@ class TICDiag(_TIC):
     Raises:
         ValueError: For an unknown ``curvature`` or a negative ``epsilon``.
 
-    Where BackPACK has no exact curvature diagonal for the model, TICDiag has no
-    value (recorded missing): it divides elementwise by ``h_d``, and a Hutchinson
-    estimate of a single diagonal entry is off by the off-diagonal mass of its row,
-    typically larger than ``h_d`` itself and of either sign, so ``M_d / h_d`` would
-    be dominated by entries estimated near zero, biased and without a usable error.
-    :class:`TICTrace` divides by the trace, which the probes estimate well, and is
-    estimated there.
+    Where BackPACK has no exact curvature diagonal for the model, TICDiag takes
+    only an exact one: it divides elementwise by ``h_d``, and an estimate of a
+    single diagonal entry (Hutchinson's is off by the off-diagonal mass of its row,
+    a Monte-Carlo GGN's by the spread of its draws) is often near zero or of either
+    sign, so ``M_d / h_d`` would be dominated by such entries, biased and without a
+    usable error. Where the loss is a cross-entropy with few rows times classes
+    (:data:`cockpit.curvature_source.EXACT_MAX_PRODUCTS`: a classifier on a small
+    batch), the GGN diagonal is formed exactly (one backward pass per row and
+    class), in place of the Hessian for ``"diag_h"``, and TICDiag has a value
+    (its ``<key>_estimate`` says ``"curvature": "ggn"``, standard error 0);
+    otherwise it is recorded missing, pointing to :class:`TICTrace`, which divides
+    by the trace and is estimated there.
     """
 
     #: Why no estimate serves where BackPACK computes no diagonal (the reason
     #: recorded with the missing value, and what to use instead).
     not_estimable = (
-        "TICDiag divides elementwise by the curvature diagonal, and the Hutchinson "
-        "estimate of a single diagonal entry is off by its row's off-diagonal mass "
-        "(usually more than the entry, of either sign), so no honest estimate exists",
-        "or track TICTrace, which is estimated on such models (Hessian trace by "
-        "Hutchinson, with its standard error)",
+        "TICDiag divides elementwise by the curvature diagonal, so only an exact one "
+        "serves (an estimate of a single entry, Hutchinson's or a Monte-Carlo GGN's, "
+        "is often near zero or of either sign); the exact GGN diagonal is formed "
+        "only for a cross-entropy loss with at most "
+        f"{EXACT_MAX_PRODUCTS} rows times classes (one backward pass each)",
+        "or track TICTrace, which is estimated on such models (GGN or Hessian "
+        "trace, with its standard error)",
     )
+    #: The GGN stands in only where exact (see :mod:`cockpit.curvature_source`).
+    estimable = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
+    exact_curvature_only = True
+
+    @dataclass
+    class Accumulator:
+        """Per-parameter reductions, the batch size seen, and halves not reduced.
+
+        ``pending[index]`` is ``[scaled second moment, curvature]`` of a parameter
+        whose two halves are shown apart (the GGN's diagonal before the backward
+        pass, the moments by the engines), reduced once both are there.
+        """
+
+        parts: dict[int, torch.Tensor] = field(default_factory=dict)
+        seen_batch_size: int | None = None
+        pending: dict[int, list] = field(default_factory=dict)
+
+    def accumulate(self, global_step: int, view: ParamView) -> None:
+        """Reduce the second moment and curvature (shown together or apart)."""
+        both = view.has_second_moment and view.has_curvature(self.curvature)
+        if both or self.shared is not None:
+            super().accumulate(global_step, view)
+            return
+        entry = self.acc.pending.setdefault(view.index, [None, None])
+        with torch.no_grad():
+            if view.has_second_moment:
+                entry[0] = view.scaled_sum_grad_squared().detach()
+            if view.has_curvature(self.curvature):
+                entry[1] = view.curvature(self.curvature).detach()
+        if view.has_individual_gradients:
+            self.acc.seen_batch_size = view.batch_size
+        if entry[0] is not None and entry[1] is not None:
+            scaled, diag = self.acc.pending.pop(view.index)
+            self.acc.parts[view.index] = self._reduce(scaled, diag.to(scaled.dtype))
+
+    def estimate_error(self, global_step: int, errors=None):
+        """An exact GGN diagonal (the only one taken): standard error 0."""
+        return None if errors is None else ([0.0], 0.0)
 
     def _reduce(self, scaled, diag):
         denominator = diag + self.epsilon
@@ -200,17 +262,21 @@ class TICTrace(_TIC):
     Sums run over all coordinates of all parameters; ``M_d`` and ``h_d`` as in
     :class:`TICDiag`.
 
-    Where BackPACK has no exact curvature for the model, ``curvature="diag_h"`` is
-    estimated: ``sum_d M_d`` stays exact, ``T = sum_d h_d`` is the Hutchinson
-    estimate of the probes the step draws (shared with HessTrace), and
-    ``<key>_estimate`` holds the standard error (delta method,
-    :func:`tic_trace_estimate`). A step whose estimated ``T + epsilon`` is not
-    clearly positive (below ``MIN_RELATIVE`` standard errors) is recorded missing.
+    Where BackPACK has no exact curvature for the model, it is estimated:
+    ``sum_d M_d`` stays exact, ``T = sum_d h_d`` is the step's estimate of the
+    curvature trace (shared with HessTrace; the GGN of the cross-entropy, also in
+    place of the Hessian for ``"diag_h"``, else Hutchinson's estimate of the
+    Hessian, :mod:`cockpit.curvature_source`), and ``<key>_estimate`` holds the
+    standard error (delta method, :func:`tic_trace_estimate`) and the curvature
+    used. A step whose estimated ``T + epsilon`` is not clearly positive (below
+    ``MIN_RELATIVE`` standard errors) is recorded missing; the GGN is positive
+    semi-definite, so its estimate with a small relative error always passes.
 
     Args:
         track_schedule: When to track.
         verbose: Extra diagnostics.
-        curvature: ``"diag_h"`` (default), ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
+        curvature: ``"diag_h"`` (default), ``"hutchinson"`` (the Hessian, never the
+            GGN in its place), ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
         epsilon: Damping added to the trace (default ``1e-7``).
         key: History key (default ``"TICTrace"``).
 
@@ -242,11 +308,9 @@ class TICTrace(_TIC):
         key: str | None = None,
     ):
         super().__init__(track_schedule, verbose, curvature, epsilon, key)
-        #: The Hessian trace is estimable (Hutchinson); GGN traces are not (the
-        #: probes multiply by the Hessian).
-        self.estimable = (
-            frozenset({Need.DIAG_H}) if curvature == "diag_h" else frozenset()
-        )
+        #: Every curvature is estimable (the GGN of the cross-entropy, or the
+        #: Hessian by Hutchinson; :mod:`cockpit.curvature_source`).
+        self.estimable = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
         self._errors: dict[int, float] = {}
 
     def bind(self, history) -> None:
@@ -306,8 +370,8 @@ class TICTrace(_TIC):
             )
             if value is None:
                 return Missing(
-                    f"the Hutchinson estimate of the Hessian trace plus epsilon is "
-                    f"{trace + self.epsilon:.3g} with standard error "
+                    f"the {self._read()} trace plus "
+                    f"epsilon is {trace + self.epsilon:.3g} with standard error "
                     f"{trace_error:.3g}, not clearly positive (TICTrace is estimated "
                     f"only where it exceeds {MIN_RELATIVE:g} standard errors). Fix: "
                     "more probes (Cockpit.HUTCHINSON_PROBES, default 16; the error "
@@ -323,6 +387,12 @@ class TICTrace(_TIC):
                 "Fix: use curvature='diag_ggn_exact' (never negative)"
             )
         return float(n * moment / (trace + self.epsilon))
+
+    def _read(self) -> str:
+        """The curvature this quantity's estimate reads (for messages)."""
+        if curvature_source.chosen(self) == curvature_source.GGN:
+            return "Monte-Carlo estimate of the GGN"
+        return "Hutchinson estimate of the Hessian"
 
     def abort_step(self, global_step: int) -> None:
         """Forget the step (and its standard error)."""
@@ -358,7 +428,8 @@ def tic_trace_estimate(
     Args:
         moment: ``A = sum_d M_d`` (exact).
         trace: The estimated trace ``T`` (the mean of the per-probe sums).
-        traces: ``[K, P]`` per-probe, per-parameter traces.
+        traces: ``[K, P]`` per-probe, per-parameter traces (``K = 1``: an exact
+            trace, standard error 0).
         epsilon: The damping.
 
     Returns:
@@ -366,7 +437,7 @@ def tic_trace_estimate(
         ``T + epsilon <= MIN_RELATIVE * SE(T)`` (not clearly positive).
     """
     probes = traces.shape[0]
-    trace_error = float(traces.sum(dim=1).std() / probes**0.5)
+    trace_error = float(traces.sum(dim=1).std() / probes**0.5) if probes > 1 else 0.0
     denominator = trace + epsilon
     if not denominator > MIN_RELATIVE * trace_error:
         return None, math.nan, trace_error

@@ -2,10 +2,11 @@
 
 Where BackPACK cannot form the curvature (a model it cannot backpropagate
 through), a quantity that accepts an unbiased estimate (``Quantity.estimable``)
-reads an estimate of the Hessian diagonal made from Hessian-vector products
-(:mod:`cockpit.trace_estimators`), with its standard error; the ledger records
-both. Two ways, chosen per step (the first is off, :data:`SHARE_LANCZOS`, so
-today every estimate is Hutchinson's):
+gets a source from :mod:`cockpit.curvature_source`: the GGN of the cross-entropy
+(:mod:`cockpit.step_features.ggn`) or, here, an estimate of the Hessian diagonal
+made from Hessian-vector products (:mod:`cockpit.trace_estimators`), with its
+standard error; the ledger records both. Two ways, chosen per step (the first is
+off, :data:`SHARE_LANCZOS`, so today every estimate is Hutchinson's):
 
 * the step runs HessMaxEV's Lanczos anyway (the user's backward pass carries the
   graph, ``create_graph=True``): after the backward pass, that Lanczos run is done
@@ -27,7 +28,7 @@ import math
 
 import torch
 
-from cockpit import trace_estimators
+from cockpit import curvature_source, trace_estimators
 from cockpit.engines import autograd as autograd_engine
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.quantities.hess_max_ev import (
@@ -107,8 +108,30 @@ def shared_solver(run, plan=None) -> HessMaxEV | None:
     return None
 
 
-def estimate_method(run, plan=None) -> str:
-    """How the step's estimate will be made (the coverage report's words)."""
+def estimate_method(run, plan=None, quantity=None, losses=None) -> str | None:
+    """How the step's estimate for ``quantity`` will be made (``None``: none serves).
+
+    The source is chosen by :func:`cockpit.curvature_source.choose` (the GGN of the
+    cross-entropy where it can be read, else Hutchinson's estimate of the
+    Hessian); these are the coverage report's words.
+
+    Args:
+        run: The step.
+        plan: Its plan (default: ``run.plan``).
+        quantity: The estimated quantity (``None``: the Hessian's estimate).
+        losses: The step's per-sample losses (with ``quantity``).
+    """
+    plan = run.plan if plan is None else plan
+    if quantity is not None:
+        source = curvature_source.choose(run, plan, quantity, losses)
+        if source is None:
+            return None
+        if source == curvature_source.GGN:
+            size = curvature_source.head_size(losses, run.params)
+            how = curvature_source.method(source, size)
+            if curvature_source.substitutes(quantity):
+                how = f"{how}, in place of the Hessian (curvature='hutchinson' for it)"
+            return how
     if shared_solver(run, plan) is not None:
         return (
             "Krylov-deflated Hutchinson: HessMaxEV's Lanczos vectors exact, at "
@@ -128,13 +151,22 @@ class Hutchinson(StepFeature):
         """Whether the feature has work at this step."""
         return bool(run.ledger.estimated())
 
+    @staticmethod
+    def served(run) -> list:
+        """The estimated quantities that read the Hessian (not the GGN)."""
+        return [
+            q
+            for q in run.ledger.estimated()
+            if curvature_source.chosen(q) != curvature_source.GGN
+        ]
+
     def __init__(self, run):
         super().__init__(run)
         self.solver = shared_solver(run)
 
     def before_backward(self) -> None:
         """Without a shared Lanczos run: Hutchinson on the per-sample losses."""
-        if self.solver is not None:
+        if self.solver is not None or not self.served(self.run):
             return
         run = self.run
         params = run.params
@@ -169,13 +201,13 @@ class Hutchinson(StepFeature):
     def after_backward(self) -> None:
         """With HessMaxEV due: one Lanczos run for both, its basis deflates."""
         solver, run = self.solver, self.run
-        if solver is None:
+        if solver is None or not self.served(run):
             return
         params = run.params
         try:
             grads = _graph_gradients(params, solver.key, run.step)
         except RuntimeError as error:  # HessMaxEV raises it too, when tracked
-            run.ledger.leave_out(run.ledger.estimated(), str(error))
+            run.ledger.leave_out(self.served(run), str(error))
             return
         try:
             dtype, device = _common_dtype(params), params[0].device
@@ -209,14 +241,14 @@ class Hutchinson(StepFeature):
         )
 
     def _without_double_backward(self, error: Exception) -> None:
-        for quantity in self.run.ledger.estimated():
+        for quantity in self.served(self.run):
             self.run.without_double_backward(quantity, error)
 
     def _show(self, estimate: trace_estimators.TraceEstimate, settings: dict) -> None:
         """Hand the diagonals to the estimated quantities, record the errors."""
         run = self.run
-        quantities = run.ledger.estimated()
-        run.ledger.estimator = settings
+        quantities = self.served(run)
+        settings = {**settings, "curvature": "hessian"}
         guards = [Guarded(q) for q in quantities]
         run.guards.extend(guards)
         with torch.no_grad():
@@ -233,6 +265,6 @@ class Hutchinson(StepFeature):
         errors = autograd_engine.trace_errors(traces)
         total = autograd_engine.sum_error(traces)
         for quantity in quantities:
-            run.ledger.set_errors(quantity, (errors, total))
+            run.ledger.set_errors(quantity, (errors, total), settings)
             quantity.probe_traces(traces)
         run.probe_traces = traces

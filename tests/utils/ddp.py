@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from backpack import extend
 
-from cockpit import Cockpit, quantities
+from cockpit import Cockpit, curvature_source, quantities
 from cockpit.quantities.bin_adaptation import GradAbsMax
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
@@ -147,6 +147,13 @@ def train(
         params, quantities=make_quantities(case), diagnose=False, **cockpit_kwargs
     )
     batches = case.get("batches") or joined_batches(case["model"], case["sizes"])
+    # one process estimates curvature as the data-parallel run does (no GGN)
+    with curvature_source.as_data_parallel():
+        _steps(network, loss_fn, optimizer, cockpit, batches, rank, world)
+    return cockpit
+
+
+def _steps(network, loss_fn, optimizer, cockpit, batches, rank, world) -> None:
     for step, (x, y) in enumerate(batches):
         if rank is not None:
             counts = shard_counts(x.shape[0], world)
@@ -165,7 +172,6 @@ def train(
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
-    return cockpit
 
 
 def train_on(case: dict[str, Any], batches, **cockpit_kwargs) -> Cockpit:
