@@ -86,8 +86,17 @@ LIGHT = ("vmap", "vnt", "economy", "tracked", "after")
 HEAVY = ("business", "full")
 VARIANTS = ("plain", *LIGHT, *HEAVY)
 #: Variants of the memory children (``extended``: plain steps of the extended
-#: model, what ``backpack.extend`` alone costs).
-MEMORY = ("plain", "extended", "vmap", "vnt", "economy", "after")
+#: model, what ``backpack.extend`` alone costs; ``losses``: plain steps that also
+#: compute the per-sample losses, as the 1.0.2 loop does for ``info``; ``probe``:
+#: ``losses`` plus, at the first step, one backward pass of one sample's loss with
+#: the graph retained, as the engines' sample-axis probes do once per shapes).
+MEMORY = ("plain", "extended", "losses", "probe", "vmap", "vnt", "economy", "after")
+#: How the memory children's allocator is set: ``live`` maps every allocation of
+#: 64 KiB or more on its own (``MALLOC_MMAP_THRESHOLD_=65536``), so that freed
+#: memory leaves the process and the peak RSS is that of live memory; ``heap``
+#: keeps the timing children's settings (``MALLOC_MMAP_MAX_=0``, no trimming), so
+#: the peak RSS is the heap's high-water mark, fragmentation included.
+ALLOCATORS = ("live", "heap")
 #: Cockpit quantities of each cockpit variant.
 COCKPIT = {
     "vnt": ("Variance", "NormTest"),
@@ -151,16 +160,31 @@ class Variant:
     def step(self) -> None:
         """One training step of this variant."""
         x, y = self.batches(self.steps)
-        if self.kind in ("plain", "extended"):
-            loss_fn = self.loss_fn if self.kind == "extended" else self.load.loss_fn
-            self.optimizer.zero_grad()
-            loss_fn(self.load.logits(self.model(x)), y).backward()
-            self.optimizer.step()
+        if self.kind in ("plain", "extended", "losses", "probe"):
+            self.plain_step(x, y)
         elif self.kind == "vmap":
             self.step_fn(x, y)
         else:
             self.cockpit_step(x, y)
         self.steps += 1
+
+    def plain_step(self, x, y) -> None:
+        """A plain step (``losses``, ``probe``: with the extra work they name)."""
+        import torch
+
+        loss_fn = self.loss_fn if self.kind == "extended" else self.load.loss_fn
+        self.optimizer.zero_grad()
+        logits = self.load.logits(self.model(x))
+        loss = loss_fn(logits, y)
+        if self.kind in ("losses", "probe"):
+            losses = self.load.individual_loss_fn(logits, y)
+            if self.kind == "probe" and self.steps == 0:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                torch.autograd.grad(
+                    losses[0], params, retain_graph=True, allow_unused=True
+                )
+        loss.backward()
+        self.optimizer.step()
 
     def cockpit_step(self, x, y) -> None:
         """The 1.0.2 loop: extended model and loss, per-sample losses in ``info``."""
@@ -460,7 +484,7 @@ def _child(args, mode, model, batch, variants, interpreter, rounds=None):
     result = spawn(
         "benchmarks.real_models_speed", argv, args.threads, args.timeout, interpreter
     )
-    label = "reference" if interpreter is not OURS else "ours"
+    label = "reference" if interpreter.cwd != REPO else "ours"
     print(
         f"[{label}] {mode} {model} N={batch} {variants}: "
         f"{time.perf_counter() - started:.0f} s "
@@ -510,7 +534,8 @@ def measure_all(args) -> dict:
     models = args.models.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     variants = [v for v in args.variants.split(",") if v]
-    for model in models:
+    parts = args.parts.split(",")
+    for model in models if "time" in parts else ():
         for batch in batches:
             key = f"{model} N={batch}"
             results["ours"][key] = _child(
@@ -534,13 +559,39 @@ def measure_all(args) -> dict:
                         for v in MEMORY
                         if v not in ("plain", "vmap")
                     }
-    for model in models:
-        for batch in batches:
-            key = f"{model} N={batch}"
-            results["memory"]["ours"][key] = {
-                v: _child(args, "memory", model, batch, v, OURS) for v in MEMORY
-            }
+    memory_batches = [int(b) for b in (args.memory_batches or args.batches).split(",")]
+    for allocator in args.allocators.split(",") if "memory" in parts else ():
+        with allocator_interpreter(allocator) as interpreter:
+            for model in models:
+                for batch in memory_batches:
+                    key = f"{model} N={batch}"
+                    results["memory"].setdefault(allocator, {})[key] = {
+                        v: _child(args, "memory", model, batch, v, interpreter)
+                        for v in args.memory_variants.split(",")
+                    }
+    results["memory"]["ours"] = results["memory"].get(
+        "heap", results["memory"].get("live", {})
+    )
     return results
+
+
+@contextlib.contextmanager
+def allocator_interpreter(allocator: str):
+    """Memory children with the allocator settings ``allocator`` (see ALLOCATORS)."""
+    if allocator == "heap":
+        yield OURS
+        return
+    if allocator != "live":
+        raise ValueError(f"--allocators: {allocator!r} is none of {ALLOCATORS}")
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        yield Interpreter(drop_env=("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"))
+    finally:
+        if old is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
 
 
 # --- the report -------------------------------------------------------------------
@@ -561,7 +612,13 @@ def report(data: dict) -> str:
         f"Commit {machine['commit']}, {machine['date']}, {machine['cpu']} "
         f"({machine['cores']} cores, load {machine['load']}), torch "
         f"{machine['torch']}, BackPACK {machine['backpack']}. Command: "
-        f"`{' '.join(data['argv'])}`. Reference: commit "
+        f"`{' '.join(data['argv'])}`"
+        + "".join(
+            f"; memory: `{' '.join(run['argv'])}` (commit "
+            f"{run['machine']['commit']}, {run['machine']['date']})"
+            for run in data.get("memory_runs", ())
+        )
+        + ". Reference: commit "
         f"{data['settings'].get('reference_commit') or '–'} in the same run.",
         "",
         "Ratios: median CPU time of a step over the plain step's (one thread; wall "
@@ -604,34 +661,7 @@ def report(data: dict) -> str:
             value = values[goal]
             verdict = "–" if value is None else ("met" if value <= limit else "missed")
             lines.append(f"| {key} | {goal} <= {limit} | {_fmt(value)} | {verdict} |")
-    lines += [
-        "",
-        "## Memory",
-        "",
-        "Peak RSS of a process running steps of one variant minus that of a "
-        "process running plain steps (MiB); dense per-sample gradients: N x D x 4 "
-        "bytes.",
-        "",
-        "| model, batch | variant | extra (ours) | extra (reference) | dense N x D |",
-        "|---|---|---|---|---|",
-    ]
-    memory = results["memory"]
-    for key, ours in memory["ours"].items():
-        plain = ours.get("plain", {}).get("peak_rss_mib")
-        ref = memory["reference"].get(key, {})
-        batch = int(key.split("N=")[1])
-        params = ours.get("plain", {}).get("parameters", 0)
-        dense = batch * params * 4 / 2**20
-        for kind, entry in ours.items():
-            if kind == "plain":
-                continue
-            extra = None if plain is None else entry.get("peak_rss_mib", 0) - plain
-            ref_peak = ref.get(kind, {}).get("peak_rss_mib")
-            ref_extra = None if ref_peak is None or plain is None else ref_peak - plain
-            lines.append(
-                f"| {key} | {kind} | {_fmt(extra, 0)} | {_fmt(ref_extra, 0)} | "
-                f"{dense:.0f} |"
-            )
+    lines += memory_report(results["memory"])
     coverage = {
         key: ours.get("coverage", {})
         for key, ours in results["ours"].items()
@@ -642,6 +672,59 @@ def report(data: dict) -> str:
         for kind, counts in engines.items():
             lines.append(f"* {key} {kind}: {counts}")
     return "\n".join(lines) + "\n"
+
+
+def memory_report(memory: dict) -> list[str]:
+    """The memory table: extra peak RSS over plain steps, per allocator setting."""
+    allocators = [a for a in ALLOCATORS if memory.get(a)]
+    if not allocators:  # a record from before the allocator settings
+        allocators, memory = ["heap"], {"heap": memory.get("ours", {})}
+    lines = [
+        "",
+        "## Memory",
+        "",
+        "Peak RSS of a process running steps of one variant minus that of a "
+        "process running plain steps (MiB); dense per-sample gradients: N x D x 4 "
+        "bytes. live: allocations of 64 KiB or more mapped on their own "
+        "(`MALLOC_MMAP_THRESHOLD_=65536`), so the peak is that of live memory; "
+        "heap: the timing children's `MALLOC_MMAP_MAX_=0`, no trimming, so the "
+        "peak is the heap's high-water mark, fragmentation included.",
+        "",
+        "| model, batch | variant | "
+        + " | ".join(f"extra ({a})" for a in allocators)
+        + " | dense N x D | "
+        + " | ".join(f"{a} / dense" for a in allocators)
+        + " |",
+        "|---|---|" + "---|" * (2 * len(allocators) + 1),
+    ]
+    keys = list(dict.fromkeys(k for a in allocators for k in memory[a]))
+    for key in keys:
+        batch = int(key.split("N=")[1])
+        kinds, extras, params = [], {}, 0
+        for allocator in allocators:
+            entries = memory[allocator].get(key, {})
+            plain = entries.get("plain", {}).get("peak_rss_mib")
+            params = params or entries.get("plain", {}).get("parameters", 0)
+            for kind, entry in entries.items():
+                if kind == "plain":
+                    continue
+                kinds.append(kind)
+                peak = entry.get("peak_rss_mib")
+                extras[allocator, kind] = (
+                    None if plain is None or peak is None else peak - plain
+                )
+        dense = batch * params * 4 / 2**20
+        for kind in dict.fromkeys(kinds):
+            values = [extras.get((a, kind)) for a in allocators]
+            shares = [None if v is None or not dense else v / dense for v in values]
+            lines.append(
+                f"| {key} | {kind} | "
+                + " | ".join(_fmt(v, 0) for v in values)
+                + f" | {dense:.0f} | "
+                + " | ".join(_fmt(v) for v in shares)
+                + " |"
+            )
+    return lines
 
 
 def main(argv=None) -> None:
@@ -662,6 +745,31 @@ def main(argv=None) -> None:
     parser.add_argument("--heavy-rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument(
+        "--memory-batches", default="", help="batches of the memory children"
+    )
+    parser.add_argument(
+        "--memory-variants",
+        default=",".join(MEMORY),
+        help="variants of the memory children (plain first)",
+    )
+    parser.add_argument(
+        "--allocators",
+        default=",".join(ALLOCATORS),
+        help="allocator settings of the memory children (live, heap)",
+    )
+    parser.add_argument(
+        "--parts",
+        default="time,memory",
+        help="time, memory or both (two runs' records merge with --merge)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="RECORD",
+        help="write --out from a time-only record and memory-only records",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=4 * 3600)
     parser.add_argument("--reference-commit", default=REFERENCE_COMMIT)
@@ -670,6 +778,25 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.table is not None:
         print(report(json.loads(args.table.read_text())))
+        return
+    if args.merge is not None:
+        data = json.loads(args.merge[0].read_text())
+        merged = {}
+        for path in args.merge[1:]:
+            memory = json.loads(path.read_text())
+            for allocator in ALLOCATORS:
+                for key, entries in (
+                    memory["results"]["memory"].get(allocator, {}).items()
+                ):
+                    merged.setdefault(allocator, {}).setdefault(key, {}).update(entries)
+            data.setdefault("memory_runs", []).append(
+                {"machine": memory["machine"], "argv": memory["argv"]}
+            )
+        data["results"]["memory"] = merged
+        args.out.write_text(json.dumps(data, indent=1))
+        text = report(data)
+        args.out.with_suffix(".md").write_text(text)
+        print(text)
         return
     results = measure_all(args)
     data = {

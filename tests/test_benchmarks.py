@@ -95,11 +95,12 @@ def test_only_internals_imports_cockpit():
             "ggn_estimate_se.py",
             "big_logs.py",
             "real_models_speed.py",
+            "after_step_floor.py",
         ):
             continue  # validation, step trace: the public API; kernels, curvature_cost
             # (a converged Lanczos reference) and ggn_estimate_se measure internals;
             # big_logs writes its logs with cockpit's own writers; real_models_speed
-            # times the per-sample parts alone (its 'parts' child)
+            # and after_step_floor time the per-sample parts alone
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -240,10 +240,21 @@ class BackpackEngine(Engine):
                 bp.rule_problem(module, e) is None for e in curvature
             )
 
+        owners = self.modules.owners
+
+        def never_served(module) -> str | None:
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if own and all(len(owners.get(id(p), ())) > 1 for p in own):
+                return (
+                    f"{type(module).__name__}'s parameters are tied to another "
+                    "module's (BackPACK serves no tied parameter)"
+                )
+            return None
+
         for root in roots:
             self._rewired += hooks.rewire(
                 list(root.modules()),
-                lambda m: hooks.plan_module(m, rule, any_rule, possible),
+                lambda m: hooks.plan_module(m, rule, any_rule, possible, never_served),
             )
         sequential = roots if possible else []
         found = rules.in_place_modules(sequential)

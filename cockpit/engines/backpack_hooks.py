@@ -30,6 +30,10 @@ as they are:
   layer and ``nn.Sequential`` containers, so they cannot run on this model
   anyway. This removes the attribute clash and the views of containers and
   parameter-free layers;
+* **taken off** a layer none of whose parameters BackPACK can ever serve (each is
+  tied to another module: the ghost or autograd engine serves it), so that its
+  input and output (a language model head's logits, ``N x T x V`` numbers) are
+  not kept from the forward pass to the backward pass for nothing;
 * **moved to the output** for the remaining layers (parameters and a first-order
   rule, e.g. ``Linear``, ``Conv2d``, ``LayerNorm``, ``BatchNorm2d``,
   ``Embedding``): the forward hook that stores the inputs and output stays, and
@@ -179,6 +183,7 @@ def plan_module(
     rule: Callable[[Module], bool],
     any_rule: Callable[[Module], bool],
     curvature: bool,
+    never_served: Callable[[Module], str | None] = lambda module: None,
 ) -> tuple[str, str] | None:
     """What to do with the BackPACK hooks of an extended module.
 
@@ -190,6 +195,10 @@ def plan_module(
             curvature) has one.
         curvature: Whether BackPACK may compute curvature diagonals for the
             cockpit's parameters (then layers with rules keep their hooks).
+        never_served: Why BackPACK can serve none of the module's parameters at
+            any step (tied weights: another engine serves them), or ``None``.
+            Such a layer's hooks are taken off, so its input and output are not
+            kept for BackPACK between the forward and the backward pass.
 
     Returns:
         ``(action, reason)`` (:data:`TAKEN_OFF` or :data:`MOVED`, and why), or
@@ -213,6 +222,9 @@ def plan_module(
         return TAKEN_OFF, f"{name} has no parameters of its own"
     if not rule(module):
         return TAKEN_OFF, f"BackPACK has no first-order rule for {name}"
+    reason = never_served(module)
+    if reason is not None:
+        return TAKEN_OFF, reason
     return MOVED, f"{name}'s output may be changed in place by the forward code"
 
 
