@@ -256,6 +256,13 @@ def test_the_102_loop_runs_with_every_configuration_on_every_model(label, caplog
             first = {"Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest",
                      "GradHist1d", "Distance"}  # fmt: skip
             assert not first & set(missing), (name, step, missing)
+            # curvature with a value on every model (issue 26): the traces from
+            # BackPACK, the GGN or Hutchinson; HessMaxEV from Hessian-vector
+            # products (under fused attention too); TICDiag may be missing where
+            # only an estimate of the diagonal exists (the reason names TICTrace)
+            assert not {"HessTrace", "HessMaxEV"} & set(missing), (name, step, missing)
+            if "TICDiag" in missing:
+                assert "TICTrace" in missing["TICDiag"], (name, missing["TICDiag"])
 
 
 def check_coverage_line(line, cockpit, name):
