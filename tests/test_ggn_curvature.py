@@ -34,35 +34,14 @@ from tests.utils.dense_ggn import dense_ggn
 from tests.utils.hand_written import tiny_gpt
 
 
-def run_loop(case, quantities, steps=2, lr=0.05):
-    """The 1.0.2 loop, unchanged; parameters and batches recorded per step."""
-    model, loss_fn = extend(case.model), extend(case.loss_fn)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr)
-    cockpit = Cockpit(params, quantities=quantities)
-    records = {}
-    for step in range(steps):
-        kwargs, targets = case.batch(hf_models.BATCH, 50 + step)
-        opt.zero_grad()
-        logits = case.logits(model(**kwargs))
-        loss = loss_fn(logits, targets)
-        losses = case.individual_loss_fn(logits, targets)
-        info = {"batch_size": hf_models.BATCH, "individual_losses": losses,
-                "loss": loss, "optimizer": opt}  # fmt: skip
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
-        records[step] = ([p.detach().clone() for p in params], kwargs, targets)
-        opt.step()
-    return cockpit, records
-
-
 def check_exact(name, steps):
     case = hf_models.build(name, seed=1)
     quantities = configuration("business") + [Q.TICTrace(linear(1))]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("ignore", UserWarning)  # torch: hooks of frozen inputs
         warnings.simplefilter("always", CockpitWarning)
-        cockpit, records = run_loop(case, quantities, steps=steps)
+        batch = lambda step: case.batch(hf_models.BATCH, 50 + step)  # noqa: E731
+        cockpit, records = hf_models.run_loop(case, quantities, steps, batch=batch)
     said = [str(w.message) for w in caught]
     said = [text for text in said if "generalised Gauss-Newton" in text]
     assert len(said) == 1 and "curvature='hutchinson'" in said[0], said

@@ -347,3 +347,42 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:
     case = {**ZOO, **MORE}[name]()
     case.model = case.model.to(dtype).train()
     return case
+
+
+def run_loop(case: Case, quantities, steps=2, lr=0.05, batch=None):
+    """The 1.0.2 loop, unchanged, on ``case``; parameters and batches per step.
+
+    Args:
+        case: The model, its losses and its inputs.
+        quantities: The cockpit's quantities.
+        steps: Training steps (SGD with learning rate ``lr``).
+        lr: The learning rate.
+        batch: ``step -> (kwargs, targets)`` (default ``case.inputs(BATCH, step)``).
+
+    Returns:
+        The cockpit, and per step ``(parameters during the backward pass, kwargs,
+        targets)``.
+    """
+    from backpack import extend
+
+    from cockpit import Cockpit
+
+    batch = batch or (lambda step: case.inputs(BATCH, step))
+    model, loss_fn = extend(case.model), extend(case.loss_fn)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    cockpit = Cockpit(params, quantities=quantities)
+    records = {}
+    for step in range(steps):
+        kwargs, targets = batch(step)
+        opt.zero_grad()
+        logits = case.logits(model(**kwargs))
+        loss = loss_fn(logits, targets)
+        losses = case.individual_loss_fn(logits, targets)
+        info = {"batch_size": BATCH, "individual_losses": losses,
+                "loss": loss, "optimizer": opt}  # fmt: skip
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        records[step] = ([p.detach().clone() for p in params], kwargs, targets)
+        opt.step()
+    return cockpit, records
