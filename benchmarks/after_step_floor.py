@@ -66,14 +66,16 @@ def child(args) -> dict:
     """Time the steps and parts interleaved (see the module)."""
     import torch
 
-    from benchmarks.real_models_speed import Variant, every_other_step, setup
+    from benchmarks.real_models_speed import (
+        Variant,
+        every_other_step,
+        projection_keeper,
+        setup,
+    )
     from cockpit import Cockpit
     from cockpit.engines import base as engines
     from cockpit.engines.backpack_engine import BackpackEngine
-    from cockpit.needs import Need
     from cockpit.quantities import alpha as alpha_module
-    from cockpit.quantities.base import SingleStepQuantity
-    from cockpit.quantities.batch_statistics import PerParameter
     from cockpit.utils.configuration import configuration
 
     args.model = "gpt2"
@@ -118,23 +120,15 @@ def child(args) -> dict:
     # --- the parts alone, on what one tracked step keeps --------------------------
     kept = {}
 
-    class Keep(SingleStepQuantity):
-        needs = frozenset({Need.PROJECTIONS})
-        Accumulator = PerParameter
-
-        def accumulate(self, global_step, view):
-            kept[view.index] = view.keep_individual()
-
-        def _compute(self, global_step, ctx):
-            return 0.0
-
     keeper = Variant("plain", load, batches)
     from backpack import extend
 
     keeper.kind = "tracked"
     keeper.model = extend(keeper.model)
     keeper.loss_fn = extend(copy.deepcopy(load.loss_fn))
-    keeper.cockpit = Cockpit(keeper.model.parameters(), [Keep(lambda s: True)])
+    keeper.cockpit = Cockpit(
+        keeper.model.parameters(), [projection_keeper(kept, lambda s: True)]
+    )
     keeper.optimizer = torch.optim.SGD(keeper.model.parameters(), lr=0.01)
     names = [n for n, _ in keeper.model.named_parameters()]
     primal = {n: p.detach().clone() for n, p in keeper.model.named_parameters()}

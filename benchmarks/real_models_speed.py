@@ -343,6 +343,29 @@ def _cockpit_file() -> str:
     return cockpit.__file__
 
 
+def projection_keeper(kept: dict, schedule):
+    """A quantity that keeps each parameter's per-sample results in ``kept``.
+
+    ``kept[index]`` is what the engines leave for Alpha's projections at the
+    next step (``ParamView.keep_individual``), so their parts can be timed alone.
+    """
+    from cockpit.needs import Need
+    from cockpit.quantities.base import SingleStepQuantity
+    from cockpit.quantities.batch_statistics import PerParameter
+
+    class Keep(SingleStepQuantity):
+        needs = frozenset({Need.PROJECTIONS})
+        Accumulator = PerParameter
+
+        def accumulate(self, global_step, view):
+            kept[view.index] = view.keep_individual()
+
+        def _compute(self, global_step, ctx):
+            return 0.0
+
+    return Keep(schedule)
+
+
 def child_parts(args) -> dict:
     """Each part of the per-sample work alone, against the plain step (the floors).
 
@@ -356,23 +379,10 @@ def child_parts(args) -> dict:
     import torch
 
     from cockpit import Cockpit
-    from cockpit.needs import Need
-    from cockpit.quantities.base import SingleStepQuantity
-    from cockpit.quantities.batch_statistics import PerParameter
     from cockpit.quantities.grad_hist import histogram_1d, histogram_edges
 
     load, batches = setup(args)
     kept = {}
-
-    class Keep(SingleStepQuantity):
-        needs = frozenset({Need.PROJECTIONS})
-        Accumulator = PerParameter
-
-        def accumulate(self, global_step, view):
-            kept[view.index] = view.keep_individual()
-
-        def _compute(self, global_step, ctx):
-            return 0.0
 
     plain = Variant("plain", load, batches)
     tracked = Variant("plain", load, batches)
@@ -381,7 +391,9 @@ def child_parts(args) -> dict:
 
     tracked.model = extend(tracked.model)
     tracked.loss_fn = extend(copy.deepcopy(load.loss_fn))
-    tracked.cockpit = Cockpit(tracked.model.parameters(), [Keep(every_step)])
+    tracked.cockpit = Cockpit(
+        tracked.model.parameters(), [projection_keeper(kept, every_step)]
+    )
     tracked.optimizer = torch.optim.SGD(tracked.model.parameters(), lr=0.01)
     tracked.step()
     params = list(tracked.model.parameters())
