@@ -13,12 +13,12 @@ import collections
 import warnings
 from typing import Any, Mapping
 
-from cockpit.checkpoint import cockpit_state, load_cockpit_state
-from cockpit.console import LOG
 from cockpit.errors import CockpitWarning
 from cockpit.history import json_path
-from cockpit.log_files import empty_run_cause
-from cockpit.log_keys import LOG_KEYS
+from cockpit.log.checkpoint import cockpit_state, load_cockpit_state
+from cockpit.log.files import empty_run_cause
+from cockpit.log.keys import LOG_KEYS
+from cockpit.step.console import LOG
 
 
 class Records:
@@ -105,14 +105,14 @@ class Records:
     def state_dict(self) -> dict[str, Any]:
         """What a restarted run needs to go on exactly here (after ``opt.step()``).
 
-        See :func:`cockpit.checkpoint.cockpit_state`.
+        See :func:`cockpit.log.checkpoint.cockpit_state`.
         """
         return cockpit_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore a state from :meth:`state_dict`; the run continues after it.
 
-        See :func:`cockpit.checkpoint.load_cockpit_state`.
+        See :func:`cockpit.log.checkpoint.load_cockpit_state`.
         """
         load_cockpit_state(self, state, strict)
         self._plan = None
