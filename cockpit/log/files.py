@@ -35,8 +35,8 @@ _WRITTEN_BY = "Cockpit.write(path) or Cockpit(..., logpath=path)"
 def empty_run_cause(closed_a_step: bool | None = None) -> str:
     """Why a run tracked no step, and the fix: the one text for every such message.
 
-    Said by :meth:`Cockpit.write <cockpit.records.Records.write>` (a warning), by
-    every command given the run's log and by the dashboard.
+    Said by :meth:`Cockpit.write <cockpit.cockpit_output.CockpitOutput.write>`
+    (a warning), by every command given the run's log and by the dashboard.
 
     Args:
         closed_a_step: Whether the cockpit ever closed a step (``Cockpit.end``
