@@ -79,7 +79,7 @@ def deflated_probes(probes: int, share: float | None) -> int:
     return min(probes, max(MIN_DEFLATED_PROBES, math.ceil(share * probes)))
 
 
-#: Off: measured on GPT-2 (benchmarks/curvature_cost_results.md), the deflated
+#: Off: measured on GPT-2 (benchmarks/results/curvature_cost.md), the deflated
 #: estimate was no more precise than Hutchinson's (standard error 250 vs 243 at 16
 #: probes) and made full 1.3x slower, and it made one process's HessTrace differ
 #: from a data-parallel run's on the same batch (which uses Hutchinson).

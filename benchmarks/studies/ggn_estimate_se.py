@@ -6,11 +6,11 @@ the median over tensors of each tensor's, from :func:`cockpit.curvature.ggn.
 monte_carlo_ggn` with ``--draws`` labels (a draw is one backward pass, a
 Hessian-vector product about two: 32 draws cost about what 16 Hutchinson probes
 cost), and its CPU time over a plain training step's, medians over ``--steps``
-batches. Compare with the HessTrace columns of ``curvature_zoo_results.md``::
+batches. Compare with the HessTrace columns of ``benchmarks/results/curvature_zoo.md``::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-        python -m benchmarks.ggn_estimate_se --steps 3 \\
-        --out benchmarks/ggn_estimate_se_results.md
+        python -m benchmarks.studies.ggn_estimate_se --steps 3 \\
+        --out benchmarks/results/ggn_estimate_se.md
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def measure(name: str, steps: int, draws: int) -> dict:
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     lines = [
         "# Monte-Carlo GGN trace on the zoo: relative standard errors",
         "",
-        f"`python -m benchmarks.ggn_estimate_se --steps {args.steps} --draws "
+        f"`python -m benchmarks.studies.ggn_estimate_se --steps {args.steps} --draws "
         f"{args.draws}` at commit {commit} on {cpu}, one torch thread, batch 4, "
         "float32; medians over the steps. The estimator is not wired into a "
         "quantity yet.",

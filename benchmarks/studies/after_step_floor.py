@@ -3,8 +3,8 @@
 Run from the repository root (CPU, one thread; a few minutes per batch size)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \
-        python -m benchmarks.after_step_floor --batches 8,32 \
-        --out benchmarks/after_step_floor_results.json
+        python -m benchmarks.studies.after_step_floor --batches 8,32 \
+        --out benchmarks/results/after_step_floor.json
 
 Alpha needs, at the step ``t + 1`` after a tracked step ``t``, the loss and the
 projections ``<g_n, d>`` of every sample's gradient onto the update ``d``. On
@@ -48,10 +48,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import record
-from benchmarks.measure import REPO, Interpreter, spawn
+from benchmarks import driver, record
+from benchmarks.driver import RESULTS
+from benchmarks.measure import Interpreter, spawn
 
-DEFAULT_OUT = REPO / "benchmarks" / "after_step_floor_results.json"
+DEFAULT_OUT = RESULTS / "after_step_floor.json"
 STEPS = ("plain", "loop", "after", "after_ghost", "after_noproj")
 PARTS = ("projections", "jvp")
 
@@ -208,39 +209,40 @@ def child(args) -> dict:
 
 def report(data: dict) -> str:
     """Markdown table of a record."""
-    machine = data["machine"]
     lines = [
         "# The step after a tracked step: its parts, each timed alone",
         "",
-        f"Commit {machine['commit']}, {machine['date']}, {machine['cpu']} "
-        f"({machine['cores']} cores, load {machine['load']}), torch "
-        f"{machine['torch']}. Command: `{' '.join(data['argv'])}`.",
+        driver.machine_line(data) + ".",
         "",
         "GPT-2 of `benchmarks/real_models.py` (11.5M parameters), one thread; "
         "median CPU time over the plain step's, interleaved in one process.",
         "",
-        "| batch | part | ratio to plain | median s |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for key, result in data["results"].items():
         if "error" in result:
-            lines.append(f"| {key} | all | error: {result['error']} | |")
+            rows.append((key, "all", f"error: {result['error']}", None))
             continue
         for kind, ratio in result["ratio_cpu"].items():
             seconds = statistics.median(result["times"][kind])
-            lines.append(f"| {key} | {kind} | {ratio:.3f} | {seconds:.3f} |")
-        lines.append(
-            f"| {key} | jvp vs ghost projections, max relative difference | "
-            f"{result['jvp_relative_error']:.1e} | |"
+            rows.append((key, kind, f"{ratio:.3f}", f"{seconds:.3f}"))
+        rows.append(
+            (
+                key,
+                "jvp vs ghost projections, max relative difference",
+                f"{result['jvp_relative_error']:.1e}",
+                None,
+            )
         )
-    return "\n".join(lines) + "\n"
+    header = ("batch", "part", "ratio to plain", "median s")
+    return "\n".join(lines + driver.table(header, rows)) + "\n"
 
 
 def main(argv=None) -> None:
     """Measure (one child per batch size), or print the report of a record."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.after_step_floor", description=__doc__
+        prog="python -m benchmarks.studies.after_step_floor", description=__doc__
     )
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--batch", type=int, default=8)
@@ -272,7 +274,7 @@ def main(argv=None) -> None:
         if args.quick:
             child_argv.append("--quick")
         results[f"N={batch}"] = spawn(
-            "benchmarks.after_step_floor",
+            "benchmarks.studies.after_step_floor",
             child_argv,
             args.threads,
             args.timeout,
@@ -281,12 +283,9 @@ def main(argv=None) -> None:
     data = {
         "machine": record.machine(),
         "results": results,
-        "argv": ["python -m benchmarks.after_step_floor", *argv],
+        "argv": ["python -m benchmarks.studies.after_step_floor", *argv],
     }
-    args.out.write_text(json.dumps(data, indent=1))
-    text = report(data)
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
+    driver.write_record(data, args.out, report)
 
 
 if __name__ == "__main__":

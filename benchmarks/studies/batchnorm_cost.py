@@ -5,9 +5,11 @@ the tracked BatchNorm steps and the backward passes per sample at batch 128, abo
 minute each)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-        python -m benchmarks.batchnorm_cost --out benchmarks/batchnorm_cost_results.json
-    python -m benchmarks.batchnorm_cost --table benchmarks/batchnorm_cost_results.json
-    python -m benchmarks.batchnorm_cost --quick --out /tmp/bn.json   # a smoke run
+        python -m benchmarks.studies.batchnorm_cost \\
+        --out benchmarks/results/batchnorm_cost.json
+    python -m benchmarks.studies.batchnorm_cost \\
+        --table benchmarks/results/batchnorm_cost.json
+    python -m benchmarks.studies.batchnorm_cost --quick --out /tmp/bn.json  # smoke
 
 Model: :func:`benchmarks.real_models.resnet18` (the ResNet-18 layout, width 16, 32x32
 images, 10 classes, in-place residual; 20 BatchNorm layers in train mode, 2400
@@ -34,8 +36,8 @@ plus the backward passes per sample beyond their forward pass, what a tracked
 BatchNorm step costs with this method if nothing else (quantities, BackPACK, the
 histogram of ``N x D`` values) cost anything.
 
-**The other designs** (:mod:`benchmarks.batchnorm_designs`), timed once per batch
-size after the rounds on the plain BatchNorm model:
+**The other designs** (:mod:`benchmarks.studies.batchnorm_designs`), timed once per
+batch size after the rounds on the plain BatchNorm model:
 
 * design A (statistics Jacobian): the recording forward pass, the frozen
   ``vmap(grad)`` pass (``u_i`` and ``c_ik``), the ``S`` rows of the statistics'
@@ -69,10 +71,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import measure, record
-from benchmarks.measure import REPO
+from benchmarks import driver, measure
+from benchmarks.driver import RESULTS
 
-DEFAULT_OUT = REPO / "benchmarks" / "batchnorm_cost_results.json"
+DEFAULT_OUT = RESULTS / "batchnorm_cost.json"
 #: Issue 27, goal 5: economy / plain of the BatchNorm ResNet at batch 128.
 GOAL_BATCH, GOAL = 128, 10.0
 VARIANTS = (
@@ -265,7 +267,7 @@ def _designs(case: Case, config: dict, plain_cpu: float) -> dict:
     """Design A's parts, the rank of the correction, design C's pass."""
     import torch
 
-    from benchmarks import batchnorm_designs as designs
+    from benchmarks.studies import batchnorm_designs as designs
 
     result = {}
     model = case.plain_model
@@ -347,7 +349,7 @@ def _child_config(args, **extra) -> dict:
 def spawn(config: dict, args) -> dict:
     """Run one child; its result or ``{"error": ...}``."""
     return measure.spawn(
-        "benchmarks.batchnorm_cost",
+        "benchmarks.studies.batchnorm_cost",
         ["--child", json.dumps(config)],
         args.threads,
         args.timeout,
@@ -491,7 +493,7 @@ def _ints(text: str) -> list[int]:
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.batchnorm_cost",
+        prog="python -m benchmarks.studies.batchnorm_cost",
         description="BatchNorm ResNet: economy against plain steps, and its floor.",
     )
     parser.add_argument("--batches", type=_ints, default=None, metavar="N,M")
@@ -514,13 +516,11 @@ def parse(argv=None):
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {
-        "batches": [4, 8] if quick else [8, 32, 128],
-        "width": 4 if quick else 16,
-        "memory_batches": [4] if quick else [8, 32, 128],
+        "batches": ([4, 8], [8, 32, 128]),
+        "width": (4, 16),
+        "memory_batches": ([4], [8, 32, 128]),
     }
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    driver.fill_defaults(args, quick, defaults)
     if args.rounds is None:
         args.rounds = [1 if quick else {8: 7, 32: 5}.get(n, 3) for n in args.batches]
     if len(args.rounds) != len(args.batches):
@@ -528,52 +528,29 @@ def parse(argv=None):
     return args
 
 
+SETTINGS = (
+    "batches",
+    "rounds",
+    "warmup",
+    "width",
+    "rows",
+    "memory_batches",
+    "memory_steps",
+    "threads",
+)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
-    if args.child:
-        child_main(json.loads(args.child))
-        return 0
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
-        return 0
-    for name, value in measure.CHILD_ENV.items():
-        os.environ.setdefault(name, value)
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    started = time.perf_counter()
-    saved = measure_all(args)
-    machine = record.machine()
-    machine["load_before"] = load_before
-    saved = {
-        "machine": machine,
-        "argv": list(argv),
-        "settings": {
-            k: getattr(args, k)
-            for k in (
-                "batches",
-                "rounds",
-                "warmup",
-                "width",
-                "rows",
-                "memory_batches",
-                "memory_steps",
-                "threads",
-            )
-        },
-        "wall_s": time.perf_counter() - started,
-        **saved,
-    }
-    Path(args.out).write_text(json.dumps(saved, indent=1) + "\n")
-    print(table(saved))
-    print(f"wrote {args.out} ({saved['wall_s']:.0f} s)", file=sys.stderr)
-    failed = [n for n, r in saved["time"].items() if "error" in r]
-    failed += [
-        f"{n}/{k}"
-        for n, kinds in saved["memory"].items()
-        for k, r in kinds.items()
-        if "error" in r
-    ]
-    return 1 if failed else 0
+    """Measure (or print a record's tables, or run one child); see the module."""
+    return driver.main(
+        argv,
+        parse,
+        child_main=child_main,
+        render=table,
+        measure_all=measure_all,
+        settings=lambda args: {k: getattr(args, k) for k in SETTINGS},
+        sections=("time", "memory"),
+    )
 
 
 if __name__ == "__main__":

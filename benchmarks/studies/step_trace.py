@@ -16,7 +16,8 @@ wrapper lies outside cockpit; the ``linear(1)`` it calls counts). Only the publi
 tracer runs unchanged on later versions. Figures can differ by one between runs:
 ``any()`` over a set of strings stops at a hash-seeded place.
 
-Run: ``python -m benchmarks.step_trace --out benchmarks/step_trace_before.json``
+Run: ``python -m benchmarks.studies.step_trace --out
+benchmarks/results/step_trace_before.json``
 """
 
 from __future__ import annotations

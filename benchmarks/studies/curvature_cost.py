@@ -20,9 +20,9 @@ Set up the reference once, then run (one torch thread, allocator settings as in
 
     git worktree add /tmp/ref6fc 6fc3e24
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-        python -m benchmarks.curvature_cost --reference /tmp/ref6fc \\
+        python -m benchmarks.studies.curvature_cost --reference /tmp/ref6fc \\
         --models gpt2-small,3c3d --steps 4 --rounds 2 \\
-        --out benchmarks/curvature_cost_results.md
+        --out benchmarks/results/curvature_cost.md
 
 ``--models gpt2`` is the speed issue's GPT-2 (11.5M parameters, sequence 128, a full
 step takes minutes on one thread: use ``--steps 2 --rounds 1``). Models:
@@ -40,8 +40,9 @@ Hessian, exact or Monte-Carlo, see ``cockpit/curvature/source.py``), the estimat
 relative standard errors and the tracked / plain CPU time (this checkout only; model
 seed ``--seed``, default 1, not the seed 0 the GGN's count rule was chosen on)::
 
-    python -m benchmarks.curvature_cost --zoo gpt2,vit,llama,t5,bert,resnet,tiny-gpt \\
-        --steps 3 --out benchmarks/curvature_zoo_results.md
+    python -m benchmarks.studies.curvature_cost \\
+        --zoo gpt2,vit,llama,t5,bert,resnet,tiny-gpt \\
+        --steps 3 --out benchmarks/results/curvature_zoo.md
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULT = "CURVATURE-COST "
 CHILD_ENV = {
     "MALLOC_MMAP_MAX_": "0",
@@ -307,7 +308,8 @@ def zoo_report(results: list[dict], args) -> str:
     lines = [
         "# Curvature on real architectures, the 1.0.2 loop, default attention",
         "",
-        f"Made by `python -m benchmarks.curvature_cost {' '.join(args.argv)}` at "
+        "Made by `python -m benchmarks.studies.curvature_cost "
+        f"{' '.join(args.argv)}` at "
         f"commit {_commit()} on {_cpu()}, one torch thread; "
         f"{args.steps} tracked steps per model and configuration (batch 4, float32, "
         f"model seed {args.seed}, batches {100 * args.seed}-"
@@ -378,7 +380,7 @@ def run_child(spec: dict, timeout: float, flag: str = "--child") -> dict:
     """Run one child and return its result."""
     env = {**os.environ, **CHILD_ENV}
     env.pop("PYTHONPATH", None)
-    command = [sys.executable, "-m", "benchmarks.curvature_cost", flag,
+    command = [sys.executable, "-m", "benchmarks.studies.curvature_cost", flag,
                json.dumps(spec)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
@@ -450,7 +452,8 @@ def report(summary: list[dict], results: list[dict], args) -> str:
     lines = [
         "# business and full per tracked step against 6fc3e24",
         "",
-        f"Made by `python -m benchmarks.curvature_cost {' '.join(args.argv)}` at "
+        "Made by `python -m benchmarks.studies.curvature_cost "
+        f"{' '.join(args.argv)}` at "
         f"commit {commit} on {cpu}, one torch thread, "
         f"{time.strftime('%Y-%m-%d')}; reference: {args.reference}. Medians over "
         "the tracked steps after the first; CPU seconds (`time.process_time`).",

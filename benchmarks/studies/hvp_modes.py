@@ -26,9 +26,9 @@ derivative needs), not extended; one torch thread; medians of interleaved rounds
 Run from the repository root (about a minute)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-        python -m benchmarks.hvp_modes
+        python -m benchmarks.studies.hvp_modes
 
-Writes ``--out`` (default ``benchmarks/hvp_modes_results.md``; ``-`` for none)
+Writes ``--out`` (default ``benchmarks/results/hvp_modes.md``; ``-`` for none)
 and prints the same table.
 """
 
@@ -47,9 +47,10 @@ from torch.func import functional_call, grad, jvp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import any_model
+from benchmarks.driver import RESULTS
 from benchmarks.problems import make
 
-DEFAULT_OUT = Path(__file__).with_name("hvp_modes_results.md")
+DEFAULT_OUT = RESULTS / "hvp_modes.md"
 MODES = (
     "double backward",
     "double backward, batched",
@@ -220,7 +221,7 @@ def main(argv=None) -> None:
         header = (
             "# Many Hessian-vector products: four ways\n\n"
             "Made by `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 "
-            "python -m benchmarks.hvp_modes` (see its docstring) on "
+            "python -m benchmarks.studies.hvp_modes` (see its docstring) on "
             f"{date.today().isoformat()}: {platform.processor() or platform.machine()}"
             f", torch {torch.__version__}, one thread; products of every mode "
             "checked against the sequential double backward (largest deviation "

@@ -1,7 +1,7 @@
 """Exact per-sample gradients through batch norms with mini-batch statistics: designs.
 
 Pure PyTorch (no cockpit): the alternatives to cockpit's batched backward pass per
-sample that :mod:`benchmarks.batchnorm_cost` times, part by part.
+sample that :mod:`benchmarks.studies.batchnorm_cost` times, part by part.
 
 **The decomposition.** A batch norm that normalises with the mini-batch's statistics
 makes sample ``i``'s loss depend on the other samples only through those statistics,

@@ -2,7 +2,8 @@
 
 Run from the repository root (a few seconds per problem)::
 
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 python -m benchmarks.kernels
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
+        python -m benchmarks.studies.kernels
 
 One tracked backward pass of each problem (batch 128) hands every parameter's
 per-sample gradients to a capturing quantity, as the cockpit hands them to
@@ -26,7 +27,7 @@ bit (checked; the 2-D counts against every block counted on its own by
 :func:`histogram_2d`). Times are also given in units
 of one plain training step (zero_grad, forward, backward, SGD step of the model
 without BackPACK), measured the same way. Results go to
-``benchmarks/kernels_results.md``.
+``benchmarks/results/kernels.md``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from cockpit.quantities.base import SingleStepQuantity
 BINS, RANGE = 100, (-2.0, 2.0)  # GradHist1d's defaults
 BINS_2D, RANGE_2D = (40, 50), ((-1.0, 1.0), (-2.0, 2.0))  # GradHist2d's defaults
 #: Everything after this line of the results file is kept when it is rewritten.
-HAND_WRITTEN = "<!-- hand-written below: kept by benchmarks.kernels -->"
+HAND_WRITTEN = "<!-- hand-written below: kept by benchmarks.studies.kernels -->"
 BLOCK = 1 << 18  # ParamView.individual_gradient_chunks' default block size
 
 
@@ -369,7 +370,7 @@ def main(argv=None):
         help="path of another grad_hist.py whose GradHist1d/2d are timed alongside, "
         "e.g. from `git show <commit>:cockpit/quantities/grad_hist.py`",
     )
-    parser.add_argument("--out", default="benchmarks/kernels_results.md")
+    parser.add_argument("--out", default="benchmarks/results/kernels.md")
     parser.add_argument(
         "--hvp-steps",
         type=int,
@@ -469,7 +470,7 @@ def main(argv=None):
         "# Gradient-histogram kernels",
         "",
         "Made by `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 "
-        "python -m benchmarks.kernels` (see its docstring). One torch thread, "
+        "python -m benchmarks.studies.kernels` (see its docstring). One torch thread, "
         f"process CPU time, median of {args.repeats} interleaved rounds; batch 128; "
         f"torch {torch.__version__}; {platform.platform()}; "
         f"{datetime.datetime.now().isoformat(timespec='seconds')}.",

@@ -9,8 +9,8 @@ Hessian of the mean loss of three tiny any-model test problems.
 
 Run from the repository root::
 
-    python -m benchmarks.estimators            # ours only; curvlinops "not installed"
-    /tmp/curvenv/bin/python -m benchmarks.estimators   # with curvlinops
+    python -m benchmarks.studies.estimators    # ours only; curvlinops "not installed"
+    /tmp/curvenv/bin/python -m benchmarks.studies.estimators   # with curvlinops
 
 (``/tmp/curvenv`` is a throwaway virtual environment holding
 ``curvlinops-for-pytorch``; curvlinops is *not* a dependency of cockpit.)
@@ -18,7 +18,7 @@ Options: ``--seeds N`` (default 50), ``--budgets 6,12,16,24,48`` (Hutch++ runs
 only where a budget is divisible by 3, XTrace/XDiag where it is even; all below
 the smallest model's dimension, 50),
 ``--output PATH`` for the JSON record (default
-``benchmarks/estimators_results.json``; ``--output -`` writes none).
+``benchmarks/results/estimators.json``; ``--output -`` writes none).
 Everything runs with one thread.
 """
 
@@ -37,6 +37,7 @@ import torch
 import torch.nn.attention
 
 from benchmarks import internals
+from benchmarks.driver import RESULTS
 from tests.utils.any_model import make_any_problem
 
 MODELS = ("transformer", "tied-custom", "rmsnorm-mlp")
@@ -281,9 +282,7 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument(
-        "--output", default=str(Path(__file__).with_name("estimators_results.json"))
-    )
+    parser.add_argument("--output", default=str(RESULTS / "estimators.json"))
     args = parser.parse_args(argv)
     start = time.perf_counter()
     result = run(
