@@ -11,6 +11,7 @@ other consumer subscribe. ``docs/architecture.md`` draws the picture.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterable
 
 from torch import Tensor
@@ -43,6 +44,17 @@ from cockpit.step.recorder import HistoryWriter, Recorder, StreamWriter
 from cockpit.step.run import StepRun, as_info
 
 __all__ = ["Cockpit", "LOG_KEYS", "NONFINITE_KEY", "STATE_VERSION"]
+
+
+def _let_go(loop: LoopChecks, router: Router) -> None:
+    """Remove what a cockpit hooked into the model and the optimizer.
+
+    Run by :meth:`Cockpit.close`, or when a cockpit that was never closed is
+    garbage-collected: the optimizer's step pre-hook and every engine's module
+    and tensor hooks go, BackPACK's ``extend`` hooks are the user's again.
+    """
+    loop.close()
+    router.close()
 
 
 def live_diagnosis(recorder: Recorder):
@@ -148,6 +160,9 @@ class Cockpit(CockpitOutput):
         self._loop = LoopChecks(self.params, self.recorder, self._diagnostics)
         self._router = Router(self.params)
         self._router.start()  # e.g. in-place modules off, replay watches on
+        # dropped without close(): the hooks go with the cockpit (neither holds it)
+        self._let_go = weakref.finalize(self, _let_go, self._loop, self._router)
+        self._let_go.atexit = False
         self._coverage: Coverage | None = None
         self._said = False  # the coverage line
         self._plan: StepPlan | None = None
@@ -155,6 +170,15 @@ class Cockpit(CockpitOutput):
         self.last_step: int | None = None
         for quantity in quantities:
             self.add(quantity)
+
+    def close(self) -> None:
+        """Close the streamed log; remove every hook from the model and optimizer.
+
+        The model is then as it was before the cockpit (a cockpit dropped
+        without ``close()`` does the same when it is garbage-collected).
+        """
+        super().close()
+        self._let_go()
 
     # --- configuration -------------------------------------------------------------
     def add(self, quantity: Quantity) -> None:

@@ -20,7 +20,12 @@ from typing import Callable, Iterator, Mapping
 
 from torch import Tensor
 
-from cockpit.per_sample import IndividualGradients
+from cockpit.per_sample import Centered, IndividualGradients
+
+#: Per-sample gradients of at most this many numbers (``N`` times the parameter's
+#: size) are centred even where factors would give their norms without forming
+#: them (:attr:`ParamView.centers_cheaply`).
+SMALL = 1 << 16
 
 
 @dataclass
@@ -153,6 +158,40 @@ class ParamView:
         return self._cached(
             "mean_dots", lambda: self._individual().project(self.mean_gradient())
         )
+
+    def centered(self, elementwise: bool = False) -> Centered:
+        """Statistics of ``g_i - g`` (two-pass: the mean subtracted first).
+
+        Computed once per parameter and shared (see
+        :meth:`cockpit.per_sample.IndividualGradients.centered`); spreads formed
+        from them do not cancel, unlike ``sum_i ||g_i||^2 - N ||g||^2``.
+
+        Args:
+            elementwise: Also ``sum_i (g_i - g)**2`` elementwise (its
+                :meth:`~cockpit.per_sample.Centered.elementwise_spread`).
+        """
+        kept = self._cache.get("centered")
+        if kept is None or (elementwise and kept.squares is None):
+            kept = self._individual().centered(self.mean_gradient(), elementwise)
+            self._cache["centered"] = kept
+        return kept
+
+    @property
+    def centers_cheaply(self) -> bool:
+        """Whether :meth:`centered` costs no forming of per-sample gradients.
+
+        True when they exist as a tensor already, were centred for another
+        quantity at this parameter, or number at most :data:`SMALL` (forming
+        them then costs about as much as the hook's own bookkeeping). Statistics
+        that can also be had from factors (squared norms, projections) use the
+        centred form only then.
+        """
+        individual = self._results.individual
+        if individual is None:
+            return False
+        if "centered" in self._cache or individual.formed:
+            return True
+        return individual.batch_size * self.param.numel() <= SMALL
 
     def batch_l2(self) -> Tensor:
         """Return ``||g_i||^2`` for every sample, shape ``[N]``."""

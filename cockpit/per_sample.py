@@ -85,6 +85,81 @@ class IndividualGradients(abc.ABC):
         """
         return None
 
+    @property
+    def formed(self) -> bool:
+        """Whether ``g_i`` exist as a tensor (statistics of them cost no forming)."""
+        return False
+
+    def centered(self, mean: Tensor, elementwise: bool = False) -> Centered:
+        """Statistics of ``c_i = g_i - mean``, formed from ``g_i`` block by block.
+
+        The two-pass form of the spread: the mean is subtracted from each
+        per-sample gradient before anything is squared, so nothing cancels
+        (unlike ``sum_i ||g_i||^2 - N ||g||^2``). ``mean`` is the rounded mean
+        ``g + d``; the drift ``sum_i c_i = -N d`` lets callers remove its
+        contribution ``N ||d||^2`` exactly (Chan, Golub and LeVeque's corrected
+        two-pass algorithm; :class:`Centered`).
+
+        Args:
+            mean: ``g`` as computed (the parameter's shape).
+            elementwise: Also return ``sum_i c_i**2`` elementwise.
+
+        Returns:
+            The centered statistics.
+        """
+        mean = mean.to(self.dtype)
+        flat_mean = mean.reshape(-1)
+        norms, dots, drift, squares = [], [], None, None
+        for block in self.chunks(1 << 20):
+            centred = block - mean
+            flat = centred.reshape(centred.shape[0], -1)
+            norms.append(torch.linalg.vector_norm(flat, dim=1).square())
+            dots.append(flat @ flat_mean)
+            part = centred.sum(0)
+            drift = part if drift is None else drift + part
+            if elementwise:
+                part = centred.square_().sum(0)
+                squares = part if squares is None else squares + part
+        return Centered(torch.cat(norms), torch.cat(dots), drift, squares)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype statistics are computed in."""
+        return self.mean().dtype
+
+
+class Centered:
+    """Statistics of the centred per-sample gradients ``c_i = g_i - mean``.
+
+    Attributes:
+        norms: ``||c_i||^2`` per sample, ``[N]``.
+        dots: ``c_i . mean`` per sample, ``[N]``.
+        drift: ``sum_i c_i`` (the parameter's shape): ``-N`` times the rounding
+            error of ``mean``.
+        squares: ``sum_i c_i**2`` elementwise, if asked for.
+    """
+
+    __slots__ = ("norms", "dots", "drift", "squares")
+
+    def __init__(self, norms, dots, drift, squares=None):
+        self.norms, self.dots, self.drift, self.squares = norms, dots, drift, squares
+
+    @property
+    def batch_size(self) -> int:
+        """N, the number of samples."""
+        return self.norms.shape[0]
+
+    def spread(self) -> Tensor:
+        """``sum_i ||g_i - g||^2`` with the mean's rounding removed (``>= 0``)."""
+        n = self.batch_size
+        spread = self.norms.sum() - self.drift.square().sum() / n
+        return spread.clamp(min=0)
+
+    def elementwise_spread(self) -> Tensor:
+        """``sum_i (g_i,d - g_d)^2`` for every coordinate ``d`` (``>= 0``)."""
+        spread = self.squares - self.drift.square() / self.batch_size
+        return spread.clamp(min=0)
+
 
 class DenseGradients(IndividualGradients):
     """Per-sample gradients as one tensor ``b`` with ``g_i = scale * b_i``.
@@ -116,6 +191,16 @@ class DenseGradients(IndividualGradients):
         if self._unscaled is None:
             self._unscaled = self._b * self._scale if self._scale != 1 else self._b
         return self._unscaled
+
+    @property
+    def formed(self) -> bool:
+        """Always: the (scaled) per-sample gradients are a tensor."""
+        return True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype statistics are computed in."""
+        return self._b.dtype
 
     def chunks(self, max_elements: int) -> Iterator[Tensor]:
         """Yield blocks of ``g_i``; slices of :meth:`materialize` if it was built."""
@@ -306,6 +391,16 @@ class FactoredLinearGradients(IndividualGradients):
         if self._unscaled is None:
             self._unscaled = self._factors.materialize(scale=self.batch_size)
         return self._unscaled
+
+    @property
+    def formed(self) -> bool:
+        """Whether :meth:`materialize` was called."""
+        return self._unscaled is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype statistics are computed in."""
+        return self._factors.inputs.dtype
 
     def chunks(self, max_elements: int) -> Iterator[Tensor]:
         """Yield blocks of ``g_i`` built from the factors, one block at a time."""
@@ -554,6 +649,11 @@ class OuterProductGradients(IndividualGradients):
 
     @property
     def dense(self) -> bool:
+        """Whether ``g_i`` were formed (:meth:`densify`)."""
+        return self._dense is not None
+
+    @property
+    def formed(self) -> bool:
         """Whether ``g_i`` were formed (:meth:`densify`)."""
         return self._dense is not None
 

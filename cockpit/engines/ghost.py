@@ -286,7 +286,7 @@ class Call:
     """
 
     __slots__ = ("module", "x", "node", "autocast", "delta", "engine",
-                 "consumer", "handle", "passed", "pending",
+                 "consumer", "handle", "passed", "pending", "hook",
                  "__weakref__")  # fmt: skip
 
     def __init__(self, engine, module: Module, x: Tensor, node, autocast: bool):
@@ -300,6 +300,8 @@ class Call:
         #: broadcasts it, whose gradient holds one slice per sample.
         self.consumer = None
         self.handle = None
+        #: The handle of :meth:`receive` on the output (removed on release).
+        self.hook = None
         #: A backward pass the engine did not listen to went through the call.
         self.passed = False
         #: Served parameters still to be shown that read this call.
@@ -323,10 +325,16 @@ class Call:
         return x.expand(n, *x.shape[1:]) if self.consumer is not None else x
 
     def release(self) -> None:
-        """Drop the tensors (the call is done or the step is over)."""
-        if self.handle is not None:
-            self.handle.remove()
+        """Drop the tensors, the module and the hooks (the call is done).
+
+        An output that outlives its step (a graph the user keeps) then holds
+        nothing of the model's.
+        """
+        for handle in (self.handle, self.hook):
+            if handle is not None:
+                handle.remove()
         self.x = self.node = self.delta = self.consumer = self.handle = None
+        self.module = self.hook = None
 
 
 @dataclass
@@ -400,7 +408,7 @@ class GhostEngine(Engine):
             if key not in self._scales:
                 self._scales[key] = _SCALE.fits(module, x, output)
         call = Call(self, module, x, output.grad_fn, autocast_on())
-        output.register_hook(call.receive)
+        call.hook = output.register_hook(call.receive)
         calls = self._calls[id(module)]
         kept = []
         for ref in calls:

@@ -32,17 +32,22 @@ class PerParameter:
 
 
 def squared_norm_entry(view: ParamView) -> tuple:
-    """Reduce one parameter to ``(sum_i ||g_i,p||^2, ||g_p||^2 or None, N)``.
+    """Reduce one parameter to ``(sum_i ||g_i,p||^2, ||g_p||^2 or None, N, spread)``.
 
-    ``||g_p||^2`` comes from the per-sample gradients' mean when they exist (another
-    quantity asked for ``BatchGrad``); with ``BatchL2Grad`` alone it is ``None`` and
-    :func:`total_squared_norms` reads ``.grad`` instead.
+    ``spread`` is ``sum_i ||g_i,p - g_p||^2`` in the two-pass form (the mean
+    subtracted first, :meth:`ParamView.centered`) where the per-sample gradients
+    are at hand as a tensor; otherwise ``None``, and :func:`total_spread` takes
+    the difference of the two sums in float64. ``||g_p||^2`` comes from the
+    per-sample gradients' mean when they exist; with ``BatchL2Grad`` alone it is
+    ``None`` and :func:`total_spread` reads ``.grad`` instead.
     """
     batch_l2 = view.batch_l2().detach()
-    grad_sq = None
+    grad_sq = spread = None
     if view.has_individual_gradients:
         grad_sq = (view.mean_gradient().detach() ** 2).sum()
-    return batch_l2.sum(), grad_sq, batch_l2.shape[0]
+        if view.centers_cheaply:
+            spread = view.centered().spread().detach()
+    return batch_l2.sum(), grad_sq, batch_l2.shape[0], spread
 
 
 def share_squared_norms(acc: PerParameter, n_global: int, bucket) -> None:
@@ -53,75 +58,121 @@ def share_squared_norms(acc: PerParameter, n_global: int, bucket) -> None:
     for index, entry in acc.entries.items():
 
         def then(total, index=index):
-            acc.entries[index] = (total, None, n_global)
+            acc.entries[index] = (total, None, n_global, None)
 
         bucket.sum(entry[0], then)
 
 
-def total_squared_norms(
-    acc: PerParameter, grads
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Sum the entries of :func:`squared_norm_entry` over all parameters.
+def parameter_spreads(acc: PerParameter, grads) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_i ||g_i,p - g_p||^2`` and ``||g_p||^2`` of every parameter, float64.
 
-    Args:
-        acc: The entries of every parameter.
-        grads: The mini-batch gradient of every parameter (``ctx.gradients()``).
-
-    Returns:
-        ``sum_i ||g_i||^2`` and ``||g||^2`` over the whole model, and ``N``.
+    The centred spread where the hook formed it; else the difference
+    ``sum_i ||g_i,p||^2 - N ||g_p||^2`` of the two float64 sums, clamped at 0:
+    within ``ULPS eps (sum_i ||g_i,p||^2 + N ||g_p||^2)`` of the exact value
+    (``eps`` of the dtype the sums were formed in; see
+    :data:`cockpit.quantities.defined.ULPS`).
 
     Raises:
         RuntimeError: If parameters saw different batch sizes.
     """
-    per_sample, mean, sizes = [], [], set()
-    for index, (sum_sq, grad_sq, n) in enumerate(acc.ordered(len(grads))):
-        per_sample.append(sum_sq)
-        mean.append(grad_sq if grad_sq is not None else (grads[index] ** 2).sum())
-        sizes.add(n)
-    if len(sizes) != 1:
+    entries = acc.ordered(len(grads))
+    n = batch_size_of(entries)
+    spreads, squares = [], []
+    for index, (sum_sq, grad_sq, _, spread) in enumerate(entries):
+        grad_sq = grad_sq if grad_sq is not None else (grads[index] ** 2).sum()
+        squares.append(defined.wide(grad_sq))
+        if spread is None:
+            spread = (defined.wide(sum_sq) - n * squares[-1]).clamp(min=0)
+        spreads.append(defined.wide(spread))
+    if not spreads:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return empty, empty
+    return torch.stack(spreads), torch.stack(squares)
+
+
+def batch_size_of(entries) -> int:
+    """The one batch size ``N`` of the entries (the third field of each).
+
+    Raises:
+        RuntimeError: If parameters saw different batch sizes.
+    """
+    sizes = {entry[2] for entry in entries}
+    if len(sizes) > 1:
         raise RuntimeError(
             f"Parameters saw different batch sizes {sorted(sizes)} in one backward "
             "pass. Fix: compute the loss of a single mini-batch per step."
         )
-    return torch.stack(per_sample).sum(), torch.stack(mean).sum(), sizes.pop()
+    return sizes.pop() if sizes else 0
+
+
+def total_spread(acc: PerParameter, grads) -> tuple:
+    """``sum_i ||g_i - g||^2``, ``||g||^2`` (float64), ``N`` and the sums' dtype.
+
+    Or :class:`Missing` in place of the first two where a sum is not finite.
+    """
+    entries = acc.ordered(len(grads))
+    n = batch_size_of(entries)
+    dtype = entries[0][0].dtype
+    undefined = defined.finite_sums(*(entry[0] for entry in entries))
+    if undefined is not None:
+        return undefined, undefined, n, dtype
+    spreads, squares = parameter_spreads(acc, grads)
+    if not bool(torch.isfinite(spreads).all() & torch.isfinite(squares).all()):
+        undefined = Missing(defined.overflow(dtype))
+        return undefined, undefined, n, dtype
+    return spreads.sum(), squares.sum(), n, dtype
 
 
 class GramQuantity(SingleStepQuantity):
-    """Base for statistics of ``||g_i||^2``, ``g_i . g`` and ``||g||^2``.
+    """Base for statistics of the centred ``||g_i - g||^2``, ``(g_i - g) . g``.
 
-    These are the diagonal and the row means of the per-sample Gram matrix; each
-    parameter adds its ``||g_i,p||^2`` and ``g_i,p . g_p`` (``[N]`` each) to running
-    sums inside the backward pass, so a module's per-sample results are reduced
-    and freed in its hook, and no ``[N, N]`` matrix is formed. Subclasses
-    implement ``_from_projections(norms, dots, grad_squared_norm)``.
+    These come from the diagonal and the row means of the per-sample Gram
+    matrix; each parameter adds its share (``[N]`` each) to running sums inside
+    the backward pass, so a module's per-sample results are reduced and freed in
+    its hook, and no ``[N, N]`` matrix is formed. Where the per-sample gradients
+    exist as a tensor the shares are centred in the two-pass form (the mean
+    subtracted first: nothing cancels); where they are factors (a ``Linear``
+    layer's, the ghost engine's) ``||g_i||^2``, ``g_i . g`` and ``||g||^2`` are
+    summed and their differences taken in float64 after the step, which leaves
+    an absolute error of about ``ULPS eps ||g_i|| (||g_i|| + ||g||)`` per sample
+    (``eps`` of the dtype they were formed in). Subclasses implement
+    ``_from_centered(norms, dots, grad_squared_norm)``.
     """
 
     @dataclass
     class Accumulator:
-        """The running sums of ``||g_i,p||^2`` and ``g_i,p . g_p`` over parameters.
+        """The running sums over parameters.
 
-        Data-parallel runs keep each parameter's per-sample gradients instead
-        (``kept``): the projections ``g_i . g`` need the joined batch's ``g``.
-        ``joined`` then holds the bucket slots of ``||g_i||^2`` and ``g_i . g``
-        over the joined batch.
+        ``raw`` holds ``(||g_i,p||^2, g_i,p . g_p, ||g_p||^2)`` summed over the
+        parameters seen through factors, ``centred`` ``(||g_i,p - g_p||^2,
+        (g_i,p - g_p) . g_p, ||g_p||^2)`` over the others. Data-parallel runs keep
+        each parameter's per-sample gradients instead (``kept``): the
+        projections ``g_i . g`` need the joined batch's ``g``. ``joined`` then
+        holds the bucket slots of ``||g_i||^2`` and ``g_i . g`` over the joined
+        batch.
         """
 
-        norms: torch.Tensor | None = None
-        dots: torch.Tensor | None = None
+        raw: list | None = None
+        centred: list | None = None
         kept: dict[int, object] = field(default_factory=dict)
         joined: tuple | None = None
 
     needs = frozenset({Need.BATCH_L2, Need.PROJECTIONS, Need.GRADIENT})
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
-        """Add the parameter's ``||g_i,p||^2`` and ``g_i,p . g_p`` to the sums."""
+        """Add the parameter's shares of the centred statistics to the sums."""
         if self.shared is not None:
             self.acc.kept[view.index] = view.keep_individual()
             return
-        norms, dots = view.batch_l2().detach(), view.mean_dots().detach()
-        acc = self.acc
-        acc.norms = norms if acc.norms is None else acc.norms + norms
-        acc.dots = dots if acc.dots is None else acc.dots + dots
+        mean = view.mean_gradient().detach()
+        square = (mean**2).sum()
+        if view.centers_cheaply:
+            centred = view.centered()
+            parts = [centred.norms.detach(), centred.dots.detach(), square]
+            self.acc.centred = _add(self.acc.centred, parts)
+        else:
+            parts = [view.batch_l2().detach(), view.mean_dots().detach(), square]
+            self.acc.raw = _add(self.acc.raw, parts)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Project the kept per-sample gradients onto the joined ``g``; gather.
@@ -144,62 +195,70 @@ class GramQuantity(SingleStepQuantity):
         acc.joined = joined
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
-        """The statistic from ``||g_i||^2``, ``g_i . g`` and ``||g||^2``, if defined.
+        """The statistic from the centred shares, if defined.
 
-        Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples
-        or a zero or non-finite ``||g||``; the subclass decides on cancellation.
+        Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2
+        samples, non-finite sums, or a zero ``||g||``.
         """
-        if self.acc.joined is not None:
-            norms, dots = (slot.value for slot in self.acc.joined)
-            grad_squared_norm = sum((g**2).sum() for g in ctx.gradients())
-        else:
-            norms, dots = self.acc.norms, self.acc.dots  # ||g_i||^2, g_i . g
-            grad_squared_norm = dots.sum() / dots.shape[0]  # ||g||^2
-        dtype = norms.dtype
+        acc = self.acc
+        raw, centred = acc.raw, acc.centred
+        if acc.joined is not None:
+            norms, dots = (slot.value for slot in acc.joined)
+            raw = [norms, dots, sum((g**2).sum() for g in ctx.gradients())]
+        present = raw if raw is not None else centred
+        dtype = present[0].dtype
         undefined = defined.first(
-            defined.samples(dots.shape[0]),
-            defined.finite_sums(norms, dots),
-            defined.divisor(grad_squared_norm),
+            defined.samples(present[0].shape[0]),
+            defined.finite_sums(*(raw or []), *(centred or [])),
         )
         if undefined is not None:
             return undefined
-        value = self._from_projections(
-            defined.wide(norms),
-            defined.wide(dots),
-            defined.wide(grad_squared_norm),
-            dtype,
-        )
-        return value if isinstance(value, Missing) else defined.finite(value, dtype)
+        norms = dots = squared = 0
+        if centred is not None:
+            norms, dots, squared = (defined.wide(part) for part in centred)
+        if raw is not None:  # ||g_i - g||^2 = ||g_i||^2 - 2 g_i . g + ||g||^2
+            raw_norms, raw_dots, raw_squared = (defined.wide(part) for part in raw)
+            norms = norms + raw_norms - 2 * raw_dots + raw_squared
+            dots = dots + raw_dots - raw_squared
+            squared = squared + raw_squared
+        undefined = defined.divisor(squared)
+        if undefined is not None:
+            return undefined
+        value = self._from_centered(norms, dots, squared)
+        return defined.finite(value, dtype)
 
     @abc.abstractmethod
-    def _from_projections(
-        self,
-        norms: torch.Tensor,
-        dots: torch.Tensor,
-        grad_squared_norm: torch.Tensor,
-        dtype: torch.dtype,
-    ) -> torch.Tensor | Missing:
-        """The statistic from ``||g_i||^2``, ``g_i . g`` and ``||g||^2``.
+    def _from_centered(
+        self, norms: torch.Tensor, dots: torch.Tensor, grad_squared_norm: torch.Tensor
+    ) -> torch.Tensor:
+        """The statistic from ``||g_i - g||^2``, ``(g_i - g) . g`` and ``||g||^2``.
 
         All three are float64 on the CPU, finite, with at least 2 samples and
-        ``||g|| > 0``; they were summed in ``dtype``, whose rounding decides
-        what cancels (:mod:`cockpit.quantities.defined`).
+        ``||g|| > 0``.
         """
+
+
+def _add(total: list | None, parts: list) -> list:
+    """``total + parts`` elementwise (``parts`` if ``total`` is None)."""
+    if total is None:
+        return parts
+    return [a + b for a, b in zip(total, parts, strict=True)]
 
 
 def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
     """Reduce one parameter to ``(sum_d g_d^2 / (var_d + epsilon), D_p, N, flag)``.
 
-    ``g`` and ``sum_i g_i^2`` are formed elementwise from the per-sample gradients
-    (shared with every other quantity through the view) and summed right away;
-    ``flag`` says whether the sum is defined (:func:`defined.snr_undefined`).
+    The variances come from the per-sample gradients with the mean subtracted
+    first (:meth:`ParamView.centered`, two-pass), so a coordinate on which the
+    samples agree has variance 0, not the rounding error of ``sum_i g_i,d^2 -
+    N g_d^2``; the sum is formed right away. ``flag`` says whether it is finite
+    (:func:`defined.snr_flag`).
     """
     n = view.batch_size
     mean = view.mean_gradient().detach()
-    sum_grad_squared = view.sum_grad_squared().detach()
-    snr = F.snr_sum(mean, sum_grad_squared, n, epsilon, unbiased=unbiased)
-    flag = defined.snr_undefined(mean, sum_grad_squared, n, epsilon, unbiased)
-    return snr, view.param.numel(), n, flag
+    spread = view.centered(elementwise=True).elementwise_spread().detach()
+    snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
+    return snr, view.param.numel(), n, defined.snr_flag(mean, spread)
 
 
 def snr_parts(view: ParamView, shared) -> tuple:
@@ -210,14 +269,21 @@ def snr_parts(view: ParamView, shared) -> tuple:
 def share_snr(
     acc: PerParameter, ctx: TrackContext, bucket, epsilon: float, unbiased: bool
 ) -> None:
-    """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook."""
+    """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook.
+
+    The joined batch's mean is known only then, so the variances are the
+    difference ``sum_i g_i,d^2 - N g_d^2`` (clamped at 0), each within
+    ``ULPS eps sum_i g_i,d^2`` of the centred value.
+    """
     grads = ctx.gradients()
     n = ctx.comm.n_global
     for index, (sum_grad_squared,) in list(acc.entries.items()):
 
         def then(total, index=index):
-            snr = F.snr_sum(grads[index], total, n, epsilon, unbiased=unbiased)
-            flag = defined.snr_undefined(grads[index], total, n, epsilon, unbiased)
+            mean = grads[index]
+            spread = (total - n * mean**2).clamp(min=0)
+            snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
+            flag = defined.snr_flag(mean, total)
             acc.entries[index] = (snr, total.numel(), n, flag)
 
         bucket.sum(sum_grad_squared, then)
@@ -228,18 +294,12 @@ def total_snr(acc: PerParameter, num_params: int) -> tuple[float | Missing, int,
 
     Returns:
         The sum as a float, or :class:`Missing` where it is not defined (fewer
-        than 2 samples, a coordinate lost to rounding, an overflow), ``D`` and
-        ``N``.
+        than 2 samples, an overflow), ``D`` and ``N``.
     """
     entries = acc.ordered(num_params)
-    sizes = {n for _, _, n, _ in entries}
-    if len(sizes) != 1:
-        raise RuntimeError(
-            f"Parameters saw different batch sizes {sorted(sizes)} in one backward "
-            "pass. Fix: compute the loss of a single mini-batch per step."
-        )
-    n, dim = sizes.pop(), sum(d for _, d, _, _ in entries)
-    snr = torch.stack([s for s, _, _, _ in entries]).sum()
-    flag = int(torch.stack([f.to(snr.device) for _, _, _, f in entries]).max())
-    undefined = defined.first(defined.samples(n), defined.snr_reason(flag, snr.dtype))
-    return undefined or defined.finite(snr, snr.dtype), dim, n
+    n, dim = batch_size_of(entries), sum(d for _, d, _, _ in entries)
+    snr = torch.stack([defined.wide(s) for s, _, _, _ in entries]).sum()
+    flag = int(torch.stack([f.cpu() for _, _, _, f in entries]).max())
+    dtype = entries[0][0].dtype
+    undefined = defined.first(defined.samples(n), defined.snr_reason(flag, dtype))
+    return undefined or defined.finite(snr, dtype), dim, n

@@ -10,7 +10,7 @@ from cockpit.quantities.batch_statistics import (
     PerParameter,
     share_squared_norms,
     squared_norm_entry,
-    total_squared_norms,
+    total_spread,
 )
 from cockpit.quantities.optim import require_plain_sgd
 
@@ -29,9 +29,11 @@ class CABS(SingleStepQuantity):
     reduced to two scalars in the backward pass, from BackPACK's ``BatchL2Grad``
     (or ``BatchGrad`` when another quantity needs it); see :class:`NormTest`.
 
-    Reads ``info["loss"]`` and ``info["optimizer"]``. Missing (see
-    :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a zero or
-    non-finite loss, or a spread lost to rounding.
+    Reads ``info["loss"]`` and ``info["optimizer"]``. The spread is formed as
+    for :class:`NormTest` (centred where the per-sample gradients exist as a
+    tensor, else within ``ULPS eps (sum_i ||g_i||^2 / N + ||g||^2)`` of its exact
+    value). Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2
+    samples, a zero or non-finite loss, or non-finite sums.
 
     Raises:
         ValueError: When tracked with anything but ``torch.optim.SGD`` with
@@ -75,12 +77,11 @@ class CABS(SingleStepQuantity):
         optimizer = ctx.info.require("optimizer", self.key)
         lr = require_plain_sgd(optimizer, self.key, single_lr=True)
         loss = ctx.info.require("loss", self.key)
-        per_sample, mean, n = total_squared_norms(self.acc, ctx.gradients())
+        spread, _, n, dtype = total_spread(self.acc, ctx.gradients())
         loss = defined.wide(loss)
         undefined = defined.first(defined.samples(n), defined.finite_sums(loss))
         if undefined is None and float(loss) == 0:
             undefined = Missing(ZERO_LOSS)
-        spread = undefined or defined.difference(per_sample / n, mean)
-        if isinstance(spread, Missing):
-            return spread
-        return defined.finite(lr * spread / loss, per_sample.dtype)
+        if undefined is not None or isinstance(spread, Missing):
+            return undefined or spread
+        return defined.finite(lr * (spread / n) / loss, dtype)

@@ -24,7 +24,10 @@ class EarlyStopping(SingleStepQuantity):
     and ``s_d^2 = (1/(N-1)) sum_i (g_i,d - g_d)^2`` the unbiased variance of
     coordinate ``d`` of the per-sample gradients. Positive values suggest stopping.
     Each parameter's elementwise statistics are summed to a scalar in its hook.
-    Missing as :class:`MeanGSNR` (see :mod:`cockpit.quantities.defined`).
+    The variances are centred as for :class:`MeanGSNR`, so the value is within a
+    few ``eps * N * MeanGSNR`` of its float64 value from the same per-sample
+    gradients. Missing as :class:`MeanGSNR` (see
+    :mod:`cockpit.quantities.defined`).
 
     Args:
         track_schedule: When to track.

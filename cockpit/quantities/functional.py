@@ -157,6 +157,25 @@ def snr_sum(
     return (squared / (variance + epsilon)).sum()
 
 
+def snr_sum_centered(
+    mean_grad: Tensor, spread: Tensor, n: int, epsilon: float, unbiased: bool
+) -> Tensor:
+    """:func:`snr_sum` from ``spread = sum_i (g_i,d - g_d)^2`` (formed centred).
+
+    Args:
+        mean_grad: ``g`` for one parameter tensor.
+        spread: ``sum_i (g_i,d - g_d)^2`` elementwise, same shape, ``>= 0``.
+        n: The batch size ``N``.
+        epsilon: Added to the variance to avoid division by zero.
+        unbiased: Divide the spread by ``N - 1`` (EarlyStopping) instead of ``N``.
+
+    Returns:
+        A scalar tensor.
+    """
+    variance = spread / (n - 1) if unbiased else spread / n
+    return (mean_grad**2 / (variance + epsilon)).sum()
+
+
 def early_stopping(snr: Tensor, n: int, dim: int) -> Tensor:
     """Return the evidence-based criterion of Mahsereci et al. (2017).
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from cockpit.quantities import defined
-from cockpit.quantities import functional as F
 from cockpit.quantities.batch_statistics import GramQuantity
 
 
@@ -15,12 +13,19 @@ class InnerTest(GramQuantity):
     gradient is a descent direction with high probability. Computed from the
     ``[N, N]`` Gram matrix of the per-sample gradients (BackPACK ``BatchGrad``).
 
+    The projections are centred (two-pass) where the per-sample gradients exist as
+    a tensor, so where the samples agree the value is 0, exact; from factors
+    (a ``Linear`` layer's, the ghost engine's) ``g_i . g - ||g||^2`` is a float64
+    difference within ``ULPS eps ||g_i|| ||g||`` of the exact value
+    (:class:`~cockpit.quantities.batch_statistics.GramQuantity`), so the value
+    is within ``ULPS eps max_i ||g_i|| / (sqrt(N-1) ||g||)`` of the float64 value
+    of the same per-sample gradients.
+
     Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a
-    zero or non-finite ``||g||``, or when every ``g_i . g - ||g||^2`` is rounding.
+    zero ``||g||``, or non-finite sums.
     """
 
-    def _from_projections(self, norms, dots, grad_squared_norm, dtype):
-        # the rounding of g_i . g is at most about eps ||g_i|| mean_j ||g_j||
-        scale = (norms * norms.mean()).sqrt()
-        cancelled = defined.resolved(dots - grad_squared_norm, scale, dtype)
-        return cancelled or F.inner_test_from_projections(dots, grad_squared_norm)
+    def _from_centered(self, norms, dots, grad_squared_norm):
+        n = dots.shape[0]
+        spread = (dots**2).sum()  # sum_i ((g_i - g) . g)^2
+        return (spread / (n * (n - 1) * grad_squared_norm**2)).sqrt()

@@ -23,8 +23,16 @@ class MeanGSNR(SingleStepQuantity):
     the per-sample gradients. Each parameter's elementwise statistics are summed to
     a scalar in its hook. Works with any optimizer.
 
-    Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, an
-    overflow, or a coordinate whose variance is lost to rounding.
+    The variances are formed with the mean subtracted first (corrected two-pass,
+    :meth:`cockpit.param_view.ParamView.centered`), so a coordinate on which the
+    samples agree has variance 0 and each term ``g_d^2 / (v_d + epsilon)`` is
+    within a few ``eps`` (relative) of its float64 value from the same
+    per-sample gradients; so is the mean. In a data-parallel run the joined
+    batch's variances are the difference of the summed second moments, each
+    within ``ULPS eps (1/N) sum_i g_i,d^2`` of the centred value.
+
+    Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, or
+    a non-finite mean or spread (an overflow near the dtype's largest values).
 
     Args:
         track_schedule: When to track.

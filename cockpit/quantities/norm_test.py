@@ -10,7 +10,7 @@ from cockpit.quantities.batch_statistics import (
     PerParameter,
     share_squared_norms,
     squared_norm_entry,
-    total_squared_norms,
+    total_spread,
 )
 
 
@@ -26,8 +26,16 @@ class NormTest(SingleStepQuantity):
     step, from the per-sample gradients; ``||g||^2`` then comes from their mean,
     otherwise from ``.grad``. Each parameter contributes two scalars.
 
+    The numerator is centred (two-pass, exact to the dtype) where the per-sample
+    gradients exist as a tensor; from ``BatchL2Grad`` alone it is the difference
+    ``sum_i ||g_i||^2 - N ||g||^2`` in float64, so the value is then within
+    ``sqrt(ULPS eps (sum_i ||g_i||^2 + N ||g||^2) / (N (N-1) ||g||^2))`` of the
+    float64 value of the same per-sample gradients (``eps`` of their dtype,
+    :data:`~cockpit.quantities.defined.ULPS`): about ``0.1 / sqrt(N-1)`` in float32
+    where the samples agree, when the exact value is near 0.
+
     Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a
-    zero or non-finite ``||g||``, or a numerator lost to rounding.
+    zero ``||g||``, or non-finite sums.
     """
 
     needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
@@ -42,10 +50,10 @@ class NormTest(SingleStepQuantity):
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
-        per_sample, mean, n = total_squared_norms(self.acc, ctx.gradients())
-        undefined = defined.first(defined.samples(n), defined.divisor(mean))
-        spread = undefined or defined.difference(per_sample, n * mean)
+        spread, mean, n, dtype = total_spread(self.acc, ctx.gradients())
         if isinstance(spread, Missing):
-            return spread
-        value = (spread / (n * (n - 1) * defined.wide(mean))).sqrt()
-        return defined.finite(value, per_sample.dtype)
+            return defined.samples(n) or spread
+        undefined = defined.first(defined.samples(n), defined.divisor(mean))
+        if undefined is not None:
+            return undefined
+        return defined.finite((spread / (n * (n - 1) * mean)).sqrt(), dtype)

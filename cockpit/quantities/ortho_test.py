@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from cockpit.quantities import defined
-from cockpit.quantities import functional as F
-from cockpit.quantities.base import Missing
 from cockpit.quantities.batch_statistics import GramQuantity
 
 
@@ -15,14 +12,19 @@ class OrthoTest(GramQuantity):
     ``g_i`` the gradient of sample ``i`` and ``g`` their mean. Computed from the
     ``[N, N]`` Gram matrix of the per-sample gradients (BackPACK ``BatchGrad``).
 
+    With ``c_i = g_i - g`` the numerator is ``sum_i ||c_i||^2 - (c_i . g)^2 /
+    ||g||^2`` (clamped at 0), from per-sample gradients centred in the two-pass
+    form where they exist as a tensor (exact to the dtype); from factors the
+    centred terms are float64 differences within ``ULPS eps ||g_i|| (||g_i|| +
+    ||g||)`` of the exact ones (:class:`~cockpit.quantities.batch_statistics.
+    GramQuantity`), which bounds the value's absolute error by the square root of
+    their sum over ``N (N-1) ||g||^2``.
+
     Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, a
-    zero or non-finite ``||g||``, or when ``sum_i ||g_i||^2 - sum_i (g_i . g)^2 /
-    ||g||^2`` is lost to rounding (every ``g_i`` parallel to ``g``).
+    zero ``||g||``, or non-finite sums.
     """
 
-    def _from_projections(self, norms, dots, grad_squared_norm, dtype):
-        along = (dots**2 / grad_squared_norm).sum()
-        spread = defined.difference(norms.sum(), along, dtype)
-        if isinstance(spread, Missing):
-            return spread
-        return F.ortho_test_from_projections(norms, dots, grad_squared_norm)
+    def _from_centered(self, norms, dots, grad_squared_norm):
+        n = dots.shape[0]
+        orthogonal = (norms - dots**2 / grad_squared_norm).clamp(min=0)
+        return (orthogonal.sum() / (n * (n - 1) * grad_squared_norm)).sqrt()

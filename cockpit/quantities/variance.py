@@ -10,6 +10,8 @@ from cockpit.quantities import defined
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
+    batch_size_of,
+    parameter_spreads,
     share_squared_norms,
     squared_norm_entry,
 )
@@ -28,9 +30,14 @@ class Variance(SingleStepQuantity):
     from ``BatchGrad``; ``g`` is then their mean, otherwise ``.grad``. Not part of
     cockpit-for-pytorch.
 
+    Each parameter's spread is centred (two-pass, exact to the dtype) where its
+    per-sample gradients exist as a tensor; from ``BatchL2Grad`` alone it is the
+    difference of the two sums in float64, clamped at 0, within ``ULPS eps
+    ((1/N) sum_i ||g_i,p||^2 + ||g_p||^2)`` of the float64 value of the same
+    per-sample gradients (:data:`~cockpit.quantities.defined.ULPS`).
+
     Missing (see :mod:`cockpit.quantities.defined`) with fewer than 2 samples, or
-    when a parameter's sums are not finite; a variance within the rounding error
-    of the sums (or below zero by rounding) is 0.
+    when a parameter's sums are not finite.
     """
 
     needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
@@ -48,19 +55,13 @@ class Variance(SingleStepQuantity):
         entries = self.acc.ordered(len(ctx.params))
         if not entries:
             return []
-        undefined = defined.first(*(defined.samples(n) for _, _, n in entries))
+        n = batch_size_of(entries)
+        undefined = defined.first(
+            defined.samples(n), defined.finite_sums(*(e[0] for e in entries))
+        )
         if undefined is not None:
             return undefined
-        means, squares, coarsest = [], [], entries[0][0].dtype
-        for (sum_sq, grad_sq, n), grad, param in zip(
-            entries, ctx.gradients(), ctx.params, strict=True
-        ):
-            means.append(sum_sq / n)
-            if grad_sq is None:  # ||g_p||^2 from .grad, rounded to the param's dtype
-                grad_sq = (grad**2).sum()
-                if defined.eps(param.dtype) > defined.eps(coarsest):
-                    coarsest = param.dtype
-            squares.append(grad_sq.to(sum_sq.dtype))
-        means, squares = torch.stack(means), torch.stack(squares)
-        spread = defined.difference(means, squares, coarsest, floor=True)
-        return spread if isinstance(spread, Missing) else spread.tolist()
+        spreads, squares = parameter_spreads(self.acc, ctx.gradients())
+        if not bool(torch.isfinite(spreads).all() & torch.isfinite(squares).all()):
+            return Missing(defined.overflow(entries[0][0].dtype))
+        return (spreads / n).tolist()
