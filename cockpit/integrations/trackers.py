@@ -209,7 +209,8 @@ class TrackerLog:
         self._closed = True
         try:
             finish = getattr(self.sink, "finish", None)
-            if self.history is not None and finish is not None:
+            wanted = getattr(self.sink, "wants_outputs", True)
+            if self.history is not None and finish is not None and wanted:
                 with tempfile.TemporaryDirectory(prefix="cockpit-") as folder:
                     self.outputs = make_outputs(self.history, folder, self.title)
                     self.outputs.names = list(self.series.names)
@@ -254,6 +255,11 @@ class Fanout:
 
     def __init__(self, sinks: Sequence):
         self.sinks = list(sinks)
+
+    @property
+    def wants_outputs(self) -> bool:
+        """Whether a sink takes the run's outputs (else none are drawn)."""
+        return any(hasattr(sink, "finish") for sink in self.sinks)
 
     def send(self, step: int, items) -> None:
         """Each sink's ``send``."""

@@ -64,15 +64,19 @@ def run_file(folder: str) -> str:
 
 
 def history_rows(path: str) -> list[dict]:
-    """The rows of ``run.log`` calls: ``{key: value}`` (values decoded from JSON)."""
+    """The rows of ``run.log`` calls: ``{key: value}`` (values decoded from JSON;
+    a histogram as its dict, ``{"_type": "histogram", "values": ..., "bins": ...}``)."""
     rows = []
     for record in records(path):
         if record.WhichOneof("record_type") != "history":
             continue
-        row = {}
+        row: dict = {}
         for item in record.history.item:
-            key = item.key or "/".join(item.nested_key)
-            row[key] = json.loads(item.value_json)
+            path = [item.key] if item.key else list(item.nested_key)
+            where = row
+            for part in path[:-1]:  # media: {"_type": ..., "values": ...} nested
+                where = where.setdefault(part, {})
+            where[path[-1]] = json.loads(item.value_json)
         rows.append(row)
     return rows
 
