@@ -5,7 +5,8 @@
 * ``cockpit plot LOG -o out.png``: draw the dashboard of a log (ours, streamed, or
   written by cockpit-for-pytorch 1.0.2).
 * ``cockpit timelapse LOG -o run.gif``: an animated GIF of the dashboard over the run.
-* ``cockpit export LOG --tensorboard DIR``: the log as TensorBoard scalars/histograms.
+* ``cockpit export LOG --tensorboard DIR | --wandb PROJECT | --mlflow URI``: the log
+  in TensorBoard, W&B or MLflow (:mod:`cockpit.integrations.cli`).
 * ``cockpit report LOG [--markdown | --json]``: what is wrong with the run
   (:mod:`cockpit.diagnosis.report`).
 

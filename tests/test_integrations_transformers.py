@@ -553,8 +553,11 @@ def test_tensorboard_run_gets_the_export(tmp_path):
     accumulator.Reload()
     scalars = accumulator.Tags()["scalars"]
     assert "train/loss" in scalars  # the Trainer's own value, same run
-    assert "cockpit/NormTest" in scalars
-    assert "cockpit/GradNorm/classifier.weight" in scalars
+    # through the callback's on_log, which puts train/ in front of every name
+    assert "train/cockpit/NormTest" in scalars
+    assert "train/cockpit/GradNorm/classifier.weight" in scalars
+    assert "cockpit/GradHist1d" in accumulator.Tags()["histograms"]
+    assert "cockpit/dashboard" in accumulator.Tags()["images"]
 
 
 def test_a_resumed_run_keeps_the_first_log(tmp_path):

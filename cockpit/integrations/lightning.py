@@ -34,8 +34,10 @@ optimizer) and ``on_after_backward`` closes it (:meth:`~cockpit.Cockpit.end`) an
 records the learning rate (after LR schedulers). Steps are ``trainer.global_step``
 (optimizer steps). The log streams to ``<trainer.log_dir>/cockpit.jsonl`` (readable
 by ``cockpit plot``, ``History.from_json`` and the live ``CockpitPlotter`` via
-``callback.cockpit``); with a ``TensorBoardLogger`` the run is also exported to its
-directory when training ends (:mod:`cockpit.integrations.tensorboard`).
+``callback.cockpit``). Every tracked step's values also go to every logger of the
+trainer (``log_metrics`` at the step's ``global_step``, named as the TensorBoard
+export names them; histograms, the dashboard and the diagnosis where the logger
+shows them: :mod:`cockpit.integrations.loggers`).
 
 Gradient accumulation (``accumulate_grad_batches=k > 1``): the callback tracks one
 micro-batch per optimizer step, the first of each accumulation window, under the
@@ -72,7 +74,7 @@ DDP (``Trainer(strategy="ddp" or "ddp_spawn", devices=N)``): ``on_fit_start`` ru
 after the strategy initialised ``torch.distributed`` and wrapped the model, so the
 cockpit joins the processes (``docs/distributed.md``): every value describes the
 joined batch of all processes, every process holds the same values (the metrics are
-rank 0's), and rank 0 alone streams the log, exports to TensorBoard and warns.
+rank 0's), and rank 0 alone streams the log, sends to the loggers and warns.
 ``HessMaxEV`` is computed before the backward pass (DDP cannot run one with
 ``create_graph=True``). With accumulation the tracked micro-batch runs inside DDP's
 ``no_sync()``; the cockpit then joins the processes' own gradients itself. With
@@ -211,8 +213,9 @@ class _CockpitCallback:
         quantities: The quantities (default: ``configuration("economy")``).
         logpath: Where to stream the log (``.jsonl`` is appended unless it ends
             in ``.json``/``.jsonl``); default ``<trainer.log_dir>/cockpit``.
-        tensorboard: Export the log to the ``TensorBoardLogger``'s directory
-            when training ends (``None``: if the trainer has one).
+        tensorboard: Send the values to the trainer's ``TensorBoardLogger``
+            (``None``: if it has one; ``True`` warns if it has none; ``False``
+            leaves it out).
         log_learning_rate: Record the learning rate of the first parameter group
             at every step (``learning_rate``, the dashboard's LR gauge).
         metrics: Values you ``self.log`` that the dashboard's performance gauges
@@ -222,6 +225,11 @@ class _CockpitCallback:
             and recorded at the last training step. Default:
             ``{"valid_loss": "val_loss", "valid_accuracy": "val_acc"}`` (names
             that are not logged are left out).
+        loggers: Send every tracked step's values to every logger of the
+            trainer (``log_metrics`` at the step's ``global_step``, with the
+            names of the TensorBoard export; histograms, the dashboard and the
+            diagnosis where the logger shows them, see
+            :mod:`cockpit.integrations.loggers`).
 
     Attributes:
         cockpit: The :class:`~cockpit.Cockpit` (created at ``on_fit_start``), e.g.
@@ -242,10 +250,13 @@ class _CockpitCallback:
         tensorboard: bool | None = None,
         log_learning_rate: bool = True,
         metrics: Mapping[str, str] | None = None,
+        loggers: bool = True,
     ):
         self.quantities = default_quantities(quantities)
         self.logpath = None if logpath is None else os.fspath(logpath)
         self.tensorboard = tensorboard
+        self.loggers = loggers
+        self._trackers = None  # the loggers' subscriber
         self.log_learning_rate = log_learning_rate
         self.metrics = dict(DEFAULT_METRICS if metrics is None else metrics)
         unknown = sorted(set(self.metrics) - set(METRIC_KEYS))
@@ -351,6 +362,35 @@ class _CockpitCallback:
         if self._pending_state is not None:
             self.cockpit.load_state_dict(self._pending_state)
             self._pending_state = None
+        self._log_to_loggers(trainer)
+
+    def _log_to_loggers(self, trainer: pl.Trainer) -> None:
+        """Subscribe the trainer's loggers to the cockpit (rank 0 only).
+
+        Every tracked step's values go to every logger (``log_metrics``; the
+        histograms, dashboard and diagnosis where the logger shows them,
+        :mod:`cockpit.integrations.loggers`), at the step's ``global_step``.
+        """
+        loggers = list(trainer.loggers) if self.loggers else []
+        tensorboard = self._package.loggers.TensorBoardLogger
+        if self.tensorboard is False:
+            loggers = [g for g in loggers if not isinstance(g, tensorboard)]
+        elif (
+            self.tensorboard
+            and self._speaks
+            and not any(isinstance(g, tensorboard) for g in loggers)
+        ):
+            warn(
+                "CockpitCallback(tensorboard=True) found no TensorBoardLogger. Fix: "
+                "Trainer(logger=TensorBoardLogger(...)), or export the log later "
+                "with `cockpit export LOG --tensorboard DIR`."
+            )
+        if not loggers or not self.cockpit.is_writer:
+            return
+        from cockpit.integrations.loggers import sink_for
+        from cockpit.integrations.trackers import Fanout, attach
+
+        self._trackers = attach(self.cockpit, Fanout([sink_for(g) for g in loggers]))
 
     def _can_track(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         if not pl_module.automatic_optimization:
@@ -525,15 +565,8 @@ class _CockpitCallback:
         self._finish()
 
     def on_train_end(self, trainer, pl_module):
-        """Close the log; export it to TensorBoard if the trainer logs there."""
+        """Close the log; the loggers get the dashboard and the diagnosis."""
         self._finish()
-        if self.cockpit is None or not self.cockpit.is_writer:
-            return  # under DDP only rank 0 writes
-        writer = self._tensorboard_writer(trainer)
-        if writer is not None:
-            from cockpit.integrations.tensorboard import export_tensorboard
-
-            export_tensorboard(self.cockpit, writer=writer)
 
     def _finish(self) -> None:
         if self._capture is not None:
@@ -541,20 +574,6 @@ class _CockpitCallback:
             self._capture = None
         if self.cockpit is not None:
             self.cockpit.close()
-
-    def _tensorboard_writer(self, trainer):
-        if self.tensorboard is False:
-            return None
-        for logger in trainer.loggers:
-            if isinstance(logger, self._package.loggers.TensorBoardLogger):
-                return logger.experiment
-        if self.tensorboard:
-            warn(
-                "CockpitCallback(tensorboard=True) found no TensorBoardLogger. Fix: "
-                "Trainer(logger=TensorBoardLogger(...)), or export the log later "
-                "with `cockpit export LOG --tensorboard DIR`."
-            )
-        return None
 
     # --- create_graph for HessMaxEV, the loss of an accumulation window ---------------
     def _patch_backward(

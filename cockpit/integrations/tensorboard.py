@@ -43,7 +43,6 @@ writing uses ``torch.utils.tensorboard.SummaryWriter``.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -53,24 +52,28 @@ import numpy as np
 
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
+from cockpit.integrations.series import (
+    HIST2D_AXES,
+    TOTALS,
+    Histogram,
+    Samples,
+    Scalar,
+    Series,
+)
 from cockpit.log.files import open_log
-from cockpit.log.keys import LEARNING_RATES_KEY
+
+__all__ = [
+    "HIST2D_AXES",
+    "TOTALS",
+    "ExportSummary",
+    "export_tensorboard",
+    "histogram_raw_arguments",
+    "summary_writer",
+    "write_item",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
-
-#: Per-parameter quantities with a meaningful total over all tensors, and how it is
-#: formed: ``"norm"`` (square root of the sum of squares) or ``"sum"``.
-TOTALS: dict[str, str] = {
-    "GradNorm": "norm",
-    "Distance": "norm",
-    "UpdateSize": "norm",
-    "HessTrace": "sum",
-    "Variance": "sum",
-}
-
-#: Names of the two axes of a 2-D histogram (GradHist2d: gradient x parameter).
-HIST2D_AXES = ("gradient", "parameter")
 
 
 @dataclass
@@ -195,127 +198,38 @@ def _as_history(log: Any) -> tuple[History, list[str | None] | None]:
     return open_log(log), None
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _numeric_array(value: Any) -> np.ndarray | None:
-    """Return ``value`` as a float array if it is a (nested) list of numbers."""
-    if not isinstance(value, list) or not value:
-        return None
-    try:
-        array = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):  # ragged, or not numbers
-        return None
-    return array if array.dtype == np.float64 else None
-
-
-class _Exporter:
-    """Turns one history entry after the other into TensorBoard summaries."""
+class _Exporter(Series):
+    """Writes one history entry after the other as TensorBoard summaries."""
 
     def __init__(self, writer, names: list[str | None], prefix: str):
+        super().__init__(names, prefix)
         self.writer = writer
-        self.names = names
-        self.prefix = prefix
         self.scalars = 0
         self.histograms = 0
         self.steps = 0
-        self.skipped: set[str] = set()
-        #: Per-parameter list lengths that did not match the names given, by key.
-        self.unnamed: set[int] = set()
-        self.unnamed_keys: set[str] = set()
-
-    def tag(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
-
-    def name(self, index: int, count: int, key: str) -> str:
-        """The tag part of parameter ``index`` of ``count`` parameters."""
-        if count == len(self.names):
-            if self.names[index]:
-                return str(self.names[index])
-        elif self.names:
-            self.unnamed.add(count)
-            self.unnamed_keys.add(key)
-        return f"param_{index}"
 
     def write(self, key: str, value: Any, step: int) -> None:
-        if value is None:  # not measured at this step (Cockpit.log's None)
-            return
-        is_list = isinstance(value, list) and len(value) > 0
-        if _is_number(value):
-            self.scalar(self.tag(key), value, step)
-        elif isinstance(value, Mapping) and "hist" in value and "edges" in value:
-            self.histogram_entry(key, value, step)
-        elif is_list and all(map(_is_number, value)) and key == LEARNING_RATES_KEY:
-            for group, rate in enumerate(value):  # per parameter group, not tensor
-                self.scalar(self.tag(key, f"group_{group}"), rate, step)
-        elif is_list and all(map(_is_number, value)):
-            self.per_parameter(key, value, step)
-        elif is_list and all(isinstance(v, list) for v in value):
-            self.value_histograms(key, value, step)
-        else:
-            self.skipped.add(key)
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        self.writer.add_scalar(tag, float(value), global_step=step)
-        self.scalars += 1
-
-    def per_parameter(self, key: str, values: list, step: int) -> None:
-        for i, value in enumerate(values):
-            self.scalar(self.tag(key, self.name(i, len(values), key)), value, step)
-        total = TOTALS.get(key)
-        if total == "norm":
-            self.scalar(self.tag(key), math.sqrt(sum(v * v for v in values)), step)
-        elif total == "sum":
-            self.scalar(self.tag(key), math.fsum(values), step)
-
-    def value_histograms(self, key: str, values: list, step: int) -> None:
-        """One histogram of raw values per parameter tensor (``Parameters``)."""
-        arrays = [_numeric_array(v) for v in values]
-        if any(a is None for a in arrays):
-            self.skipped.add(key)
-            return
-        for i, array in enumerate(arrays):
-            if array.size and np.isfinite(array).all():
-                name = self.name(i, len(arrays), key)
-                self.writer.add_histogram(self.tag(key, name), array, global_step=step)
+        for item in self.item(key, value):
+            write_item(self.writer, item, step)
+            if isinstance(item, Scalar):
+                self.scalars += 1
+            elif not isinstance(item, Histogram) or item.counts.any():
                 self.histograms += 1
 
-    def histogram_entry(self, key: str, value: Mapping, step: int) -> None:
-        counts = _numeric_array(value["hist"])
-        edges = value["edges"]
-        if counts is None:
-            self.skipped.add(key)
-        elif counts.ndim == 1:
-            self.histogram(self.tag(key), counts, np.asarray(edges, float), step)
-        elif counts.ndim == 2 and len(edges) == 2:
-            self.marginals(self.tag(key), counts, edges, step)
-            for index in range(int(value.get("param_groups", 0) or 0)):
-                single = value.get(f"param_{index}")
-                if isinstance(single, Mapping) and "hist" in single:
-                    name = self.name(index, int(value["param_groups"]), key)
-                    self.marginals(
-                        self.tag(key), _numeric_array(single["hist"]),
-                        single["edges"], step, name,
-                    )  # fmt: skip
-        else:
-            self.skipped.add(key)
 
-    def marginals(self, tag, counts, edges, step, name: str = "") -> None:
-        """The marginal histograms of a 2-D histogram (sum over the other axis)."""
-        for axis, label in enumerate(HIST2D_AXES):
-            marginal = counts.sum(axis=1 - axis)
-            axis_edges = np.asarray(edges[axis], dtype=np.float64)
-            self.histogram("/".join(p for p in (tag, label, name) if p), marginal,
-                           axis_edges, step)  # fmt: skip
+def write_item(writer, item: Scalar | Histogram | Samples, step: int) -> None:
+    """Write one :mod:`~cockpit.integrations.series` item through a ``SummaryWriter``.
 
-    def histogram(self, tag: str, counts, edges: np.ndarray, step: int) -> None:
-        """Write counts over ``edges`` with :func:`histogram_raw_arguments`."""
-        arguments = histogram_raw_arguments(counts, edges)
-        if arguments is None:  # nothing was counted
-            return
-        self.writer.add_histogram_raw(tag, global_step=step, **arguments)
-        self.histograms += 1
+    A histogram with nothing counted is left out.
+    """
+    if isinstance(item, Scalar):
+        writer.add_scalar(item.tag, item.value, global_step=step)
+    elif isinstance(item, Samples):
+        writer.add_histogram(item.tag, item.values, global_step=step)
+    else:
+        arguments = histogram_raw_arguments(item.counts, item.edges)
+        if arguments is not None:
+            writer.add_histogram_raw(item.tag, global_step=step, **arguments)
 
 
 def histogram_raw_arguments(counts, edges) -> dict[str, Any] | None:

@@ -78,8 +78,10 @@ missing unless they are what the optimizer updates. First-order quantities
 need BackPACK to differentiate through every layer, which attention blocks do not
 allow.
 
-With ``report_to=["tensorboard"]`` the cockpit's values are exported into the run's
-TensorBoard directory when training ends (:mod:`cockpit.integrations.tensorboard`).
+Every tracked step's values go to the ``report_to`` callbacks (TensorBoard, W&B,
+MLflow, ...: their ``on_log``, at the step's ``global_step``; they name them
+``train/cockpit/...``), and at the end of training the dashboard, the diagnosis and
+the histograms to those cockpit knows (:mod:`cockpit.integrations.loggers`).
 
 Not supported (the trainer says so): several processes or GPUs (error), models
 whose output has no ``logits``, and ``gradient_accumulation_steps > 1`` with a
@@ -107,7 +109,7 @@ except Exception as error:  # e.g. a torchvision that cannot load: name the fix
     raise
 
 from cockpit.cockpit import Cockpit
-from cockpit.engines.backpack.api import extend
+from cockpit.engines.backpack.api.api import extend
 from cockpit.integrations._common import (
     ScaleNewGradients,
     default_logpath,
@@ -136,6 +138,10 @@ class CockpitTrainerMixin:
             ``loss_fn(logits, labels)`` (default ``nn.CrossEntropyLoss()``).
         cockpit_params: ``(name, parameter)`` pairs or parameters to track
             (default: those the optimizer updates; Alpha needs exactly those).
+        cockpit_report: Send every tracked step's values to the Trainer's
+            tracking callbacks (``report_to``: their ``on_log``, at the step's
+            ``global_step``), and the dashboard and diagnosis to those cockpit
+            knows (TensorBoard, W&B, MLflow; :mod:`cockpit.integrations.loggers`).
         **kwargs: Passed to the ``Trainer``.
 
     Attributes:
@@ -149,6 +155,7 @@ class CockpitTrainerMixin:
         cockpit_logpath: str | os.PathLike | None = None,
         cockpit_loss_fn: nn.Module | None = None,
         cockpit_params: Iterable | None = None,
+        cockpit_report: bool = True,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -171,6 +178,10 @@ class CockpitTrainerMixin:
         # after a tracked step: (step, quantities to finish, its gradients)
         self._cockpit_watch: tuple[int, list[Quantity], GradSnapshot] | None = None
         self.add_callback(_ClippingWatch(self))
+        self.cockpit_report = cockpit_report
+        # first, so the log is closed and the trackers get the dashboard before
+        # report_to callbacks end their runs in on_train_end
+        self.callback_handler.callbacks.insert(0, _CloseAtTrainEnd(self))
 
     # --- set-up -----------------------------------------------------------------------
     def _cockpit_setup(self, model: nn.Module) -> None:
@@ -215,6 +226,11 @@ class CockpitTrainerMixin:
             )
         self.cockpit = Cockpit(params, quantities=self.cockpit_quantities,
                                logpath=logpath)  # fmt: skip
+        if self.cockpit_report:
+            from cockpit.integrations.loggers import TrainerLog
+            from cockpit.integrations.trackers import attach
+
+            attach(self.cockpit, TrainerLog(self))
 
     # --- the step ---------------------------------------------------------------------
     def training_step(self, model, inputs, *args, **kwargs):
@@ -396,26 +412,14 @@ class CockpitTrainerMixin:
     def train(self, *args: Any, **kwargs: Any):
         """Train as ``Trainer.train`` does, then close the log.
 
-        With ``report_to`` including ``"tensorboard"`` the cockpit's values are
-        also exported into the run's TensorBoard directory.
+        The log is closed at ``on_train_end`` (before the ``report_to`` callbacks
+        end their runs), or here if training stopped with an error.
         """
         try:
-            result = super().train(*args, **kwargs)
+            return super().train(*args, **kwargs)
         finally:
             if self.cockpit is not None:
                 self.cockpit.close()
-        logdir = self._cockpit_tensorboard_dir()
-        if logdir is not None and self.cockpit is not None:
-            from cockpit.integrations.tensorboard import export_tensorboard
-
-            export_tensorboard(self.cockpit, logdir)
-        return result
-
-    def _cockpit_tensorboard_dir(self) -> str | None:
-        for callback in self.callback_handler.callbacks:
-            if type(callback).__name__ == "TensorBoardCallback":
-                return getattr(callback, "logging_dir", None)
-        return None
 
 
 class CockpitTrainer(CockpitTrainerMixin, Trainer):
@@ -467,6 +471,19 @@ class _ClippingWatch(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None:
             trainer._cockpit_check_clipping()
+
+
+class _CloseAtTrainEnd(TrainerCallback):
+    """Closes the cockpit when training ends, before the tracking callbacks do."""
+
+    def __init__(self, trainer: CockpitTrainerMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Close the log: the trackers get the dashboard and the diagnosis."""
+        trainer = self._trainer()
+        if trainer is not None and trainer.cockpit is not None:
+            trainer.cockpit.close()
 
 
 def _factor(loss: Tensor, mean: Tensor) -> Tensor | None:
