@@ -84,26 +84,38 @@
   }
   // The y range of a chart: what every run spends most of its steps in, so a run
   // that diverged does not squash the others (its values beyond are clipped and
-  // marked). Each run's 1st to 99th percentile (2nd to 98th ignoring outliers),
-  // widened by the spread (a tenth of it ignoring outliers), never beyond the
-  // values; on a log axis in decades.
+  // marked at the edge). Per run: Tukey's far-out fences (3 interquartile ranges
+  // beyond the quartiles), ignoring outliers his inner fences (1.5); never beyond
+  // its values; the union over the runs, on a log axis in decades.
+  function runBounds(values, log, ignore) {
+    const v = finiteOf(values, log).map((x) => (log ? Math.log10(x) : x)).sort((a, b) => a - b);
+    if (!v.length) return null;
+    const q1 = quantile(v, 0.25), q3 = quantile(v, 0.75), iqr = q3 - q1;
+    const k = ignore ? 1.5 : 3;
+    return [Math.max(v[0], q1 - k * iqr), Math.min(v[v.length - 1], q3 + k * iqr)];
+  }
   function robustRange(groups, log, ignore) {
-    let lo = Infinity, hi = -Infinity, min = Infinity, max = -Infinity;
+    let lo = Infinity, hi = -Infinity;
     for (const values of groups) {
-      const v = finiteOf(values, log).map((x) => (log ? Math.log10(x) : x)).sort((a, b) => a - b);
-      if (!v.length) continue;
-      lo = Math.min(lo, quantile(v, ignore ? 0.02 : 0.01));
-      hi = Math.max(hi, quantile(v, ignore ? 0.98 : 0.99));
-      min = Math.min(min, v[0]); max = Math.max(max, v[v.length - 1]);
+      const b = runBounds(values, log, ignore);
+      if (!b) continue;
+      lo = Math.min(lo, b[0]); hi = Math.max(hi, b[1]);
     }
     if (!isFinite(lo)) return null;
-    const spread = hi - lo || Math.abs(hi) * 0.1 || 1;
-    const k = ignore ? 0.1 : 1.0;
-    lo = Math.max(min, lo - k * spread); hi = Math.min(max, hi + k * spread);
-    if (hi <= lo) { lo -= 0.5 * spread; hi += 0.5 * spread; }
+    if (hi <= lo) { const w = Math.abs(hi) * 0.1 || 1; lo -= w; hi += w; }
     const pad = 0.05 * (hi - lo);
     lo -= pad; hi += pad;
     return log ? [Math.pow(10, lo), Math.pow(10, hi)] : [lo, hi];
+  }
+  // Whether values spread over more than two decades (within their fences).
+  function wide(groups) {
+    let lo = Infinity, hi = -Infinity;
+    for (const values of groups) {
+      if (values.some((v) => v != null && isFinite(v) && v <= 0)) return false;
+      const b = runBounds(values, false, false);
+      if (b) { lo = Math.min(lo, b[0]); hi = Math.max(hi, b[1]); }
+    }
+    return lo > 0 && hi / lo > 100;
   }
   // TensorBoard's smoothing: an exponential moving average, debiased at the start.
   function ema(ys, weight) {
@@ -512,10 +524,7 @@
         const color = SEVERAL ? run.color : (line.color || run.color);
         const scale = line.twin ? "y2" : "y";
         if (line.twin) twin = { label: gauge.twin_ylabel };
-        const finite = finiteOf(s.values, false).sort((a, b) => a - b);
-        const positive = finite.length > 0 && finite[0] > 0;
-        const span = positive ? quantile(finite, 0.99) / quantile(finite, 0.01) : 0;
-        const log = line.log == null ? positive && s.values.length > 1 && span > 100 : line.log;
+        const log = line.log == null ? s.values.length > 1 && wide([s.values]) : line.log;
         scales[scale] = { log: (scales[scale] && scales[scale].log) || log };
         parts.push({ run: r, label: line.label, steps: s.steps, values: s.values, color,
                      trendColor: SEVERAL ? run.color : (gauge.lines.length > 1 ? color : DARK),
@@ -584,10 +593,8 @@
     const missing = missingRuns(gauge.keys.loss_key, (run) => [gauge.keys.loss_key, ...logged, ...accs].some((k) => seriesOf(run, k)));
     legend(box, items, missing);
     if (!parts.length) return note(box, "no finite value");
-    const all = finiteOf(parts.filter((p) => p.scale === "y").flatMap((p) => p.values), false)
-      .sort((a, b) => a - b);
-    const positive = all.length > 1 && all[0] > 0;
-    const scales = { y: { log: positive && quantile(all, 0.99) / quantile(all, 0.01) > 100 } };
+    const groups = parts.filter((p) => p.scale === "y").map((p) => p.values);
+    const scales = { y: { log: groups.flat().length > 1 && wide(groups) } };
     let twin = null;
     if (anyAcc) {
       scales.y2 = { log: false, range: () => [0, 1.02] };
@@ -1347,6 +1354,14 @@
       node.classList.toggle("hidden-run", !on);
     });
     document.querySelectorAll(`input[data-run="${r}"]`).forEach((node) => { node.checked = on; });
+    refreshCursor();
+  }
+  // The values shown on hover, again for the runs shown now.
+  function refreshCursor() {
+    document.querySelectorAll(".readout").forEach((node) => { node.textContent = ""; });
+    tip.style.display = "none";
+    const u = hovered || stepPlots.map((p) => p.u).find((x) => x.cursor.left != null && x.cursor.left >= 0);
+    if (u && u.cursor.left != null && u.cursor.left >= 0) u.setCursor({ left: u.cursor.left, top: u.cursor.top });
   }
   function setRuns(on) {
     on.forEach((v, r) => { shown[r] = v; });
