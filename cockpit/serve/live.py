@@ -178,8 +178,11 @@ class Points:
         else:
             blocks = n // 4
             body = self.values[: 4 * blocks].reshape(blocks, 4)
-            low = np.argmin(body, axis=1) + 4 * np.arange(blocks)
-            high = np.argmax(body, axis=1) + 4 * np.arange(blocks)
+            low = np.argmin(body, axis=1)
+            high = np.argmax(body, axis=1)
+            same = low == high  # equal values: the first and the last
+            low, high = np.where(same, 0, low), np.where(same, 3, high)
+            low, high = low + 4 * np.arange(blocks), high + 4 * np.arange(blocks)
             keep = np.unique(np.concatenate([low, high, np.arange(4 * blocks, n)]))
         k = len(keep)
         self.steps[:k] = self.steps[keep]
@@ -228,9 +231,15 @@ def _grown(array: np.ndarray, size: int, n: int) -> np.ndarray:
 
 
 def _extremes(block: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
-    """The smallest and largest value of a block, in step order (one if equal)."""
+    """The smallest and largest value of a block, in step order.
+
+    Two points always (a block of equal values: its first and last), so every
+    block is drawn with the same density.
+    """
     low = min(range(len(block)), key=lambda i: block[i][1])
     high = max(range(len(block)), key=lambda i: block[i][1])
+    if low == high:
+        low, high = 0, len(block) - 1
     return [block[i] for i in sorted({low, high})]
 
 
