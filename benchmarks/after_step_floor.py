@@ -74,7 +74,7 @@ def child(args) -> dict:
     )
     from cockpit import Cockpit
     from cockpit.engines import base as engines
-    from cockpit.engines.backpack_engine import BackpackEngine
+    from cockpit.engines.backpack.engine import BackpackEngine
     from cockpit.quantities import alpha as alpha_module
     from cockpit.utils.configuration import configuration
 

@@ -36,7 +36,7 @@ attention kernel (``eager``; 6fc3e24 has no curvature under the fused one),
 ``tests/utils/hf_models.py`` (and the hand-written GPT of
 ``tests/utils/hand_written.py``) and configuration, which curvature quantity is exact,
 estimated or missing, which curvature HessTrace read (the GGN in place of the
-Hessian, exact or Monte-Carlo, see ``cockpit/curvature_source.py``), the estimates'
+Hessian, exact or Monte-Carlo, see ``cockpit/curvature/source.py``), the estimates'
 relative standard errors and the tracked / plain CPU time (this checkout only; model
 seed ``--seed``, default 1, not the seed 0 the GGN's count rule was chosen on)::
 

@@ -577,7 +577,7 @@ def _record(spec, seed, live, final, seconds=None) -> dict[str, Any]:
 
 def replay_one(spec: Spec, seed: int, cache: str) -> dict[str, Any] | None:
     """Diagnose a cached run again (live by replay); ``None`` if not cached."""
-    from cockpit.log_files import open_log
+    from cockpit.log.files import open_log
 
     path = os.path.join(cache, _file(spec, seed) + ".json")
     if not os.path.exists(path):

@@ -2,7 +2,7 @@
 
 For each model of ``tests/utils/hf_models.py`` (and the hand-written GPT), batch 4,
 float32, one torch thread: the relative standard error of the summed GGN trace and
-the median over tensors of each tensor's, from :func:`cockpit.ggn_estimate.
+the median over tensors of each tensor's, from :func:`cockpit.curvature.ggn.
 monte_carlo_ggn` with ``--draws`` labels (a draw is one backward pass, a
 Hessian-vector product about two: 32 draws cost about what 16 Hutchinson probes
 cost), and its CPU time over a plain training step's, medians over ``--steps``
@@ -29,7 +29,7 @@ def measure(name: str, steps: int, draws: int) -> dict:
     """Relative standard errors and time ratio of one model."""
     import torch
 
-    from cockpit.ggn_estimate import monte_carlo_ggn
+    from cockpit.curvature.ggn import monte_carlo_ggn
     from tests.utils import hf_models
     from tests.utils.hand_written import tiny_gpt
 

@@ -294,7 +294,7 @@ def render(results: dict) -> str:
 
 
 NOTES = """\
-How: logs are packed (`cockpit.log_format.pack`): histogram edges as
+How: logs are packed (`cockpit.log.format.pack`): histogram edges as
 `{"__linspace__": [first, last, n]}` (checked to give back the exact floats),
 integer counts that are mostly zero (the 2-D histogram) as `{"__sparse__": ...}`
 (the non-zero counts and the run of zeros before each), one line per step; every

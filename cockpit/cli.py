@@ -7,7 +7,7 @@
 * ``cockpit timelapse LOG -o run.gif``: an animated GIF of the dashboard over the run.
 * ``cockpit export LOG --tensorboard DIR``: the log as TensorBoard scalars/histograms.
 * ``cockpit report LOG [--markdown | --json]``: what is wrong with the run
-  (:mod:`cockpit.report`).
+  (:mod:`cockpit.diagnosis.report`).
 * ``cockpit serve DIR_OR_LOG... [--port N]``: the live dashboard of runs in
   progress, in a browser (:mod:`cockpit.serve`).
 
@@ -19,7 +19,7 @@ error is reported in one line too (set ``COCKPIT_TRACEBACK=1`` to see its
 traceback). Warnings are printed as one line each, ``cockpit <command>: warning:
 ...``.
 
-A command that reads a log calls :func:`cockpit.log_files.open_log` (also
+A command that reads a log calls :func:`cockpit.log.files.open_log` (also
 importable here as ``load_log``); :func:`main` turns its
 :class:`~cockpit.errors.LogFileError` (and any ``OSError``) into that line.
 """
@@ -32,7 +32,7 @@ import os
 import sys
 
 from cockpit.errors import LogFileError, one_line_warnings
-from cockpit.log_files import open_log
+from cockpit.log.files import open_log
 
 #: The reader of every command's log (the name it had before it moved).
 load_log = open_log
@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timelapse.set_defaults(func=_timelapse)
 
+    from cockpit.diagnosis.report import add_report_parser
     from cockpit.integrations.cli import add_export_command
-    from cockpit.report import add_report_parser
     from cockpit.serve.cli import add_serve_parser
 
     add_report_parser(sub)

@@ -2,13 +2,13 @@
 
 import pytest
 
-from cockpit.engines import backpack as engine
+from cockpit.engines.backpack import api as engine
 
 
 def test_installed_backpack_provides_what_the_engine_relies_on():
     problems = engine.check_backpack_api()
     assert not problems, (
-        "The installed BackPACK changed what cockpit/engines/backpack.py and "
+        "The installed BackPACK changed what cockpit/engines/backpack/api.py and "
         "backpack_rules.py rely on:\n  "
         + "\n  ".join(problems)
         + "\nFix: adapt those two modules (and REQUIRED_API) to this BackPACK, or "

@@ -14,8 +14,8 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_lock import LogInUseError
-from cockpit.log_stream import LogStream, read_stream
+from cockpit.log.lock import LogInUseError
+from cockpit.log.stream import LogStream, read_stream
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem
 

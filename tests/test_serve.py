@@ -1,12 +1,12 @@
 """``cockpit serve``: the live dashboard, its incremental reader, its safety, its CLI.
 
 * The reader (:class:`cockpit.serve.live.LiveRun`) against the CLI's: the series it
-  builds from the appended bytes equal those :func:`cockpit.log_files.open_log`
+  builds from the appended bytes equal those :func:`cockpit.log.files.open_log`
   and the dashboard's reductions give for the whole file; a line still being
   written waits; a resume marker voids later steps; a long series is thinned to
   a bounded size keeping its extremes.
 * Live, in headless Chromium: training processes append to their streams (the
-  real :class:`~cockpit.log_stream.LogStream`), ``cockpit serve`` runs as the
+  real :class:`~cockpit.log.stream.LogStream`), ``cockpit serve`` runs as the
   user runs it; the page's step count grows without a reload, a second run
   appears while both write, a finished run says so; Ctrl-C ends it cleanly.
 * Safe: ``..``, absolute paths, links leading out of the served folder, a huge
@@ -34,8 +34,8 @@ import urllib.parse
 import numpy as np
 import pytest
 
-from cockpit.log_files import open_log
-from cockpit.log_stream import LogStream, record_line
+from cockpit.log.files import open_log
+from cockpit.log.stream import LogStream, record_line
 from cockpit.plotting.data import DashboardData
 from cockpit.serve.live import LiveRun, Points
 from tests.utils.browser import Browser, find_chromium
@@ -55,7 +55,7 @@ needs_chromium = pytest.mark.skipif(
 WRITER = """
 import math, os, sys, time
 import numpy as np
-from cockpit.log_stream import LogStream
+from cockpit.log.stream import LogStream
 path, pause = sys.argv[1], float(sys.argv[2])
 rng = np.random.default_rng(len(path))
 stream = LogStream(path)

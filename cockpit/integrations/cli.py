@@ -12,7 +12,7 @@ import shutil
 import sys
 
 from cockpit.errors import LogFileError
-from cockpit.log_files import open_log
+from cockpit.log.files import open_log
 
 
 def add_export_command(sub) -> argparse.ArgumentParser:

@@ -53,8 +53,8 @@ import numpy as np
 
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_files import open_log
-from cockpit.log_keys import LEARNING_RATES_KEY
+from cockpit.log.files import open_log
+from cockpit.log.keys import LEARNING_RATES_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
@@ -141,7 +141,7 @@ def export_tensorboard(
         ValueError: If neither ``logdir`` nor ``writer`` is given.
         ImportError: If the ``tensorboard`` package is missing.
         LogFileError: If ``log`` is a path without a readable log holding a
-            tracked step (:func:`~cockpit.log_files.open_log`).
+            tracked step (:func:`~cockpit.log.files.open_log`).
     """
     history, known_names = _as_history(log)
     if param_names is None:

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure, SubFigure
 
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_files import empty_run_cause
+from cockpit.log.files import empty_run_cause
 from cockpit.plotting import instruments
 from cockpit.plotting.data import DashboardData, as_history, read_log
 from cockpit.plotting.runs import (

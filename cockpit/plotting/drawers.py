@@ -32,7 +32,7 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, NullLocato
 from matplotlib.transforms import ScaledTranslation
 
 from cockpit import diagnosis
-from cockpit.log_keys import NONFINITE_KEY
+from cockpit.log.keys import NONFINITE_KEY
 from cockpit.plotting.data import DashboardData, Series, as_data
 from cockpit.plotting.runs import Run
 from cockpit.plotting.style import (

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from cockpit.log.format import decode
 from cockpit.plotting import instruments
 from cockpit.plotting.data import extremes_index
 from cockpit.plotting.drawers import diagnosis_findings, element_series, nonfinite_spans
@@ -165,8 +166,6 @@ def _snapshots(history: Any, steps: Sequence[int]) -> dict:
     ``{key: {"from": 0, "items": [{"step", "hist", "edges"}, ...]}}``; a 2-D
     histogram by its whole-network part.
     """
-    from cockpit.serve.live import histogram_entry
-
     found = {}
     for key in ("GradHist1d", "GradHist2d"):
         have = [s for s in steps if key in history.view(s)]
@@ -180,6 +179,37 @@ def _snapshots(history: Any, steps: Sequence[int]) -> dict:
             if entry is not None:
                 items.append(entry)
         found[key] = {"from": 0, "items": items}
+    return found
+
+
+def _hist_entry(entry: Any) -> dict | None:
+    """``{"hist", "edges"}`` of a decoded histogram entry (``None``: not one)."""
+    if not isinstance(entry, Mapping) or "hist" not in entry or "edges" not in entry:
+        return None
+    try:
+        hist = np.asarray(entry["hist"], dtype=float)
+        edges = entry["edges"]
+        if hist.ndim == 1:
+            edges = np.asarray(edges, dtype=float).tolist()
+        else:
+            edges = [np.asarray(e, dtype=float).tolist() for e in edges]
+    except (TypeError, ValueError):
+        return None
+    hist = np.where(np.isfinite(hist), hist, 0.0)
+    return {"hist": hist.tolist(), "edges": edges}
+
+
+def histogram_entry(step: int, value: Any) -> dict | None:
+    """A histogram value (decoded or as stored) as the page draws it.
+
+    A 2-D one keeps its whole-network histogram (``"all"``); the per-parameter
+    ones are sent for the latest step only.
+    """
+    value = decode(value) if isinstance(value, Mapping) else value
+    found = _hist_entry(value)
+    if found is None:
+        return None
+    found["step"] = int(step)
     return found
 
 

@@ -78,7 +78,7 @@ def writers() -> set[tuple[int, int]] | None:
     """``(device, inode)`` of files a process holds a write lock on.
 
     A cockpit stream's writer holds one on its log while it runs
-    (:mod:`cockpit.log_lock`); read from ``/proc/locks`` (Linux), so asking
+    (:mod:`cockpit.log.lock`); read from ``/proc/locks`` (Linux), so asking
     takes no lock and never stands in a writer's way. ``None`` where that is not
     known (other systems).
     """

@@ -2,11 +2,11 @@
 
 A :class:`LiveRun` reads the bytes appended to its log since the last
 :meth:`~LiveRun.poll` (whole lines only; a line still being written waits for the
-next poll) through the stream reader of :mod:`cockpit.log_stream`
-(:func:`~cockpit.log_stream.stream_records`: the header is checked, a damaged
+next poll) through the stream reader of :mod:`cockpit.log.stream`
+(:func:`~cockpit.log.stream.stream_records`: the header is checked, a damaged
 line is skipped with its warning, a ``resume_after`` marker voids later steps).
 A log written whole (``Cockpit.write``, a 1.0.2 log) is read with
-:func:`cockpit.log_files.open_log` again when it changes.
+:func:`cockpit.log.files.open_log` again when it changes.
 
 What the page draws is kept, nothing else, in memory that does not grow with the
 run:
@@ -43,14 +43,15 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from cockpit.log_format import decode
-from cockpit.log_keys import (
+from cockpit.log.format import decode
+from cockpit.log.keys import (
     ESTIMATE_SUFFIX,
     LEARNING_RATES_KEY,
     MISSING_KEY,
     NONFINITE_KEY,
 )
-from cockpit.log_stream import STREAM_MAGIC, stream_records
+from cockpit.log.stream import STREAM_MAGIC, stream_records
+from cockpit.plotting.html import histogram_entry
 
 #: Points a series keeps before its blocks are thinned (it holds at most twice as
 #: many). TensorBoard keeps 1,000 scalars per series by default.
@@ -292,37 +293,6 @@ def _count(value: Any) -> int:
     return 1
 
 
-def _histogram(entry: Any) -> dict | None:
-    """``{"hist", "edges"}`` of a decoded histogram entry (``None``: not one)."""
-    if not isinstance(entry, Mapping) or "hist" not in entry or "edges" not in entry:
-        return None
-    try:
-        hist = np.asarray(entry["hist"], dtype=float)
-        edges = entry["edges"]
-        if hist.ndim == 1:
-            edges = np.asarray(edges, dtype=float).tolist()
-        else:
-            edges = [np.asarray(e, dtype=float).tolist() for e in edges]
-    except (TypeError, ValueError):
-        return None
-    hist = np.where(np.isfinite(hist), hist, 0.0)
-    return {"hist": hist.tolist(), "edges": edges}
-
-
-def histogram_entry(step: int, value: Any) -> dict | None:
-    """A histogram value (decoded or as stored) as the page draws it.
-
-    A 2-D one keeps its whole-network histogram (``"all"``); the per-parameter
-    ones are sent for the latest step only.
-    """
-    value = decode(value) if isinstance(value, Mapping) else value
-    found = _histogram(value)
-    if found is None:
-        return None
-    found["step"] = int(step)
-    return found
-
-
 class _Decoded(Mapping):
     """A record's values, decoded when read (the diagnosis reads a few keys)."""
 
@@ -527,7 +497,7 @@ class LiveRun:
             return
         if time.time() - stat.st_mtime < 1.0:
             return  # being written: read it when it stands still
-        from cockpit.log_files import open_log
+        from cockpit.log.files import open_log
 
         self._json_seen = seen  # a broken file is not read again until it changes
         if self.records:
