@@ -134,6 +134,17 @@ def test_points_stay_bounded_and_keep_the_extremes():
     part = points.part(0)
     assert 40.0 in part["values"] and -40.0 in part["values"]
     assert part["steps"] == sorted(part["steps"]) and part["steps"][-1] == 49_999
+    # in arrays at once: the very same points
+    for sample in (False, True):
+        one, many = Points(limit=500, sample=sample), Points(limit=500, sample=sample)
+        for step, value in enumerate(values):
+            one.add(step, float(value))
+        steps = np.arange(len(values))
+        for part_steps in np.array_split(steps, 7):
+            many.extend(
+                part_steps, values[part_steps], np.full(len(part_steps), np.nan)
+            )
+        assert many.part(0) == one.part(0) and many.stride == one.stride
     # even density: each point stands for about as many steps early and late
     gaps = np.diff(part["steps"][: points.n])
     assert gaps[: len(gaps) // 4].mean() == pytest.approx(

@@ -152,6 +152,68 @@ class Points:
             self.tail = []
         return True
 
+    def extend(self, steps: np.ndarray, values: np.ndarray, errors: np.ndarray) -> None:
+        """:meth:`add` of many finite values at increasing steps after the last one.
+
+        The same points as adding them one by one, in array operations.
+        """
+        i, n = 0, len(steps)
+        while i < n:
+            room = max(2 * self.limit - self.n, 2)  # points until the next thinning
+            if self.sample:
+                take = min(n - i, room * self.stride)
+                index = np.arange(i, i + take)
+                keep = index[(self.seen + index - i) % self.stride == 0]
+                self._commit_arrays(steps[keep], values[keep], errors[keep])
+            else:
+                block = 2 * self.stride
+                pending = len(self.tail)
+                take = min(n - i, max(room // 2, 1) * block - pending)
+                tail = np.array(self.tail, dtype=float).reshape(-1, 3)
+                all_steps = np.concatenate(
+                    [tail[:, 0].astype(np.int64), steps[i : i + take]]
+                )
+                all_values = np.concatenate([tail[:, 1], values[i : i + take]])
+                all_errors = np.concatenate([tail[:, 2], errors[i : i + take]])
+                full = len(all_steps) // block
+                if full:
+                    body = all_values[: full * block].reshape(full, block)
+                    low, high = np.argmin(body, axis=1), np.argmax(body, axis=1)
+                    same = low == high
+                    low = np.where(same, 0, low)
+                    high = np.where(same, block - 1, high)
+                    first = np.minimum(low, high) + block * np.arange(full)
+                    second = np.maximum(low, high) + block * np.arange(full)
+                    pick = np.stack([first, second], axis=1).ravel()
+                    pick = pick[np.concatenate([[True], np.diff(pick) != 0])]
+                    self._commit_arrays(all_steps[pick], all_values[pick],
+                                        all_errors[pick])  # fmt: skip
+                rest = slice(full * block, None)
+                self.tail = list(zip(all_steps[rest].tolist(),
+                                     all_values[rest].tolist(),
+                                     all_errors[rest].tolist()))  # fmt: skip
+            self.seen += take
+            i += take
+            if self.n >= 2 * self.limit:
+                self._thin()
+
+    def _commit_arrays(self, steps, values, errors) -> None:
+        k = len(steps)
+        need = self.n + k
+        if need > len(self.steps):
+            size = max(2 * len(self.steps), need)
+            self.steps = _grown(self.steps, size, self.n)
+            self.values = _grown(self.values, size, self.n)
+            if self.errors is not None:
+                self.errors = _grown(self.errors, size, self.n)
+        if self.errors is None and np.isfinite(errors).any():
+            self.errors = np.full(len(self.steps), np.nan, np.float32)
+        self.steps[self.n : need] = steps
+        self.values[self.n : need] = values
+        if self.errors is not None:
+            self.errors[self.n : need] = errors
+        self.n = need
+
     def _commit(self, points: list[tuple[int, float, float]]) -> None:
         need = self.n + len(points)
         if need > len(self.steps):
@@ -369,7 +431,12 @@ class LiveRun:
         self.nonfinite: list[list[int]] = []
         self._open_span = False  # the latest tracked step was not finite
         self.live = LiveDiagnosis(warn=False)
+        self.diag_offset = 0  # bytes of the file the live diagnosis has read
+        self.diag_line = 0
+        self.diag_step: int | None = None
+        self.wanted = False  # the page asked for this run: diagnose it first
         self.lr: list[float] | None = None
+        self._batch: dict[str, tuple[list, list, list]] = {}
         self.report = None
         self.epoch += 1
         self.version += 1
@@ -482,9 +549,11 @@ class LiveRun:
             for _, step, values in stream_records(self.path, lines):
                 changed = True
                 if step is None:
+                    self._flush()
                     self._truncate(values)
                 else:
                     self._apply(step, values, raw=True)
+            self._flush()
         if said:
             self.skipped += len(said)
             self.warning = " ".join(str(said[-1].message).split())
@@ -508,6 +577,7 @@ class LiveRun:
             history = open_log(self.path)
         for step in history.steps:
             self._apply(step, history.view(step), raw=False)
+        self._flush()
         # keep the values, not views of a history that reads them from the file
         for table in (self.sketch, self.latest):
             for key, (step, where) in table.items():
@@ -558,25 +628,51 @@ class LiveRun:
                 self._rates(step, values[key])
             if reduces is None:
                 continue
-            value = _number(values[key])
-            estimate = values.get(key + ESTIMATE_SUFFIX)
-            self._add_value(key, reduces, step, value, estimate)
-        self.live.on_record(step, _Decoded(values, raw))
+            batch = self._batch.get(key)
+            if batch is None:
+                batch = self._batch[key] = ([], [], [])
+            batch[0].append(step)
+            batch[1].append(values[key])
+            batch[2].append(values.get(key + ESTIMATE_SUFFIX))
 
-    def _add_value(self, key, reduces, step, value, estimate) -> None:
-        from cockpit.plotting.data import REDUCERS, estimate_error
+    def _flush(self) -> None:
+        """Add the values collected since the last flush, key by key, at once."""
+        from cockpit.plotting.data import estimate_error
 
-        if estimate is not None:
-            estimate = decode(estimate)
-        for reduce in reduces:
-            number = REDUCERS[reduce](value)
-            error = math.nan
-            if estimate is not None:
-                error = estimate_error(estimate, reduce)[0]
-            self._point(f"{key}|{reduce}", step, number, error)
-        if key == "Alpha":
-            number = REDUCERS["scalar"](value)
-            self._point("Alpha|sample", step, number, math.nan, sample=True)
+        table = wanted()
+        for key, (steps, raws, estimates) in self._batch.items():
+            steps = np.asarray(steps, dtype=np.int64)
+            rows = _rows(raws)
+            reduces = table.get(key, ("scalar",))  # learning_rates#k: scalars
+            for reduce in reduces + (("sample",) if key == "Alpha" else ()):
+                how = "scalar" if reduce == "sample" else reduce
+                numbers = _reduced(rows, raws, how)
+                errors = np.full(len(steps), np.nan)
+                for j, estimate in enumerate(estimates):
+                    if estimate is not None:
+                        errors[j] = estimate_error(decode(estimate), how)[0]
+                name = key if "#" in key else f"{key}|{reduce}"
+                self._extend(name, steps, numbers, errors, reduce == "sample")
+        self._batch = {}
+
+    def _extend(self, name, steps, numbers, errors, sample) -> None:
+        keep = np.isfinite(numbers)
+        steps, numbers, errors = steps[keep], numbers[keep], errors[keep]
+        if not len(steps):
+            return
+        points = self.series.get(name)
+        if points is None:
+            points = self.series[name] = Points(sample=sample)
+        last = points.last_step
+        stride = points.stride
+        if (last is None or steps[0] > last) and np.all(np.diff(steps) > 0):
+            points.extend(steps, numbers, errors)
+        else:  # a late or repeated step: one by one (rare)
+            for step, number, error in zip(steps.tolist(), numbers.tolist(),
+                                           errors.tolist()):  # fmt: skip
+                self._point(name, step, number, error, sample)
+        if points.stride != stride:
+            self.epoch += 1
 
     def _point(self, name, step, number, error, sample=False) -> None:
         if not math.isfinite(number):
@@ -610,7 +706,12 @@ class LiveRun:
         if self.lr is None:
             self.lr = rates
         for k, rate in enumerate(rates):
-            self._point(f"{LEARNING_RATES_KEY}#{k}", step, rate, math.nan)
+            batch = self._batch.get(f"{LEARNING_RATES_KEY}#{k}")
+            if batch is None:
+                batch = self._batch[f"{LEARNING_RATES_KEY}#{k}"] = ([], [], [])
+            batch[0].append(step)
+            batch[1].append(rate)
+            batch[2].append(None)
 
     def _truncate(self, after: int) -> None:
         """A resume marker: steps after ``after`` are void."""
@@ -654,6 +755,42 @@ class LiveRun:
             values[MISSING_KEY] = _value(self.missing[1], MISSING_KEY)
         return History({step: values}) if values else History()
 
+    def diagnose_some(self, most: int = 2000) -> bool:
+        """Feed up to ``most`` more records to the live diagnosis; ``True``: more left.
+
+        The diagnosis runs behind the reader (it costs about as much per step as
+        in the training process), from the file, up to what the reader has read.
+        A finished run is diagnosed whole instead (:meth:`run_report`).
+        """
+        with self.lock:
+            if self.error is not None or self.kind != "stream" or self.report:
+                return False
+            start, end, first = self.diag_offset, self.offset, self.diag_line
+            epoch = self.epoch
+        if start >= end:
+            return False
+        with open(self.path, "rb") as handle:
+            handle.seek(start)
+            data = handle.read(min(end - start, READ_CHUNK))
+        cut = data.rfind(b"\n") + 1
+        pieces = data[:cut].split(b"\n")[:-1][:most]
+        used = sum(len(p) + 1 for p in pieces)
+        lines = ((first + 1 + i, raw, True) for i, raw in enumerate(pieces))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = [(step, values) for _, step, values in
+                     stream_records(self.path, lines) if step is not None]  # fmt: skip
+        with self.lock:
+            if self.epoch != epoch and self.diag_offset != start:
+                return True  # read again from the start
+            for step, values in found:
+                self.live.on_record(step, _Decoded(values, True))
+                self.diag_step = step
+            self.diag_offset = start + used
+            self.diag_line = first + len(pieces)
+            self.version += 1
+            return self.diag_offset < self.offset
+
     def layer_count(self) -> int:
         """Per-parameter 2-D histograms in the latest ``GradHist2d`` (0: none)."""
         found = self.sketch.get("GradHist2d")
@@ -669,6 +806,11 @@ class LiveRun:
         if self.report is not None:
             return "report", self.report
         return "live", [f.to_dict() for f in self.live.findings]
+
+    @property
+    def diagnosed(self) -> int | None:
+        """The last step the diagnosis has read (the last step with a report)."""
+        return self.last_step if self.report is not None else self.diag_step
 
     def run_report(self) -> None:
         """Diagnose the whole (finished) run once, from its file."""
@@ -689,6 +831,7 @@ class LiveRun:
             have: ``{series name: points held}`` of that epoch.
         """
         with self.lock:
+            self.wanted = True
             whole = epoch != self.epoch or have is None
             have = {} if whole else have
             series = {}
@@ -726,6 +869,7 @@ class LiveRun:
                 "nonfinite": [list(span) for span in self.nonfinite],
                 "findings": findings,
                 "diagnosis": kind,
+                "diagnosed": self.diagnosed,
                 "config": self.config(),
             }
 
@@ -740,6 +884,32 @@ class LiveRun:
         """About the memory this run holds (its series and histograms)."""
         total = sum(p.nbytes() for p in self.series.values())
         return total + sum(s.nbytes() for s in self.hists.values())
+
+
+def _rows(raws: list) -> np.ndarray | None:
+    """The values of a key as a float array (a row per step), if they are plain."""
+    try:
+        rows = np.asarray(raws, dtype=np.float64)
+    except (TypeError, ValueError):  # encoded NaN, ragged lists, strings
+        return None
+    return rows if rows.ndim in (1, 2) else None
+
+
+def _reduced(rows: np.ndarray | None, raws: list, reduce: str) -> np.ndarray:
+    """One number per step, as :data:`cockpit.plotting.data.REDUCERS` gives it."""
+    from cockpit.plotting.data import REDUCERS
+
+    if rows is None:
+        return np.array([REDUCERS[reduce](_number(v)) for v in raws], dtype=float)
+    if rows.ndim == 1:
+        return np.abs(rows) if reduce == "norm" else rows
+    if reduce == "scalar":
+        return rows[:, 0] if rows.shape[1] == 1 else np.full(len(rows), np.nan)
+    if not rows.shape[1]:
+        return np.full(len(rows), np.nan)
+    if reduce == "norm":
+        return np.sqrt(np.einsum("ij,ij->i", rows, rows))
+    return rows.sum(axis=1)
 
 
 def _value(where: Any, key: str) -> Any:

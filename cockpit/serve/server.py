@@ -126,17 +126,31 @@ class Registry:
         # newest first at the start, so the page's first runs come soonest
         order = sorted(self.runs, key=lambda r: (r.kind is not None, -_mtime(r)))
         changed = False
-        reported = False
         for run in order:
             changed |= run.poll(held)
-            if (not reported and run.status == "finished" and run.report is None
-                    and run.steps):  # fmt: skip
-                reported = True
+        return changed
+
+    def diagnose(self) -> bool:
+        """Diagnose a little more (the runs the page shows first); ``True``: done some.
+
+        A finished run gets the report of the whole run (:func:`diagnose`, as
+        ``cockpit report``), a live one its live diagnosis, behind the reader.
+        """
+        order = sorted(self.runs, key=lambda r: (not r.wanted, r.index))
+        for run in order:
+            if run.error is not None or not run.steps or run.report is not None:
+                continue
+            if run.status == "finished":
                 try:
                     run.run_report()
                 except Exception:  # a report that fails leaves the live findings
                     run.report = []
-        return changed
+                return True
+            if run.diagnose_some():
+                return True
+            if run.diag_offset < run.offset:
+                return True
+        return False
 
     # --- answers ---------------------------------------------------------------------
     def frame(self) -> tuple[str, dict]:
@@ -374,6 +388,8 @@ class Server:
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True,
                                         name="cockpit-serve-poll")  # fmt: skip
+        self._diagnoser = threading.Thread(target=self._diagnose, daemon=True,
+                                           name="cockpit-serve-diagnosis")  # fmt: skip
         self._thread: threading.Thread | None = None
 
     @property
@@ -391,10 +407,19 @@ class Server:
                 pass
             self._stop.wait(max(0.05, POLL_SECONDS - (time.monotonic() - started)))
 
+    def _diagnose(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.registry.diagnose()
+            except Exception:  # never the end of the server
+                busy = False
+            self._stop.wait(0.01 if busy else POLL_SECONDS)
+
     def serve_forever(self) -> None:
         """Serve until :meth:`shutdown` (or Ctrl-C in the calling thread)."""
         if not self._poller.is_alive():
             self._poller.start()
+            self._diagnoser.start()
         self.httpd.serve_forever(poll_interval=0.2)
 
     def start(self) -> Server:

@@ -977,8 +977,9 @@
       const skipped = findings.find((f) => f.id === "not_checked");
       const checks = skipped ? skipped.evidence.checks || {} : {};
       if (run.diagnosis === "live") {
+        const upto = run.diagnosed == null ? "no step read yet" : `read up to step ${run.diagnosed}`;
         block.appendChild(el("div", "notchecked", run.status === "live"
-          ? "live diagnosis: settled evidence so far; the whole-run checks run when the run ends"
+          ? `live diagnosis (${upto}): settled evidence only; the whole-run checks run when the run ends`
           : "diagnosis of the whole run: being read"));
         if (!found.length) {
           block.appendChild(el("div", "finding", `nothing settled so far (step ${run.last_step})`));
@@ -1400,7 +1401,7 @@
       for (const item of part.items) h.items.push(item);
       run.have["hist:" + key] = h.items.length;
     }
-    for (const k of ["epoch", "version", "latest", "nonfinite", "findings", "diagnosis", "config",
+    for (const k of ["epoch", "version", "latest", "nonfinite", "findings", "diagnosis", "diagnosed", "config",
                      "status", "error", "warning", "steps", "first_step", "last_step", "label", "color"]) {
       run[k] = answer[k];
     }
