@@ -755,6 +755,14 @@ class LiveRun:
             values[MISSING_KEY] = _value(self.missing[1], MISSING_KEY)
         return History({step: values}) if values else History()
 
+    def pending_bytes(self) -> int:
+        """Bytes of the log not read yet (0 for a log read whole)."""
+        if self.kind is None:
+            return 1
+        if self.kind != "stream" or self._stat_key is None:
+            return 0
+        return max(self._stat_key[1] - self.offset - len(self.pending), 0)
+
     def diagnose_some(self, most: int = 2000) -> bool:
         """Feed up to ``most`` more records to the live diagnosis; ``True``: more left.
 

@@ -85,6 +85,7 @@ class Registry:
         self._frame: tuple[Any, dict] | None = None
         self.last_scan = 0.0
         self.full = False
+        self.caught_up = False  # every log read up to its end (at the last poll)
 
     # --- finding and reading -------------------------------------------------------
     def scan(self) -> None:
@@ -128,6 +129,9 @@ class Registry:
         changed = False
         for run in order:
             changed |= run.poll(held)
+        self.caught_up = all(
+            r.error is not None or not r.pending_bytes() for r in order
+        )
         return changed
 
     def diagnose(self) -> bool:
@@ -136,6 +140,8 @@ class Registry:
         A finished run gets the report of the whole run (:func:`diagnose`, as
         ``cockpit report``), a live one its live diagnosis, behind the reader.
         """
+        if not self.caught_up:
+            return False  # the charts first: diagnose once every log is read
         order = sorted(self.runs, key=lambda r: (not r.wanted, r.index))
         for run in order:
             if run.error is not None or not run.steps or run.report is not None:
