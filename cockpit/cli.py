@@ -9,6 +9,8 @@
   in TensorBoard, W&B or MLflow (:mod:`cockpit.integrations.cli`).
 * ``cockpit report LOG [--markdown | --json]``: what is wrong with the run
   (:mod:`cockpit.diagnosis.report`).
+* ``cockpit serve DIR_OR_LOG... [--port N]``: the live dashboard of runs in
+  progress, in a browser (:mod:`cockpit.serve`).
 
 Exit codes: 0 success; 1 a problem with the input (a log that is missing, empty,
 truncated or not a cockpit log, an unwritable output, a bad option value), reported
@@ -165,7 +167,10 @@ def _plot(args: argparse.Namespace) -> int:
     logs = list(args.log)
     # step by step, keeping only what is drawn; before importing matplotlib: bad
     # files fail fast
-    histories = [open_log(log, latest=True, upto=args.discard) for log in logs]
+    # the HTML file shows histograms over the run: every step's can be read back
+    latest = args.html is None or args.discard is not None
+    upto = args.discard if latest else None
+    histories = [open_log(log, latest=latest, upto=upto) for log in logs]
     labels = _run_labels(logs, args.label)
     from cockpit.plotting import CockpitPlotter
 
@@ -349,9 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cockpit.diagnosis.report import add_report_parser
     from cockpit.integrations.cli import add_export_command
+    from cockpit.serve.cli import add_serve_parser
 
     add_report_parser(sub)
     add_export_command(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -26,11 +26,13 @@ import html as html_text
 import json
 import math
 import os
+import re
 from importlib import resources
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from cockpit.log.format import decode
 from cockpit.plotting import instruments
 from cockpit.plotting.data import extremes_index
 from cockpit.plotting.drawers import diagnosis_findings, element_series, nonfinite_spans
@@ -42,6 +44,10 @@ MAX_HTML_POINTS = 20_000
 
 #: Significant digits of the values written.
 DIGITS = 6
+
+#: Histogram steps the file holds per key (spread over the run; the slider's
+#: steps).
+HIST_STEPS = 120
 
 #: ``id`` of the ``<script type="application/json">`` element holding the data.
 DATA_ID = "cockpit-data"
@@ -80,30 +86,37 @@ def _histogram(entry: Any, step: int, axes: int = 1) -> dict:
     }
 
 
+def gauge_series(name: str) -> list[tuple[str, str]]:
+    """``(key, reduction)`` of every series a gauge draws against the iteration."""
+    gauge = instruments.GAUGES[name]
+    keys = {role: key for role, key, _ in gauge.keys}
+    if gauge.kind == "tests":
+        return [(key, "scalar") for key in keys.values()]
+    if gauge.kind == "performance":
+        return [(k, "scalar") for k in instruments.gauge_reads(gauge, keys)]
+    if gauge.kind == "learning_rates":
+        return [(keys["key"], "scalar")]
+    return [(keys[line.role], line.reduce) for line in gauge.lines]
+
+
 def _run_payload(run: Run, layout: tuple, upto: int | None) -> dict:
     """What the page draws of one run."""
     primary, bottom, aux, layers = layout
     names = [n for _, gauges in primary for n in gauges] + list(bottom) + list(aux)
     series: dict[str, dict] = {}
     for name in names:
-        gauge = instruments.GAUGES[name]
-        keys = {role: key for role, key, _ in gauge.keys}
-        wanted = [(keys[line.role], line.reduce) for line in gauge.lines]
-        if gauge.kind == "tests":
-            wanted = [(key, "scalar") for key in keys.values()]
-        elif gauge.kind == "performance":
-            wanted = [(k, "scalar") for k in instruments.gauge_reads(gauge, keys)]
-        elif gauge.kind == "learning_rates":
-            wanted = [(keys["key"], "scalar")]
-        for key, reduce in wanted:
+        for key, reduce in gauge_series(name):
             found = _series(run, key, reduce, upto)
             if found is not None:
                 series[f"{key}|{reduce}"] = found
-    rates = []
-    for element in element_series(run.data, "learning_rates"):
+    for k, element in enumerate(element_series(run.data, "learning_rates")):
         steps, values, _ = element.view(upto, max_points=MAX_HTML_POINTS)
-        rates.append({"steps": steps.tolist(), "values": _rounded(values)})
-    alpha = run.data.series("Alpha").view(upto, max_points=None)[1]
+        series[f"learning_rates#{k}"] = {"steps": steps.tolist(),
+                                         "values": _rounded(values)}  # fmt: skip
+    alpha = run.data.series("Alpha")
+    if len(alpha):
+        steps, values, _ = alpha.view(upto, max_points=None)
+        series["Alpha|sample"] = {"steps": steps.tolist(), "values": _rounded(values)}
     latest = {}
     for key in ("GradHist1d", "GradHist2d"):
         found = run.data.latest(key, upto)
@@ -124,13 +137,113 @@ def _run_payload(run: Run, layout: tuple, upto: int | None) -> dict:
         "color": run.color or "#2f6db3",
         "first_step": int(steps[0]) if steps else None,
         "last_step": int(steps[-1]) if steps else None,
+        "steps": len(steps),
+        "status": "finished",
         "series": series,
-        "rates": rates,
-        "alpha": _rounded(alpha),
+        "hists": _snapshots(run.data.history, steps),
         "latest": latest,
         "nonfinite": [list(span) for span in nonfinite_spans(run.data, upto)],
         "findings": [f.to_dict() for f in findings],
+        "diagnosis": "report",
+        "config": run_config(run.label, run.data.history.keys, _first_rates(run)),
     }
+
+
+def _first_rates(run: Run) -> list[float] | None:
+    for step in run.data.history.steps:
+        rates = run.data.history.view(step).get("learning_rates")
+        if rates is not None:
+            try:
+                return [float(x) for x in np.asarray(rates, dtype=float).ravel()]
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _snapshots(history: Any, steps: Sequence[int]) -> dict:
+    """Histograms at up to :data:`HIST_STEPS` steps spread over the run (and the last).
+
+    ``{key: {"from": 0, "items": [{"step", "hist", "edges"}, ...]}}``; a 2-D
+    histogram by its whole-network part.
+    """
+    found = {}
+    for key in ("GradHist1d", "GradHist2d"):
+        have = [s for s in steps if key in history.view(s)]
+        if not have:
+            continue
+        pick = sorted(set(np.linspace(0, len(have) - 1, min(len(have), HIST_STEPS))
+                          .round().astype(int).tolist()))  # fmt: skip
+        items = []
+        for index in pick:
+            entry = histogram_entry(have[index], history.view(have[index])[key])
+            if entry is not None:
+                items.append(entry)
+        found[key] = {"from": 0, "items": items}
+    return found
+
+
+def _hist_entry(entry: Any) -> dict | None:
+    """``{"hist", "edges"}`` of a decoded histogram entry (``None``: not one)."""
+    if not isinstance(entry, Mapping) or "hist" not in entry or "edges" not in entry:
+        return None
+    try:
+        hist = np.asarray(entry["hist"], dtype=float)
+        edges = entry["edges"]
+        if hist.ndim == 1:
+            edges = np.asarray(edges, dtype=float).tolist()
+        else:
+            edges = [np.asarray(e, dtype=float).tolist() for e in edges]
+    except (TypeError, ValueError):
+        return None
+    hist = np.where(np.isfinite(hist), hist, 0.0)
+    return {"hist": hist.tolist(), "edges": edges}
+
+
+def histogram_entry(step: int, value: Any) -> dict | None:
+    """A histogram value (decoded or as stored) as the page draws it.
+
+    A 2-D one keeps its whole-network histogram (``"all"``); the per-parameter
+    ones are sent for the latest step only.
+    """
+    value = decode(value) if isinstance(value, Mapping) else value
+    found = _hist_entry(value)
+    if found is None:
+        return None
+    found["step"] = int(step)
+    return found
+
+
+def run_config(label: str, keys: Sequence[str], rates: Sequence[float] | None) -> dict:
+    """What a log tells of a run's set-up, shown side by side on the page.
+
+    ``name=value`` parts of the run's name (``runs/lr=0.1,bs=32/log``: how runs
+    are commonly named), the first learning rate(s) the log holds, and the
+    quantities it tracked.
+    """
+    found: dict[str, Any] = {}
+    for part in label.replace("\\", "/").split("/"):
+        for token in re.split(r"[,_ ]", part):
+            name, sep, value = token.partition("=")
+            if sep and name:
+                found[name] = _parsed(value)
+    if rates:
+        found.setdefault("learning rate", rates[0] if len(rates) == 1 else list(rates))
+    found["quantities"] = sorted(
+        k for k in keys
+        if k not in ("nonfinite", "learning_rates", "missing")
+        and not k.endswith("_estimate")
+    )  # fmt: skip
+    return found
+
+
+def _parsed(text: str) -> Any:
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if not math.isfinite(number):
+        return text
+    return int(number) if number.is_integer() and "." not in text else number
 
 
 def _gauge_payload(name: str) -> dict:
@@ -183,6 +296,14 @@ def payload(
     Returns:
         ``{"title", "layout", "gauges", "runs", "left_out", "checks"}``.
     """
+    several = len(runs) > 1 or runs[0].color is not None
+    found = frame(layout, title, several, left_out)
+    found["runs"] = [_run_payload(run, layout, upto) for run in runs]
+    return found
+
+
+def frame(layout: tuple, title: str, several: bool, left_out: Sequence = ()) -> dict:
+    """Everything of :func:`payload` but the runs: the gauges and their layout."""
     from cockpit import diagnosis
 
     primary, bottom, aux, layers = layout
@@ -191,7 +312,7 @@ def payload(
         names.append("hist_2d")
     return {
         "title": title,
-        "several": len(runs) > 1 or runs[0].color is not None,
+        "several": several,
         "layout": {
             "primary": [[panel, list(gauges)] for panel, gauges in primary],
             "bottom": list(bottom),
@@ -199,7 +320,7 @@ def payload(
             "layers": bool(layers),
         },
         "gauges": {name: _gauge_payload(name) for name in dict.fromkeys(names)},
-        "runs": [_run_payload(run, layout, upto) for run in runs],
+        "runs": [],
         "left_out": [list(item) for item in left_out],
         "checks": list(diagnosis.CHECK_IDS),
     }
