@@ -107,7 +107,9 @@ def write_stream(path: str, steps: int, seed: int) -> None:
 def _memory(pid: int) -> dict:
     with open(f"/proc/{pid}/status") as handle:
         text = handle.read()
-    return {k: int(re.search(rf"{k}:\s+(\d+)", text)[1]) / 1024 for k in ("VmRSS", "VmHWM")}
+    return {
+        k: int(re.search(rf"{k}:\s+(\d+)", text)[1]) / 1024 for k in ("VmRSS", "VmHWM")
+    }
 
 
 def _get(url: str) -> bytes:
