@@ -52,6 +52,8 @@ TESTS = (
     "tests/test_core_quantities.py",
     "tests/test_curvature_instruments.py",
     "tests/test_histograms.py",
+    "tests/test_first_order_instruments.py",
+    "tests/test_mixed_precision.py",
     "tests/test_devices.py",
 )
 SPECS = ("economy", "business", "full")
