@@ -512,11 +512,7 @@ def main(argv=None) -> int:
     """Run the check (or one child, or print a record's report)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    if args.child:
-        child_main(json.loads(args.child))
-        return 0
-    if args.table:
-        print(render(json.loads(Path(args.table).read_text())))
+    if driver.answered(args, child_main, render):
         return 0
     started = time.perf_counter()
     measured = measure_all(args)
