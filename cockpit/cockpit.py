@@ -25,6 +25,7 @@ from cockpit.cockpit_args import (
     collect_params,
     manual_missing,
 )
+from cockpit.cockpit_output import CockpitOutput
 from cockpit.engines import autograd as autograd_engine
 from cockpit.engines.coverage import Coverage, static_coverage
 from cockpit.engines.routing import Router
@@ -34,7 +35,6 @@ from cockpit.log.keys import LOG_KEYS, NONFINITE_KEY
 from cockpit.log.stream import LogStream
 from cockpit.precision import is_low_precision
 from cockpit.quantities.base import Quantity
-from cockpit.records import Records
 from cockpit.step.checks import Diagnostics
 from cockpit.step.console import LOG, default_handler
 from cockpit.step.loop_checks import LoopChecks
@@ -54,7 +54,7 @@ def live_diagnosis(recorder: Recorder):
     return diagnosis
 
 
-class Cockpit(Records):
+class Cockpit(CockpitOutput):
     """Track quantities about the training during a single backward pass per step.
 
     Typical use (model and loss ``backpack.extend``-ed, as in 1.0.2)::

@@ -360,11 +360,11 @@ def test_hvp_counts_compare_warm_starts_against_a_tight_reference():
 def test_small_block_times_compare_two_exact_paths():
     """`benchmarks.studies.kernels --small-blocks`: both paths timed, counts equal."""
     from benchmarks.studies.kernels import small_block_times
-    from cockpit.quantities import grad_hist
+    from cockpit.quantities import histogram_kernels as kernels
 
-    limit = grad_hist.SEARCH_AT_MOST
+    limit = kernels.SEARCH_AT_MOST
     rows = small_block_times(sizes=(64, 3000), repeats=1)
-    assert grad_hist.SEARCH_AT_MOST == limit  # restored
+    assert kernels.SEARCH_AT_MOST == limit  # restored
     assert [(n, s) for n, s, *_ in rows] == [
         (64, 1e-3), (64, 0.3), (3000, 1e-3), (3000, 0.3)
     ]  # fmt: skip

@@ -49,7 +49,7 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults, ParamView
-from cockpit.quantities import grad_hist
+from cockpit.quantities import histogram_kernels as kernels
 from cockpit.quantities.base import SingleStepQuantity
 
 BINS, RANGE = 100, (-2.0, 2.0)  # GradHist1d's defaults
@@ -91,7 +91,7 @@ def blocks_histogram_1d(captured, edges):
     total = torch.zeros(BINS, dtype=torch.int64)
     for _, individual in captured:
         for block in individual.chunks(BLOCK):
-            total += grad_hist.histogram_1d(block, edges, RANGE)
+            total += kernels.histogram_1d(block, edges, RANGE)
     return total
 
 
@@ -122,13 +122,13 @@ def grad_hist_now(quantity, captured):
 
 def blocks_histogram_2d(captured, xedges, yedges):
     """Every block counted on its own by :func:`histogram_2d` (exact reference)."""
-    clamps = tuple(grad_hist._inner_clamp(*r, b) for r, b in zip(RANGE_2D, BINS_2D))
+    clamps = tuple(kernels.inner_clamp(*r, b) for r, b in zip(RANGE_2D, BINS_2D))
     total = torch.zeros(BINS_2D, dtype=torch.int64)
     for param, individual in captured:
         y = param.flatten()
         for block in individual.chunks(BLOCK):
             x = block.flatten(start_dim=1)
-            total += grad_hist.histogram_2d(x, y, xedges, yedges, RANGE_2D, clamps)
+            total += kernels.histogram_2d(x, y, xedges, yedges, RANGE_2D, clamps)
     return total
 
 
@@ -174,9 +174,9 @@ def measure(name, repeats, baseline=None):
     captured = capture(bench)
     values = sum(ind.batch_size * p.numel() for p, ind in captured)
     dtype = captured[0][0].dtype
-    edges = grad_hist.histogram_edges(*RANGE, BINS).to(dtype)
-    xedges = grad_hist.histogram_edges(*RANGE_2D[0], BINS_2D[0]).to(dtype)
-    yedges = grad_hist.histogram_edges(*RANGE_2D[1], BINS_2D[1]).to(dtype)
+    edges = kernels.histogram_edges(*RANGE, BINS).to(dtype)
+    xedges = kernels.histogram_edges(*RANGE_2D[0], BINS_2D[0]).to(dtype)
+    yedges = kernels.histogram_edges(*RANGE_2D[1], BINS_2D[1]).to(dtype)
     hist_1d = Q.GradHist1d(lambda step: True, bins=BINS, range=RANGE)
     hist_2d = Q.GradHist2d(lambda step: True, bins=BINS_2D, range=RANGE_2D)
     variants = {
@@ -283,12 +283,12 @@ def small_block_times(sizes=(64, 2048, 8192, 32768), repeats=31):
 
     100 bins on (-2, 2), values ``N(0, scale**2)`` for a narrow and a wide spread,
     one NaN in 97; both paths must give the same counts. ``histogram_1d`` takes the
-    search up to ``grad_hist.SEARCH_AT_MOST`` values, the general path beyond.
+    search up to ``kernels.SEARCH_AT_MOST`` values, the general path beyond.
     """
-    edges = grad_hist.histogram_edges(-2.0, 2.0, 100)
+    edges = kernels.histogram_edges(-2.0, 2.0, 100)
     paths = {
-        "search": grad_hist._counts_by_search,
-        "general": grad_hist._counts_by_position,
+        "search": kernels._counts_by_search,
+        "general": kernels._counts_by_position,
     }
     rows = []
     for n in sizes:
@@ -428,11 +428,11 @@ def main(argv=None):
     if args.small_blocks:
         print(
             f"| values | spread | search (us) | general (us) | "
-            f"SEARCH_AT_MOST = {grad_hist.SEARCH_AT_MOST} |\n| ---: | ---: | ---: "
+            f"SEARCH_AT_MOST = {kernels.SEARCH_AT_MOST} |\n| ---: | ---: | ---: "
             "| ---: | --- |"
         )
         for n, scale, search, general in small_block_times():
-            chosen = "search" if n <= grad_hist.SEARCH_AT_MOST else "general"
+            chosen = "search" if n <= kernels.SEARCH_AT_MOST else "general"
             print(
                 f"| {n} | {scale} | {search * 1e6:.0f} | {general * 1e6:.0f} | "
                 f"{chosen} |"

@@ -1,10 +1,11 @@
-"""The records side of the :class:`~cockpit.Cockpit`: its output and checkpoints.
+"""What a :class:`~cockpit.Cockpit` hands back: its output and checkpoints.
 
-What the cockpit has recorded (:attr:`Records.history`, filled through the
-recorder) is read back with :meth:`Records.get_output` (1.0.2's dict), written with
-:meth:`Records.write` (standard JSON, or 1.0.2's layout), extended with evaluation
-metrics by :meth:`Records.log`, and saved and restored with
-:meth:`Records.state_dict` / :meth:`Records.load_state_dict`.
+What the cockpit has recorded (:attr:`CockpitOutput.history`, filled through
+the recorder) is read back with :meth:`CockpitOutput.get_output` (1.0.2's dict),
+written with :meth:`CockpitOutput.write` (standard JSON, or 1.0.2's layout),
+extended with evaluation metrics by :meth:`CockpitOutput.log`, and saved and
+restored with
+:meth:`CockpitOutput.state_dict` / :meth:`CockpitOutput.load_state_dict`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cockpit.log.keys import LOG_KEYS
 from cockpit.step.console import LOG
 
 
-class Records:
+class CockpitOutput:
     """Output and checkpoints of a cockpit (its base class; see the module).
 
     Reads the cockpit's ``history``, ``recorder``, ``_stream``, ``_loop``,
