@@ -79,6 +79,17 @@ def write_record(data: dict, out: Path, render: Callable[[dict], str]) -> str:
     return text
 
 
+def answered(args, child_main: Callable[[dict], object], render) -> bool:
+    """Run the child (``--child SPEC``) or print a record's report (``--table``)."""
+    if args.child:
+        child_main(json.loads(args.child))
+        return True
+    if args.table:
+        print(render(json.loads(Path(args.table).read_text())))
+        return True
+    return False
+
+
 def main(
     argv: list[str] | None,
     parse: Callable,
@@ -103,11 +114,7 @@ def main(
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    if args.child:
-        child_main(json.loads(args.child))
-        return 0
-    if args.table:
-        print(render(json.loads(Path(args.table).read_text())))
+    if answered(args, child_main, render):
         return 0
     for name, value in measure.CHILD_ENV.items():
         os.environ.setdefault(name, value)
@@ -136,6 +143,7 @@ def main(
 
 __all__ = [
     "RESULTS",
+    "answered",
     "errors",
     "fill_defaults",
     "machine_line",

@@ -47,6 +47,13 @@ def schedule_every(interval: int):
     return linear(interval)
 
 
+def configuration_quantities(label: str, schedule) -> list:
+    """The quantities of configuration ``label``, tracking on ``schedule``."""
+    from cockpit.utils.configuration import configuration
+
+    return list(configuration(label, track_schedule=schedule))
+
+
 def make_quantities(spec: str) -> list:
     """Instantiate a configuration label's quantities, or one quantity class by name.
 

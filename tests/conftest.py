@@ -21,10 +21,34 @@ def _single_torch_thread():
     torch.set_num_threads(threads)
 
 
+#: Why the CUDA cases skip on a machine without a GPU.
+NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
+#: The devices every device-parametrised test runs on: the CPU always, CUDA where
+#: there is one (marked ``cuda``: ``pytest -m cuda`` runs those alone).
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Each device present (the CPU case is the test as it always ran)."""
+    return torch.device(request.param)
+
+
 @pytest.fixture(params=PROBLEMS, ids=PROBLEM_IDS)
-def problem(request):
-    """Each brute-force test problem (MLP/CNN, CE/MSE, SGD/momentum/Adam)."""
-    return make_problem(*request.param)
+def problem(request, device):
+    """Each brute-force test problem (MLP/CNN, CE/MSE, SGD/momentum/Adam), on each
+    device; its brute-force twins run on the CPU in float64 (tests/utils/harness)."""
+    return make_problem(*request.param, device=device)
 
 
 @pytest.fixture(params=list(SCHEDULES), ids=list(SCHEDULES))

@@ -169,8 +169,8 @@ TOGETHER = PROBLEMS + [("cnn", "ce", "sgd")]
 
 
 @pytest.mark.parametrize("spec", TOGETHER, ids=PROBLEM_IDS + ["cnn-ce-sgd"])
-def test_together_with_all_quantities_matches_brute_force(spec, schedule):
-    problem = make_problem(*spec)
+def test_together_with_all_quantities_matches_brute_force(spec, schedule, device):
+    problem = make_problem(*spec, device=device)
     quantities = exported_quantities(schedule, spec[2], exclude=SLOW)
     keys = {q.key for q in quantities}
     assert set(MINE) - SGD_ONLY <= keys

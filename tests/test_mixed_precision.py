@@ -84,18 +84,21 @@ def _ce(outputs, targets):
 class Setup:
     """A tiny classifier run in a half-precision mode, one batch."""
 
-    def __init__(self, mode: str, arch: str = "mlp", spread: float = 1.0, seed=0):
+    def __init__(
+        self, mode: str, arch: str = "mlp", spread: float = 1.0, seed=0, device="cpu"
+    ):
         self.kind, self.low = MODES[mode]
+        self.device = torch.device(device)
         torch.manual_seed(seed)
-        model = MODELS[arch]()
+        model = MODELS[arch]().to(self.device)
         if self.kind == "params":
             model = model.to(self.low)
         self.model = extend(model)
         self.loss_fn = extend(torch.nn.CrossEntropyLoss())
         dtype = next(model.parameters()).dtype
         centre = torch.randn(1, 5)
-        self.x = (centre + spread * torch.randn(N, 5)).to(dtype)
-        labels = torch.randint(0, 3, (N,))
+        self.x = (centre + spread * torch.randn(N, 5)).to(self.device, dtype)
+        labels = torch.randint(0, 3, (N,)).to(self.device)
         self.y = labels if spread >= 1 else labels[:1].expand(N)  # nearly equal
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -104,7 +107,8 @@ class Setup:
         return list(self.model.parameters())
 
     def forward(self):
-        with torch.autocast("cpu", dtype=self.low, enabled=self.kind == "autocast"):
+        enabled = self.kind == "autocast"
+        with torch.autocast(self.device.type, dtype=self.low, enabled=enabled):
             outputs = self.model(self.x)
             losses = _ce(outputs, self.y)
             loss = self.loss_fn(outputs, self.y)
@@ -218,8 +222,10 @@ def first_order(setup, quantities):
 # --- first-order statistics ---------------------------------------------------------
 @pytest.mark.parametrize("arch", ["mlp", "scaled"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_first_order_statistics_are_float32_of_the_half_precision_gradients(mode, arch):
-    setup = Setup(mode, arch)
+def test_first_order_statistics_are_float32_of_the_half_precision_gradients(
+    mode, arch, device
+):
+    setup = Setup(mode, arch, device=device)
     capture = Capture()
     keys = ("NormTest", "InnerTest", "OrthoTest")
     quantities = [capture, Q.GradNorm(linear(1))]
@@ -459,14 +465,14 @@ def test_unit_roundoffs():
 
 # --- a scaled backward pass (GradScaler) ---------------------------------------------
 @pytest.mark.parametrize("scale", [1024.0, 0.25])
-def test_scaled_backward_pass_leaves_gradient_quantities_missing(scale):
+def test_scaled_backward_pass_leaves_gradient_quantities_missing(scale, device):
     """float16 training scales the loss (GradScaler): ``.grad`` and BackPACK's
     per-sample gradients are ``scale`` times the gradients while the per-sample
     losses are not. The gradient that reaches ``info["loss"]`` gives it away:
     quantities that read gradients are missing, with the fix; Loss and Distance,
     which read no gradients, keep their values."""
-    setup = Setup("autocast-fp16")
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    setup = Setup("autocast-fp16", device=device)
+    scaler = torch.amp.GradScaler(setup.device.type, init_scale=scale)
     quantities = [
         Q.Loss(linear(1)),
         Q.Distance(linear(1)),

@@ -56,6 +56,7 @@ from cockpit.param_view import ParamView
 from cockpit.quantities.compat import Helpers102, QuantityOutput
 from cockpit.quantities.utils_params import gradients
 from cockpit.step.recorder import MISSING_KEY  # noqa: F401  (re-exported)
+from cockpit.utils.host import to_host
 
 
 @dataclass(frozen=True)
@@ -487,7 +488,7 @@ class Quantity(Helpers102, abc.ABC):
                 global_step, {} if batch_loss is None else {"loss": batch_loss}
             )
             ctx = TrackContext(global_step, list(params), info)
-        return native(global_step, ctx)
+        return to_host(native(global_step, ctx))  # numbers, as 1.0.2 returns them
 
     def track(self, global_step: int, params, batch_loss) -> None:
         """Compute the results due at ``global_step`` and record them (1.0.2's API).

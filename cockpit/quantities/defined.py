@@ -83,8 +83,8 @@ def eps(dtype: torch.dtype) -> float:
 
 
 def wide(tensor) -> Tensor:
-    """``tensor`` as a float64 tensor on the CPU (scalars and ``[N]`` vectors)."""
-    return torch.as_tensor(tensor).detach().to("cpu", torch.float64)
+    """``tensor`` as a float64 tensor on its device (scalars and ``[N]`` vectors)."""
+    return torch.as_tensor(tensor).detach().to(torch.float64)
 
 
 def first(*checks: Missing | None) -> Missing | None:
@@ -99,9 +99,13 @@ def samples(n: int) -> Missing | None:
 
 def finite_sums(*sums: Tensor) -> Missing | None:
     """Undefined if any of the sums (tensors) is not finite."""
-    for value in sums:
-        value = torch.as_tensor(value)
-        if not bool(torch.isfinite(value).all()):
+    values = [torch.as_tensor(value) for value in sums]
+    flags = [torch.isfinite(value).all() for value in values]
+    if len(flags) > 1 and flags[0].device == flags[-1].device:  # one sync, not one each
+        if bool(torch.stack(flags).all()):
+            return None
+    for value, flag in zip(values, flags, strict=True):
+        if not bool(flag):
             return Missing(overflow(value.dtype))
     return None
 

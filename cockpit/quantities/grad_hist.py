@@ -213,7 +213,7 @@ class _Histogram(SingleStepQuantity):
         axes = range(len(self._bin_counts()))
         edges = [self._edges(axis).cpu.tolist() for axis in axes]
         return {
-            "hist": counts.reshape(self._bin_counts()).tolist(),
+            "hist": counts.reshape(self._bin_counts()),  # recorded as lists
             "edges": edges[0] if len(edges) == 1 else edges,
         }
 

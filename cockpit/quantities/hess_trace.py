@@ -90,4 +90,4 @@ class HessTrace(SingleStepQuantity):
             bucket.sum(trace * weight, lambda v, i=index: entries.__setitem__(i, v))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:
-        return torch.stack(self.acc.ordered(len(ctx.params))).tolist()
+        return torch.stack(self.acc.ordered(len(ctx.params)))  # recorded as a list

@@ -12,4 +12,4 @@ class Loss(NothingToShare, ByproductQuantity):
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         loss = ctx.info.require("loss", self.key)
-        return float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+        return loss.detach() if hasattr(loss, "detach") else float(loss)

@@ -32,8 +32,8 @@ def snapshot(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.detach().to(compute_dtype(p.dtype), copy=True) for p in params]
 
 
-def norms(tensors: Sequence[Tensor]) -> list[float]:
-    """Return the Euclidean norm of each tensor, with a single device sync."""
+def norms(tensors: Sequence[Tensor]) -> Tensor | list:
+    """The Euclidean norm of each tensor, stacked (no sync; recorded as a list)."""
     if not tensors:
         return []
-    return torch.stack([t.norm() for t in tensors]).tolist()
+    return torch.stack([t.norm() for t in tensors])

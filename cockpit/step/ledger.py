@@ -144,8 +144,8 @@ class Ledger:
                 {
                     **self.estimator,
                     **(entry.settings or {}),
-                    "stderr": [float(e) for e in per_param],
-                    "stderr_sum": float(total),
+                    "stderr": list(per_param),  # recorded as numbers
+                    "stderr_sum": total,
                 },
             )
 

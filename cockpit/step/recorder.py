@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Protocol
 
 from cockpit.log.keys import MISSING_KEY
+from cockpit.utils.host import to_host
 
 
 class Subscriber(Protocol):
@@ -77,7 +78,11 @@ class Recorder:
         return tuple(self._subscribers)
 
     def record(self, global_step: int, key: str, value: Any) -> None:
-        """Note ``value`` for ``key`` at ``global_step`` (sent on by :meth:`flush`)."""
+        """Note ``value`` for ``key`` at ``global_step`` (sent on by :meth:`flush`).
+
+        Tensors in ``value`` stay where they are until the flush copies them all
+        to the host at once (:func:`cockpit.utils.host.to_host`).
+        """
         self._fresh.setdefault(int(global_step), {})[key] = value
 
     def note_missing(self, global_step: int, key: str, reason: str) -> None:
@@ -103,7 +108,7 @@ class Recorder:
         under the streamed log must not cost the history its values); the first
         error is raised afterwards.
         """
-        fresh, self._fresh = self._fresh, {}
+        fresh, self._fresh = to_host(self._fresh), {}  # one copy per device
         first_error = None
         for subscriber in self._subscribers:
             for step in sorted(fresh):

@@ -61,12 +61,12 @@ def run(problem, quantities, steps: int = 4, extra_info=None, cockpit_cls=Cockpi
         info.update(extra_info or {})
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
-        result.records[step] = Record(
+        result.records[step] = Record(  # on the CPU: brute force runs there
             step=step,
-            x=x,
-            y=y,
-            params=[p.detach().clone() for p in problem.params],
-            grads=[p.grad.detach().clone() for p in problem.params],
+            x=x.cpu(),
+            y=y.cpu(),
+            params=[p.detach().cpu().clone() for p in problem.params],
+            grads=[p.grad.detach().cpu().clone() for p in problem.params],
             lr=optimizer.param_groups[0]["lr"],
         )
         optimizer.step()

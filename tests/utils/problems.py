@@ -52,9 +52,18 @@ OPTIMIZERS = {
 
 
 def make_problem(
-    arch: str, loss: str, optimizer: str = "sgd", batch_size: int = 6, seed: int = 0
+    arch: str,
+    loss: str,
+    optimizer: str = "sgd",
+    batch_size: int = 6,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> Problem:
-    """Build a problem: ``arch`` in {"mlp", "cnn"}, ``loss`` in {"ce", "mse"}."""
+    """Build a problem: ``arch`` in {"mlp", "cnn"}, ``loss`` in {"ce", "mse"}.
+
+    On another ``device`` the model and batches are those of the CPU, moved there
+    (the same values on every device).
+    """
     torch.manual_seed(seed)
     out_dim = 3
     if arch == "mlp":
@@ -72,7 +81,7 @@ def make_problem(
         )
     else:
         raise ValueError(arch)
-    model = extend(model.to(DTYPE))
+    model = extend(model.to(DTYPE).to(device))
     if loss == "ce":
         loss_fn = extend(torch.nn.CrossEntropyLoss())
         individual = _ce_individual
@@ -89,7 +98,7 @@ def make_problem(
             y = torch.randint(0, out_dim, (batch_size,), generator=generator)
         else:
             y = torch.randn(batch_size, out_dim, generator=generator, dtype=DTYPE)
-        return x, y
+        return x.to(device), y.to(device)
 
     return Problem(
         name=f"{arch}-{loss}-{optimizer}",
