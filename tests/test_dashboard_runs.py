@@ -20,6 +20,7 @@ import pytest
 
 from cockpit.diagnosis import diagnose
 from cockpit.history import History
+from cockpit.log.files import open_log
 from cockpit.log.keys import NONFINITE_KEY
 from cockpit.plotting import CockpitPlotter, instruments
 from cockpit.plotting.data import read_log, trend
@@ -193,8 +194,9 @@ def test_one_diagnosis_for_one_log_whatever_draws_it(tmp_path):
     path = _misscaled_then_healthy(tmp_path / "log.json")
     report = [(f.id, f.severity, f.steps) for f in diagnose(path)]
     assert ("inputs_misscaled", "warning", (0, 2)) in report
-    panel = diagnosis_findings(read_log(path))  # what `cockpit plot` reads
-    assert [(f.id, f.severity, f.steps) for f in panel] == report
+    for drawn in (read_log(path), open_log(path, latest=True)):  # plot, the CLI
+        panel = diagnosis_findings(drawn)
+        assert [(f.id, f.severity, f.steps) for f in panel] == report
 
 
 def _edges(fractions) -> History:

@@ -81,16 +81,20 @@ def diagnosis_findings(
 def _whole_history(data: DashboardData, cache: dict) -> Any:
     """The history the diagnosis reads: every step's values, as ``cockpit report``.
 
-    Data read for drawing (:func:`~cockpit.plotting.data.read_log`) keep of each
+    Data read for drawing (:func:`~cockpit.plotting.data.read_log`, or a history
+    of ``open_log(path, latest=True)`` as ``cockpit plot`` reads it) keep of each
     histogram only the latest, so the checks of the first steps (inputs on the
     wrong scale) would find nothing to read; their log is opened as
     :func:`cockpit.diagnosis.diagnose` opens it (histograms read back from the file
     step by step), so that the panel and the report say the same.
     """
-    if data.log is None:
+    path = data.log
+    if path is None and getattr(data.history, "mappings", None) == "latest":
+        path = getattr(data.history, "path", None)  # open_log(..., latest=True)'s
+    if path is None:
         return data.history
     if "whole" not in cache:
-        cache["whole"] = open_log(data.log)
+        cache["whole"] = open_log(path)
     return cache["whole"]
 
 
