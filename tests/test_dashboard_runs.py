@@ -147,6 +147,22 @@ def test_four_runs_png_names_clips_and_keeps_legends_inside(four_runs):
             assert box.y0 >= inside.y0 - 1 and box.y1 <= inside.y1 + 1, axes
 
 
+def test_four_runs_diagnosis_lines_do_not_overlap(four_runs):
+    plotter, _ = four_runs
+    panel = _axes_of(plotter, instruments.plot_findings)
+    renderer = plotter.fig.canvas.get_renderer()
+    boxes = []
+    for text in panel.texts:
+        box = text.get_window_extent(renderer)
+        if text.get_text() and box.y0 >= panel.bbox.y0 and box.y1 <= panel.bbox.y1:
+            boxes.append(box)
+    assert len(boxes) > 8
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if a.x0 < b.x1 and b.x0 < a.x1:  # side by side on a row is fine
+                assert min(a.y1, b.y1) - max(a.y0, b.y0) < 2.0, (a, b)
+
+
 def test_four_runs_png_histogram_tests_and_alpha(four_runs):
     plotter, _ = four_runs
     hist = _axes_of(plotter, instruments.plot_hist_1d)

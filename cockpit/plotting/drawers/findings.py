@@ -231,7 +231,7 @@ def draw_findings(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     checks_lines = sum(1 for _, _, checks in found if checks)
     headers = len(found) if several else 0
     budget = PANEL_LINES - checks_lines - count - headers
-    detail_lines = min(3, budget // max(count, 1))
+    detail_lines = max(0, min(3, budget // max(count, 1)))  # none if short of room
     y = -5.0
     for run, rows, checks in found:
         if several:
