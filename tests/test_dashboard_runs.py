@@ -157,6 +157,8 @@ def test_four_runs_diagnosis_lines_do_not_overlap(four_runs):
         if text.get_text() and box.y0 >= panel.bbox.y0 and box.y1 <= panel.bbox.y1:
             boxes.append(box)
     assert len(boxes) > 8
+    shown = [t.get_text() for t in panel.texts]
+    assert any(t.startswith("exploding_gradients") for t in shown)  # lr_8's 3rd
     for i, a in enumerate(boxes):
         for b in boxes[i + 1 :]:
             if a.x0 < b.x1 and b.x0 < a.x1:  # side by side on a row is fine

@@ -230,6 +230,9 @@ def draw_findings(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     count = sum(len(rows) for _, rows, _ in found)
     checks_lines = sum(1 for _, _, checks in found if checks)
     headers = len(found) if several else 0
+    if PANEL_LINES - checks_lines - count - headers < 0:  # findings first
+        found = [(run, rows, {}) for run, rows, _ in found]
+        checks_lines = 0
     budget = PANEL_LINES - checks_lines - count - headers
     detail_lines = max(0, min(3, budget // max(count, 1)))  # none if short of room
     y = -5.0
