@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``cockpit`` command."""
     from cockpit import __version__
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _DefaultsHelp
     parser = argparse.ArgumentParser(
         prog="cockpit",
         description="cockpit: a debugger for neural network training",
@@ -409,7 +409,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
     add_export_command(sub)
+    _show_defaults(sub)
     return parser
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` that ends each option's line with its default.
+
+    Unlike :class:`argparse.ArgumentDefaultsHelpFormatter` it leaves out defaults
+    that say nothing (``None``, flags) and help that names its default already.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            default is None  # 0 is a default worth showing: no `in (None, False)`
+            or default == argparse.SUPPRESS
+            or "default" in text
+            or action.nargs == 0  # a flag: its default is "not given"
+            or not (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _show_defaults(sub) -> None:
+    """Every sub-command's ``--help`` shows its defaults (also those added later)."""
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsHelp
 
 
 def _one_line(error: BaseException) -> str:

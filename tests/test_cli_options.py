@@ -42,10 +42,13 @@ def test_every_help_shows_the_defaults():
     for name, command in [("cockpit", parser), *commands.items()]:
         text = command.format_help()
         for action in command._actions:
-            if action.help and action.default not in (None, False, "==SUPPRESS=="):
-                assert f"(default: {action.default})" in " ".join(text.split()), (
-                    name, action.dest
-                )  # fmt: skip
+            shown = " ".join(text.split())
+            if action.help and action.nargs != 0 and action.default not in (
+                None, "==SUPPRESS=="
+            ):  # fmt: skip
+                assert f"default: {action.default})" in shown or (
+                    "default" in action.help), (name, action.dest)  # fmt: skip
+        assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_config_is_a_choice(capsys):

@@ -316,7 +316,6 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
         "report",
         help="say what is wrong with a run: findings with evidence and advice",
         description="Diagnose a cockpit log: findings with evidence and advice.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     report.add_argument(
         "log",
