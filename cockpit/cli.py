@@ -41,6 +41,13 @@ load_log = open_log
 #: Exit code of a command that failed on its input (argparse exits with 2).
 EXIT_ERROR = 1
 
+#: Where ``cockpit demo`` writes by default (the README names it; the
+#: repository's ``.gitignore`` lists it).
+DEMO_FOLDER = "cockpit_demo"
+
+#: The configurations ``cockpit demo --config`` takes.
+CONFIGURATIONS = ("economy", "business", "full")
+
 
 class _UserError(Exception):
     """A problem with the command's input: reported in one line, no traceback."""
@@ -108,10 +115,8 @@ def _demo(args: argparse.Namespace) -> int:
     from cockpit.utils.configuration import configuration
     from cockpit.utils.schedules import linear
 
-    try:
-        quantities = configuration(args.config, track_schedule=linear(args.interval))
-    except KeyError as error:
-        raise _UserError(error.args[0]) from error
+    quantities = configuration(args.config, track_schedule=linear(args.interval))
+    _live_notice(args.live)
     out = args.out.rstrip("/\\") or "."
     result = run_demo(
         quantities,
@@ -223,9 +228,7 @@ def _secondary_has_data(plotter, path: str) -> bool:
 
 
 def _timelapse(args: argparse.Namespace) -> int:
-    out = _image_path(
-        args.output or _default_output(args.log, ".gif"), "-o", ("gif",), "gif"
-    )
+    out = _timelapse_path(args)
     history = open_log(args.log)  # before importing matplotlib: bad files fail fast
     from cockpit.plotting import make_timelapse
 
@@ -243,6 +246,44 @@ def _timelapse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timelapse_path(args: argparse.Namespace) -> str:
+    """The GIF to write; a still image asked for gets one line naming ``plot``."""
+    path = args.output or _default_output(args.log, ".gif")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix and suffix != "gif":
+        raise _UserError(
+            f"{path}: cockpit timelapse writes an animated GIF only, not .{suffix}. "
+            f"Fix: give -o a file ending in .gif, or draw one still image with "
+            f"cockpit plot {args.log} -o {path}."
+        )
+    return _image_path(path, "-o", ("gif",), "gif")
+
+
+def _live_notice(live: int) -> None:
+    """Say in one line that ``--live`` opens no window where there is no display."""
+    if not live:
+        return
+    from cockpit.plotting.dashboard import _display_kind
+
+    if _display_kind() == "gui":
+        return
+    import warnings
+
+    import matplotlib
+
+    from cockpit.errors import CockpitWarning
+
+    warnings.warn(
+        f"--live {live}: no window can open here (matplotlib backend "
+        f"{matplotlib.get_backend()!r}, no display), so the live dashboard is not "
+        "shown; the log and the final dashboard image are written as usual. Fix: "
+        "run where a display is available (or set MPLBACKEND to a GUI backend such "
+        "as TkAgg), or open the image afterwards.",
+        CockpitWarning,
+        stacklevel=2,
+    )
+
+
 def _add_view_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", help="cockpit log (.json, streamed, or 1.0.2 log)")
     parser.add_argument("--title", default=None, help="figure title")
@@ -253,21 +294,35 @@ def _add_view_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``cockpit`` command."""
+    from cockpit import __version__
+
+    defaults = _DefaultsHelp
     parser = argparse.ArgumentParser(
-        prog="cockpit", description="cockpit: a debugger for neural network training"
+        prog="cockpit",
+        description="cockpit: a debugger for neural network training",
+        formatter_class=defaults,
     )
+    parser.add_argument("--version", action="version", version=f"cockpit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
         "demo",
         help="train a small network on digits with cockpit; write log and dashboard",
+        formatter_class=defaults,
     )
-    demo.add_argument("--out", default="cockpit_demo", help="output folder")
-    demo.add_argument("--steps", type=_POSITIVE_INT, default=200, help="training steps")
     demo.add_argument(
-        "--lr", type=_POSITIVE, default=0.1, help="SGD learning rate (default 0.1)"
+        "--out",
+        default=DEMO_FOLDER,
+        help="output folder (git-ignored in a clone of cockpit)",
     )
-    demo.add_argument("--config", default="full", help="economy | business | full")
+    demo.add_argument("--steps", type=_POSITIVE_INT, default=200, help="training steps")
+    demo.add_argument("--lr", type=_POSITIVE, default=0.1, help="SGD learning rate")
+    demo.add_argument(
+        "--config",
+        default="full",
+        choices=CONFIGURATIONS,
+        help="which quantities to track",
+    )
     demo.add_argument(
         "--interval", type=_POSITIVE_INT, default=1, help="track every k steps"
     )
@@ -285,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot",
         help="draw the dashboard of a log (or of several, side by side) to an image "
         "or an interactive HTML file",
+        formatter_class=defaults,
     )
     plot.add_argument(
         "log",
@@ -333,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--dpi", type=_POSITIVE, default=None, help="image resolution")
     plot.set_defaults(func=_plot)
 
-    timelapse = sub.add_parser("timelapse", help="animated GIF of the dashboard")
+    timelapse = sub.add_parser(
+        "timelapse", help="animated GIF of the dashboard", formatter_class=defaults
+    )
     _add_view_options(timelapse)
     timelapse.add_argument(
         "-o", "--output", default=None, help="GIF file (default: next to the log)"
@@ -359,7 +417,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_export_command(sub)
     add_serve_parser(sub)
+    _show_defaults(sub)
     return parser
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` that ends each option's line with its default.
+
+    Unlike :class:`argparse.ArgumentDefaultsHelpFormatter` it leaves out defaults
+    that say nothing (``None``, flags) and help that names its default already.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            default is None  # 0 is a default worth showing: no `in (None, False)`
+            or default == argparse.SUPPRESS
+            or "default" in text
+            or action.nargs == 0  # a flag: its default is "not given"
+            or not (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _show_defaults(sub) -> None:
+    """Every sub-command's ``--help`` shows its defaults (also those added later)."""
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsHelp
 
 
 def _one_line(error: BaseException) -> str:

@@ -99,7 +99,10 @@ def test_demo_progress_bar_shows_loss_alpha_and_gradient_norm(tmp_path, capsys):
 
 
 def test_demo_rejects_an_unknown_configuration(tmp_path, capsys):
-    assert main(["demo", "--config", "luxury", "--out", str(tmp_path)]) == 1
+    # an argparse choice (issue 42): exit code 2, as for any unparsed command line
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--config", "luxury", "--out", str(tmp_path)])
+    assert done.value.code == 2
     assert "luxury" in capsys.readouterr().err
 
 

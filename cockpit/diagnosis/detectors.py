@@ -344,7 +344,16 @@ def _small_message(median: float, lr: str, th: Thresholds, where: str) -> str:
 
 
 class _EdgeDetector(_Detector):
-    """Gradient elements at the histogram's edges in the first tracked histograms."""
+    """Gradient elements at the histogram's edges in each first tracked histogram.
+
+    Inputs (or initial weights) on the wrong scale make per-sample gradients too
+    large from the first step on, before any update; steps that are too large make
+    them grow only with the updates. So the finding needs the fraction at or above
+    the threshold in every one of the first ``edge_steps`` histograms: one below it
+    (a fraction that rises later, as in a run whose learning rate blows it up) is
+    the updates' doing, which ``step_size_too_large`` and ``exploding_gradients``
+    read, and rules the inputs out.
+    """
 
     check_id = "inputs_misscaled"
 
@@ -352,15 +361,19 @@ class _EdgeDetector(_Detector):
         super().__init__(th)
         self.seen: list[tuple[int, float]] = []
         self.first_loss: float | None = None
+        self.ruled_out = False
 
     def _add(self, step, signals):
         if self.first_loss is None and "loss" in signals:
             self.first_loss = signals["loss"]
         edge = signals.get("edge_fraction")
-        if edge is None or len(self.seen) >= self.th.edge_steps:
+        if edge is None or self.ruled_out or len(self.seen) >= self.th.edge_steps:
             return None
         self.seen.append((step, edge))
         if edge < self.th.edge_fraction:
+            self.ruled_out = True  # not the inputs: see the class docstring
+            return None
+        if len(self.seen) < self.th.edge_steps:
             return None
         evidence: dict[str, Any] = {
             "edge_bin_fraction": [_round(v) for _, v in self.seen],
@@ -370,8 +383,9 @@ class _EdgeDetector(_Detector):
         if self.first_loss is not None:
             evidence["first_loss"] = _round(self.first_loss)
         message = (
-            f"At the start of the run {edge:.1%} of the individual gradient elements "
-            "lie beyond the gradient histogram's range (threshold "
+            f"From the start of the run {min(v for _, v in self.seen):.1%} or more of "
+            "the individual gradient elements lie beyond the gradient histogram's "
+            f"range in each of the first {len(self.seen)} tracked steps (threshold "
             f"{self.th.edge_fraction:.0%}): per-sample gradients far larger than "
             "usual, the signature of inputs on a raw scale (e.g. pixels in [0, 255]) "
             "or, less often, of too large initial weights."

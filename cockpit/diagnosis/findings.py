@@ -92,8 +92,10 @@ class Thresholds:
             first ``start_steps`` (while the learning rate did not rise), below
             this: steps too small to make progress.
         edge_fraction: Fraction of individual gradient elements in the two edge
-            bins of GradHist1d (beyond its range) in the first tracked steps, at or
-            above this: inputs (or weights) on the wrong scale.
+            bins of GradHist1d (beyond its range) at or above this in each of the
+            first ``edge_steps`` tracked histograms: inputs (or weights) on the
+            wrong scale. A fraction below it in one of them rules the inputs out
+            (a fraction that rises with the updates is the step size's doing).
         edge_steps: How many of the first tracked histograms are looked at.
         layer_ratio_small: Median over the first ``layer_steps`` tracked steps of
             the ratio of the largest gradient norm among the first quarter of the

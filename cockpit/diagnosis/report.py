@@ -47,6 +47,14 @@ def _not_checked(findings: Sequence[Finding]) -> dict[str, str]:
     return {}
 
 
+def checks_run(findings: Sequence[Finding]) -> list[str]:
+    """The ids of the checks that ran on the run (all but those not checked)."""
+    from cockpit.diagnosis import CHECK_IDS
+
+    missing = _not_checked(findings)
+    return [check for check in CHECK_IDS if check not in missing]
+
+
 def _steps(f: Finding) -> str:
     first, last = f.steps
     return f"step {first}" if first == last else f"steps {first}-{last}"
@@ -82,6 +90,8 @@ def render_text(findings: Sequence[Finding], source: str | None = None) -> str:
     """
     title = "cockpit report" + (f" for {source}" if source else "")
     lines = [f"{title}: {_summary(findings)}"]
+    ran = checks_run(findings)
+    lines.append(f"Checks run: {', '.join(ran) if ran else 'none'}.")
     problems = [f for f in findings if f.severity != "info"]
     if not problems:
         lines.append("No problems found at warning or error level.")
@@ -110,7 +120,8 @@ def render_markdown(findings: Sequence[Finding], source: str | None = None) -> s
         The Markdown text, ending with a newline.
     """
     title = "# cockpit report" + (f": `{source}`" if source else "")
-    lines = [title, "", f"**{_summary(findings)}**", ""]
+    ran = ", ".join(f"`{check}`" for check in checks_run(findings)) or "none"
+    lines = [title, "", f"**{_summary(findings)}**", "", f"Checks run: {ran}.", ""]
     shown = [f for f in findings if f.id != NOT_CHECKED]
     if not any(f.severity != "info" for f in shown):
         lines += ["No problems found at warning or error level.", ""]
@@ -266,23 +277,27 @@ def report_command(args: argparse.Namespace) -> int:
         except LogFileError as error:
             print(f"cockpit report: error: {error}", file=sys.stderr)
             return 1
-    if len(logs) == 1:
-        findings = diagnose(histories[0])
-        if args.format == "json":
-            text = render_json(findings, logs[0])
-        elif args.format == "markdown":
-            text = render_markdown(findings, logs[0])
-        else:
-            text = render_text(findings, logs[0])
-        sys.stdout.write(text)
-        return exit_code(findings, args.fail_on)
     from cockpit.plotting.runs import check_labels, default_labels
 
-    try:
-        labels = check_labels(args.label, len(logs)) or default_labels(logs)
+    try:  # as `cockpit plot` checks them: one label per log, also for one log
+        labels = check_labels(args.label, len(logs))
     except ValueError as error:
         print(f"cockpit report: error: --label: {error}", file=sys.stderr)
         return 1
+    if len(logs) == 1:
+        findings = diagnose(histories[0])
+        source = labels[0] if labels else logs[0]  # the JSON names the log
+        if args.format == "json":
+            payload = to_json_object(findings, logs[0])
+            payload.update({"label": labels[0]} if labels else {})
+            text = json.dumps(payload, indent=2, allow_nan=False) + "\n"
+        elif args.format == "markdown":
+            text = render_markdown(findings, source)
+        else:
+            text = render_text(findings, source)
+        sys.stdout.write(text)
+        return exit_code(findings, args.fail_on)
+    labels = labels or default_labels(logs)
     runs = [(label, diagnose(h)) for label, h in zip(labels, histories)]
     sys.stdout.write(render_comparison(runs, args.format))
     return max(exit_code(findings, args.fail_on) for _, findings in runs)

@@ -267,8 +267,25 @@ class Series:
         values = self._values[:n][keep]
         errors = self._errors[:n][keep]
         index = extremes_index(values, max_points)
-        smooth = trend(steps, values, at=index)
+        if spans_decades(values):  # drawn on a log axis: the trend of the logs
+            smooth = np.power(10.0, trend(steps, np.log10(values), at=index))
+        else:
+            smooth = trend(steps, values, at=index)
         return steps[index], values[index], smooth, errors[index]
+
+
+def spans_decades(values: np.ndarray) -> bool:
+    """Whether finite ``values`` are positive and span over two decades.
+
+    Such a series is drawn on a log axis, and its trend is fitted to the
+    logarithms: a straight-line fit of values that grow exponentially (a run that
+    diverges) would lie above every point on that axis and jump between windows.
+    """
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    return bool(
+        finite.size >= 2 and np.all(finite > 0) and finite.max() / finite.min() > 100.0
+    )
 
 
 def trend(

@@ -222,8 +222,8 @@ _GAUGE_LIST = (
          _key("inner_key", "InnerTest", "the inner-product test"),
          _key("ortho_key", "OrthoTest", "the orthogonality test")),
         hint="track {norm_key}, {inner_key}, {ortho_key}",
-        caption="disc: norm, horizontal band: inner, vertical band: ortho test; "
-        "past the dashed unit circle: batch too small",
+        caption="disc: norm, bands: inner (horizontal), ortho (vertical); "
+        "past the unit circle: batch too small",
     ),
     Gauge(
         "hist_1d", "Gradient Element Histogram", "hist_1d",

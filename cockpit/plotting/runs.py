@@ -6,8 +6,8 @@ the legend names the runs, and a run that lacks what a gauge reads is named in
 that gauge. Runs are aligned by their global step.
 
 Labels default to the log file's name without ``.json``/``.jsonl``
-(:func:`default_labels`: runs whose file names agree are told apart by their
-folders), ``run 1``, ``run 2``, ... for sources that are not paths.
+(:func:`default_labels`: runs whose file names agree are named by the folders that
+tell them apart), ``run 1``, ``run 2``, ... for sources that are not paths.
 """
 
 from __future__ import annotations
@@ -71,31 +71,76 @@ def _stem(path: str) -> str:
     return name
 
 
+def _parts(path: str) -> list[str]:
+    """The folders of a path (absolute) and its file's stem, outermost first."""
+    folder = os.path.dirname(os.path.normpath(os.path.abspath(path)))
+    parts = []
+    while True:
+        folder, name = os.path.split(folder)
+        if not name:
+            break
+        parts.append(name)
+    return parts[::-1] + [_stem(path)]
+
+
+def _told_apart(paths: list[str]) -> list[str] | None:
+    """Short distinct names of paths whose stems agree, ``None`` if some are equal.
+
+    The parts all paths end in alike are dropped (``runs/lr_0.1/log.json`` and
+    ``runs/lr_1.0/log.json`` differ in their folder only: ``lr_0.1``, ``lr_1.0``);
+    of the rest, each name keeps its last ``k`` parts for the smallest ``k`` that
+    tells all of them apart.
+    """
+    parts = [_parts(path) for path in paths]
+    common = 0
+    while (
+        all(len(p) > common for p in parts)
+        and len({p[len(p) - 1 - common] for p in parts}) == 1
+    ):
+        common += 1
+    rest = [p[: len(p) - common] for p in parts]
+    if any(not r for r in rest):
+        return None  # one path is another's tail: the same file, or nested alike
+    for k in range(1, max(map(len, rest)) + 1):
+        names = ["/".join(r[-k:]) for r in rest]
+        if len(set(names)) == len(names):
+            return names
+    return None
+
+
 def default_labels(sources: Sequence[Any]) -> list[str]:
-    """Labels of runs: file stems for paths (with folders where stems agree).
+    """Labels of runs: file stems for paths, with folders where stems agree.
 
     Args:
         sources: The runs' sources (paths, cockpits, histories, ...).
 
     Returns:
-        One distinct label per source: ``"lr_0.1"`` for ``logs/lr_0.1.json``;
-        ``"a/log"``, ``"b/log"`` for ``a/log.json`` and ``b/log.json``; ``"run
-        k"`` for a source that is not a path.
+        One distinct, short label per source: ``"lr_0.1"`` for
+        ``logs/lr_0.1.json``; ``"lr_0.1"``, ``"lr_1.0"`` for
+        ``runs/lr_0.1/log.json`` and ``runs/lr_1.0/log.json`` (the file names
+        agree, so the folders that differ name the runs); ``"run k"`` for a source
+        that is not a path; ``" (1)"``, ``" (2)"``, ... appended to labels that are
+        still equal (the same file twice).
     """
-    labels = []
-    for index, source in enumerate(sources):
-        if isinstance(source, (str, os.PathLike)):
-            labels.append(_stem(os.fspath(source)))
-        else:
-            labels.append(f"run {index + 1}")
-    for index, source in enumerate(sources):
-        if labels.count(labels[index]) > 1 and isinstance(source, (str, os.PathLike)):
-            path = os.path.normpath(os.path.abspath(os.fspath(source)))
-            parent = os.path.basename(os.path.dirname(path))
-            labels[index] = f"{parent}/{_stem(path)}" if parent else labels[index]
+    paths = [
+        os.fspath(s) if isinstance(s, (str, os.PathLike)) else None for s in sources
+    ]
+    labels = [
+        _stem(path) if path is not None else f"run {index + 1}"
+        for index, path in enumerate(paths)
+    ]
+    stems = list(labels)  # the groups are read off this copy, never off labels
+    for stem in set(stems):
+        group = [i for i, s in enumerate(stems) if s == stem and paths[i] is not None]
+        if len(group) < 2:
+            continue
+        names = _told_apart([paths[i] for i in group])
+        for i, name in zip(group, names or [stem] * len(group)):
+            labels[i] = name
+    counts = {label: labels.count(label) for label in labels}
     seen: dict[str, int] = {}
-    for index, label in enumerate(labels):  # still equal: number them
-        if labels.count(label) > 1:
+    for index, label in enumerate(list(labels)):  # still equal: number them
+        if counts[label] > 1:
             seen[label] = seen.get(label, 0) + 1
             labels[index] = f"{label} ({seen[label]})"
     return labels

@@ -89,29 +89,36 @@ def dashboard_style() -> Iterator[None]:
 
 
 def format_number(x: float, _pos: int | None = None) -> str:
-    """Short tick label: three significant digits, ``k``/``M`` for large numbers.
+    """Short tick label: three significant digits, ``k``/``M`` or an exponent.
+
+    SI suffixes for thousands and millions, scientific notation beyond (and for
+    tiny numbers), never both: ``2.4e19``, not ``2.4e+13M``.
 
     Args:
         x: The number.
         _pos: Tick position (ignored; matplotlib's formatter signature).
 
     Returns:
-        E.g. ``"0"``, ``"0.25"``, ``"2500"``, ``"15k"``, ``"2M"``, ``"3e-5"``.
+        E.g. ``"0"``, ``"0.25"``, ``"2500"``, ``"15k"``, ``"2M"``, ``"3e-5"``,
+        ``"1.9e19"``.
     """
     if x == 0 or not math.isfinite(x):
         return "0" if x == 0 else str(x)
     magnitude = abs(x)
-    if magnitude >= 1e6:
-        return f"{x / 1e6:.3g}M"
-    if magnitude >= 1e4:
-        return f"{x / 1e3:.3g}k"
-    if magnitude >= 1e3:
-        return f"{x:.0f}"
-    if magnitude < 1e-3:
-        mantissa, exponent = f"{x:.1e}".split("e")
-        mantissa = mantissa.rstrip("0").rstrip(".")
-        return f"{mantissa}e{int(exponent)}"
-    return f"{x:.3g}"
+    for scale, suffix in ((1e6, "M"), (1e4, "k")):
+        if magnitude >= scale:
+            text = f"{x / (1e3 if suffix == 'k' else scale):.3g}"
+            if "e" in text or abs(float(text)) >= 1000:
+                break  # too large for the suffix: an exponent instead
+            return text + suffix
+    else:
+        if magnitude >= 1e3:
+            return f"{x:.0f}"
+        if magnitude >= 1e-3:
+            return f"{x:.3g}"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
 
 
 #: Tick formatter using :func:`format_number`.

@@ -15,7 +15,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import LogLocator, NullFormatter
 
 from cockpit.log.keys import NONFINITE_KEY
-from cockpit.plotting.data import DashboardData, as_data
+from cockpit.plotting.data import DashboardData, as_data, spans_decades
 from cockpit.plotting.runs import Run
 from cockpit.plotting.style import (
     COLORS,
@@ -105,6 +105,7 @@ class Headroom(Artist):
         if height <= 1 or not self.legend.get_visible():
             return
         pad = renderer.points_to_pixels(6.0)
+        fit_legend(self.legend, holder, renderer, MAX_HEADROOM * height - pad)
         needed = self.legend.get_window_extent(renderer).height + pad
         fraction = min(needed / height, MAX_HEADROOM)
         for ax, (low, high) in self.limits:
@@ -115,6 +116,33 @@ class Headroom(Artist):
             current = ax.get_ylim()
             if not np.allclose(current, (low, top), rtol=1e-9, atol=0):
                 ax.set_ylim(low, top)  # only when it changes: no redraw loop
+
+
+#: The smallest font size (points) a legend is shrunk to so that it fits its axes.
+MIN_LEGEND_SIZE = 5.0
+
+
+def fit_legend(legend, ax: Axes, renderer, max_height: float) -> None:
+    """Shrink a legend until it lies inside its axes (at most ``max_height`` high).
+
+    Long run labels of several runs would otherwise spill out of a small gauge
+    and be cut by its neighbours: the legend's font gets smaller (down to
+    :data:`MIN_LEGEND_SIZE`) until it fits.
+    """
+    width = ax.bbox.width - renderer.points_to_pixels(4.0)
+
+    def fits() -> bool:
+        box = legend.get_window_extent(renderer)
+        return box.width <= width and box.height <= max_height
+
+    texts = legend.get_texts()
+    if not texts or fits():
+        return
+    size = texts[0].get_fontsize()
+    while size > MIN_LEGEND_SIZE and not fits():
+        size = max(MIN_LEGEND_SIZE, size - 0.5)
+        for text in texts:
+            text.set_fontsize(size)
 
 
 def legend_on_top(
@@ -152,18 +180,87 @@ def legend_on_top(
 def _value_axis(ax: Axes, values: np.ndarray, log: bool | None = None) -> None:
     """Log scale if asked, or (``log=None``) for positive data over two decades."""
     if log is None:
-        finite = values[np.isfinite(values)]
-        log = bool(
-            finite.size >= 2
-            and np.all(finite > 0)
-            and finite.max() / finite.min() > 100.0
-        )
+        log = spans_decades(values)
     if log:
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(numticks=5))
         ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         style_value_axis(ax)
+
+
+#: A run is clipped (drawn up to the top of its data, with a marker) when its
+#: values rise above the other runs' by more than this many times the span of
+#: theirs: on a linear axis tenfold (drawn whole, it would squeeze the others
+#: into a tenth of the axes), on a log axis threefold in decades (each of which
+#: is a factor of ten already: the others would keep a quarter).
+CLIP_FACTOR = {"linear": 10.0, "log": 3.0}
+
+#: ``get_gid()`` of the marker where a clipped run leaves the top of the axes.
+CLIPPED_GID = "cockpit-clipped"
+
+
+def clip_outlying_runs(ax: Axes, items: Sequence[tuple[Run, Any, Any]]) -> list:
+    """Keep one run that shoots up (a diverged run) from squashing the others.
+
+    Args:
+        ax: Axes with the runs drawn on it (log or linear y-axis, set already).
+        items: ``(run, steps, values)`` of each series drawn (a run may have
+            several).
+
+    Returns:
+        Legend handles, one per clipped run (a triangle in its colour, where its
+        values leave the axes and their largest); the y-limits then cover the
+        other runs (and the clipped runs' values below their top), and a marker
+        at the top of the data shows where each clipped run leaves them.
+    """
+    log = ax.get_yscale() == "log"
+    spans: dict[int, list] = {}
+    for run, steps, values in items:
+        steps, values = np.asarray(steps), np.asarray(values, dtype=float)
+        keep = np.isfinite(values) & ((values > 0) if log else True)
+        if keep.any():
+            spans.setdefault(run.index, []).append((run, steps[keep], values[keep]))
+    if len(spans) < 2:
+        return []
+    scale = np.log10 if log else (lambda v: v)
+    ends = {k: (min(float(scale(v).min()) for _, _, v in parts),
+                max(float(scale(v).max()) for _, _, v in parts))
+            for k, parts in spans.items()}  # fmt: skip
+    clipped = []
+    for k, (_, high) in ends.items():
+        lows, highs = zip(*(ends[j] for j in ends if j != k))
+        span = max(
+            max(highs) - min(lows), 0.5 if log else 1e-12 + 0.1 * abs(max(highs))
+        )
+        if high - max(highs) > CLIP_FACTOR["log" if log else "linear"] * span:
+            clipped.append(k)
+    if not clipped or len(clipped) == len(ends):
+        return []
+    kept = [ends[k] for k in ends if k not in clipped]
+    low = min(low for low, _ in ends.values())
+    high = max(high for _, high in kept)
+    margin = 0.05 * max(high - min(lo for lo, _ in kept), 1e-12)
+    top = high + margin
+    bottom = low - margin
+    unscale = (lambda v: 10.0**v) if log else (lambda v: v)
+    ax.set_ylim(unscale(bottom), unscale(top))
+    handles = []
+    for k in clipped:
+        run = spans[k][0][0]
+        over = [(s[scale(v) > top], v.max()) for _, s, v in spans[k]]
+        first = min(float(s.min()) for s, _ in over if s.size)
+        largest = max(float(m) for _, m in over)
+        color = run.color or COLORS["dark"]
+        (mark,) = ax.plot([first], [unscale(top)], marker="^", color=color,
+                          markersize=6, linestyle="none", clip_on=False,
+                          zorder=6)  # fmt: skip
+        mark.set_gid(CLIPPED_GID)
+        label = (f"{run.label}: above the axes from step {first:g} "
+                 f"(up to {format_number(largest)})")  # fmt: skip
+        handles.append(Line2D([], [], marker="^", color=color, linestyle="none",
+                              label=label))  # fmt: skip
+    return handles
 
 
 def _points_with_trend(

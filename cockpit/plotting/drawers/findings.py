@@ -12,7 +12,8 @@ from matplotlib.text import Text as MplText
 from matplotlib.transforms import ScaledTranslation
 
 from cockpit import diagnosis
-from cockpit.plotting.data import as_data
+from cockpit.log.files import open_log
+from cockpit.plotting.data import DashboardData, as_data
 from cockpit.plotting.drawers.common import Drawn, _several
 from cockpit.plotting.runs import Run
 from cockpit.plotting.style import (
@@ -49,10 +50,11 @@ def diagnosis_findings(
     cache = _DIAGNOSIS.setdefault(
         data, {"signals": {}, "first_seen": {}, "read": None, "result": None}
     )
-    steps = data.history.steps
+    history = _whole_history(data, cache)
+    steps = history.steps
     start = 0 if cache["read"] is None else bisect_left(steps, cache["read"])
     for step in steps[start : bisect_right(steps, data.last_step)]:
-        values = data.history.view(step)
+        values = history.view(step)
         cache["signals"][step] = diagnosis.step_signals(values)
         for key in values:
             cache["first_seen"].setdefault(key, step)
@@ -74,6 +76,26 @@ def diagnosis_findings(
     findings = diagnosis.run_checks(signals, thresholds)
     cache["result"] = (token, findings)
     return findings
+
+
+def _whole_history(data: DashboardData, cache: dict) -> Any:
+    """The history the diagnosis reads: every step's values, as ``cockpit report``.
+
+    Data read for drawing (:func:`~cockpit.plotting.data.read_log`, or a history
+    of ``open_log(path, latest=True)`` as ``cockpit plot`` reads it) keep of each
+    histogram only the latest, so the checks of the first steps (inputs on the
+    wrong scale) would find nothing to read; their log is opened as
+    :func:`cockpit.diagnosis.diagnose` opens it (histograms read back from the file
+    step by step), so that the panel and the report say the same.
+    """
+    path = data.log
+    if path is None and getattr(data.history, "mappings", None) == "latest":
+        path = getattr(data.history, "path", None)  # open_log(..., latest=True)'s
+    if path is None:
+        return data.history
+    if "whole" not in cache:
+        cache["whole"] = open_log(path)
+    return cache["whole"]
 
 
 class FittedText(MplText):
@@ -208,8 +230,11 @@ def draw_findings(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     count = sum(len(rows) for _, rows, _ in found)
     checks_lines = sum(1 for _, _, checks in found if checks)
     headers = len(found) if several else 0
+    if PANEL_LINES - checks_lines - count - headers < 0:  # findings first
+        found = [(run, rows, {}) for run, rows, _ in found]
+        checks_lines = 0
     budget = PANEL_LINES - checks_lines - count - headers
-    detail_lines = min(3, budget // max(count, 1))
+    detail_lines = max(0, min(3, budget // max(count, 1)))  # none if short of room
     y = -5.0
     for run, rows, checks in found:
         if several:

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, NullLocator
 
 from cockpit.plotting.drawers.common import (
@@ -46,7 +47,15 @@ def draw_hist_1d(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
         if several and counts.sum() > 0:
             counts = counts / counts.sum()
         positive = counts[counts > 0]
-        floor = 0.8 * (positive.min() if positive.size else 1.0)
+        low_edge, high_edge = min(low_edge, edges[0]), max(high_edge, edges[-1])
+        if not positive.size:  # NaN gradients fall into no bin: no bars, a note
+            _empty_note(ax, step, run.label if several else "")
+            if several:
+                ax.add_line(Line2D([], [], color=run.color, lw=1.3, gid=run.gid,
+                                   label=f"{run.label}: step {step}, nothing "
+                                   "finite"))  # fmt: skip
+            continue
+        floor = 0.8 * positive.min()
         floors.append(floor)
         stairs = ax.stairs(np.maximum(counts, floor), edges, baseline=floor,
                            fill=not several, lw=1.3,
@@ -54,11 +63,11 @@ def draw_hist_1d(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
                            alpha=0.9 if several else 0.85,
                            label=f"{run.label}: step {step}")  # fmt: skip
         stairs.set_gid(run.gid)
-        low_edge, high_edge = min(low_edge, edges[0]), max(high_edge, edges[-1])
-        if not positive.size:  # NaN gradients fall into no bin
-            _empty_note(ax, step)
     _log_counts(ax)
-    ax.set_ylim(bottom=min(floors))
+    if floors:
+        ax.set_ylim(bottom=min(floors))
+    else:
+        ax.set_ylim(0.5, 2.0)  # an empty log axis
     ax.set_xlim(low_edge, high_edge)
     style_value_axis(ax, "x")
     ax.set(xlabel="gradient element value",
@@ -71,11 +80,20 @@ def draw_hist_1d(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     return {run.index for run, _ in found}
 
 
-def _empty_note(ax: Axes, step: int) -> None:
+def _empty_note(ax: Axes, step: int, label: str = "") -> None:
     """Say (in red) that a histogram counted nothing, e.g. for NaN gradients."""
-    ax.text(0.5, 0.5, f"no finite value counted at step {step}", ha="center",
-            va="center", color=COLORS["red"], fontsize=7,
-            transform=ax.transAxes)  # fmt: skip
+    who = f"{label}: " if label else ""
+    lines = sum(1 for text in ax.texts if text.get_gid() == EMPTY_NOTE_GID)
+    where = dict(x=0.5, y=0.5, ha="center", va="center")  # one run: nothing else
+    if label:  # several: top left, clear of the other runs' bars and the legend
+        where = dict(x=0.01, y=0.97 - 0.07 * lines, ha="left", va="top")
+    ax.text(s=f"{who}no finite value counted at step {step}", color=COLORS["red"],
+            fontsize=7, transform=ax.transAxes, gid=EMPTY_NOTE_GID,
+            **where)  # fmt: skip
+
+
+#: ``get_gid()`` of the note that a histogram counted no finite value.
+EMPTY_NOTE_GID = "cockpit-empty-histogram"
 
 
 def draw_hist_2d(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:

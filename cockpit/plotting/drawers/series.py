@@ -22,6 +22,7 @@ from cockpit.plotting.drawers.common import (
     _style_handle,
     _twinx,
     _value_axis,
+    clip_outlying_runs,
     legend_on_top,
     nonfinite_spans,
 )
@@ -76,6 +77,7 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     style_iteration_axis(ax, options["show_log_iter"])
     has_twin = any(line.twin for line in gauge.lines)
     handles: list = []
+    clipped: list = []
     top = ax
     data_axes = []
     for twin, ylabel in ((False, gauge.ylabel), (True, gauge.twin_ylabel)):
@@ -115,6 +117,9 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
             drawn.add(run.index)
         _value_axis(target, np.concatenate([item[2][1] for item in side]),
                     side[0][1].log)  # fmt: skip
+        clipped += clip_outlying_runs(
+            target, [(run, view[0], view[1]) for run, _, view, _ in side]
+        )
         color = side[0][1].color if has_twin and not several else None
         target.set_ylabel(ylabel, **({"color": color} if color else {}))
         if not several:
@@ -123,7 +128,7 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
         handles = _run_legend(runs, drawn, pending, gauge)
     if gauge.reference is not None:
         ax.axhline(gauge.reference, color=COLORS["red"], lw=0.8, linestyle="--")
-    handles += _mark_nonfinite(ax, runs, options) + _notes(options)
+    handles += clipped + _mark_nonfinite(ax, runs, options) + _notes(options)
     legend_on_top(top, handles, data_axes, loc=gauge.legend_loc)
     return drawn
 
@@ -177,7 +182,8 @@ def draw_alpha(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     if not found:
         return set()
     x = np.linspace(lo, hi, 121)
-    ax.plot(x, x**2, color=COLORS["orange"], linewidth=1.5, zorder=3)
+    parabola = COLORS["dark"] if _several(runs) else COLORS["orange"]  # no run's
+    ax.plot(x, x**2, color=parabola, linewidth=1.5, zorder=3)
     for position in (-1.0, 0.0, 1.0):
         ax.axvline(position, color=COLORS["gray"], linestyle=":", linewidth=0.8)
     ax.set(xlim=(lo, hi), ylim=(0, 1.75), yticks=[], xlabel="normalized step length α",
@@ -224,6 +230,10 @@ def draw_alpha(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
 _TESTS = (("norm_key", "norm", COLORS["blue"], "-"),
           ("inner_key", "inner", COLORS["orange"], "--"),
           ("ortho_key", "ortho", COLORS["green"], ":"))  # fmt: skip
+
+#: z-order of each test's line: the norm test on top (drawn first, it was hidden
+#: behind the orthogonality test's line where they agree).
+_TEST_ZORDER = {"norm": 2.3, "inner": 2.2, "ortho": 2.1}
 
 
 def draw_tests(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
@@ -274,7 +284,8 @@ def draw_tests(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
             (line,) = history.plot(steps, vals, color=run.color or color,
                                    linestyle=style if several else "-",
                                    marker="." if not several else None,
-                                   markersize=2.5, lw=0.9, label=label)  # fmt: skip
+                                   markersize=2.5, lw=0.9, label=label,
+                                   zorder=_TEST_ZORDER[name])  # fmt: skip
             line.set_gid(run.gid)
     history.axhline(1.0, color=COLORS["gray"], linestyle="--", lw=0.8)
     _value_axis(history, np.concatenate(values))

@@ -20,6 +20,7 @@ from cockpit.plotting.drawers.common import (
     _style_handle,
     _twinx,
     _value_axis,
+    clip_outlying_runs,
     legend_on_top,
 )
 from cockpit.plotting.drawers.series import _only_nonfinite
@@ -184,6 +185,7 @@ def draw_performance(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
     style_iteration_axis(ax, options["show_log_iter"])
     handles: list = []
     values = []
+    series = []  # (run, steps, values) of each loss drawn
     any_accuracy = any(accs for *_, accs in found)
     twin = _twinx(ax) if any_accuracy else None
     styles_used: dict[str, Any] = {}
@@ -191,6 +193,7 @@ def draw_performance(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
         if len(loss[0]):
             line = _points_with_trend(ax, loss, run, "mini-batch loss", None, None)
             values.append(loss[1])
+            series.append((run, loss[0], loss[1]))
             if not several:
                 handles.append(line)
         for position, (name, (steps, vals, _)) in enumerate(logged):
@@ -205,6 +208,7 @@ def draw_performance(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
                               label=label)  # fmt: skip
             line.set_gid(run.gid)
             values.append(vals)
+            series.append((run, steps, vals))
             if not several:
                 handles.append(line)
         for position, (name, (steps, vals, _)) in enumerate(accs):
@@ -224,8 +228,10 @@ def draw_performance(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
                 handles.append(line)
     ax.set_ylabel("loss")
     data_axes = [ax]
+    clipped = []
     if values:
         _value_axis(ax, np.concatenate(values))
+        clipped = clip_outlying_runs(ax, series)
     if twin is not None:
         twin.set_ylim(0, 1.02)
         twin.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])  # none above 100 %
@@ -238,6 +244,6 @@ def draw_performance(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
             handles.append(_style_handle("mini-batch loss (trend)"))
         handles += [_style_handle(name.replace("_", " "), style)
                     for name, style in styles_used.items()]  # fmt: skip
-    handles += _mark_nonfinite(ax, runs, options) + _notes(options)
+    handles += clipped + _mark_nonfinite(ax, runs, options) + _notes(options)
     legend_on_top(twin or ax, handles, data_axes, loc="upper right")
     return {run.index for run, *_ in found}
