@@ -182,7 +182,7 @@ class ParamView:
 
         True when they exist as a tensor already, were centred for another
         quantity at this parameter, or number at most :data:`SMALL` (forming
-        them then costs about as much as the hook's own bookkeeping). Statistics
+        so few is cheap next to a backward pass). Statistics
         that can also be had from factors (squared norms, projections) use the
         centred form only then.
         """
