@@ -16,9 +16,12 @@ The sinks: :mod:`cockpit.integrations.wandb`, :mod:`cockpit.integrations.mlflow`
 (bare loops and logs written earlier) and :mod:`cockpit.integrations.loggers`
 (Lightning's loggers, Hugging Face's ``report_to`` callbacks).
 
-With ``background=True`` the sink runs in a worker thread, so the training loop
-only hands the values over (W&B's ``run.log`` and an HTTP request to an MLflow
-server cost a millisecond or more each; ``benchmarks/tracker_overhead.py``).
+Each step's values are sent once, when the next step's arrive (a step's values are
+recorded in parts: the quantities, ``Cockpit.log``'s metrics, Alpha with the next
+step). With ``background=True`` the sink runs in a worker thread (for sinks that
+wait on the network, such as an MLflow server's); a sink that computes in Python
+runs best in the loop's thread, where it does not compete for the GIL
+(``benchmarks/tracker_overhead.py``).
 """
 
 from __future__ import annotations
@@ -182,18 +185,31 @@ class TrackerLog:
         self.title = title
         self.outputs: Outputs | None = None
         self.steps = 0
-        self._last: int | None = None
+        self._pending_step: int | None = None
+        self._pending: dict[str, Any] = {}
         self._closed = False
         self._worker = _Worker(f"cockpit-{type(sink).__name__}") if background else None
 
     def on_record(self, global_step: int, values: Mapping[str, Any]) -> None:
-        """Name the step's values and send them (nothing if none has a form)."""
-        items = list(self.series.items(values))
-        if not items:
-            return
+        """Keep the step's values; send the step before once a later one arrives.
+
+        A step's values come in parts (the quantities at the step's end, the
+        metrics of ``Cockpit.log``, Alpha with the next step): they are sent
+        together, one ``send`` per step.
+        """
         step = int(global_step)
-        if step != self._last:
-            self.steps, self._last = self.steps + 1, step
+        if self._pending_step is not None and step != self._pending_step:
+            self._send_pending()
+        self._pending_step = step
+        self._pending.update(values)
+
+    def _send_pending(self) -> None:
+        step, values = self._pending_step, self._pending
+        self._pending_step, self._pending = None, {}
+        items = list(self.series.items(values))
+        if step is None or not items:
+            return
+        self.steps += 1
         self._call(self.sink.send, step, items)
 
     def _call(self, function, *args) -> None:
@@ -208,6 +224,7 @@ class TrackerLog:
             return
         self._closed = True
         try:
+            self._send_pending()
             finish = getattr(self.sink, "finish", None)
             wanted = getattr(self.sink, "wants_outputs", True)
             if self.history is not None and finish is not None and wanted:

@@ -180,7 +180,7 @@ class WandbSink:
 
 
 def log_to(
-    cockpit, run=None, *, prefix: str = "cockpit", background: bool = True
+    cockpit, run=None, *, prefix: str = "cockpit", background: bool = False
 ) -> TrackerLog:
     """Show ``cockpit``'s values in a W&B run, step by step (see the module).
 
@@ -188,8 +188,9 @@ def log_to(
         cockpit: The :class:`~cockpit.Cockpit`.
         run: The run (default: ``wandb.run``, the run of ``wandb.init()``).
         prefix: First part of every name.
-        background: Log from a worker thread (``run.log`` costs about a
-            millisecond; the training loop only hands the values over).
+        background: Log from a worker thread (``run.log`` is Python work, about
+            a millisecond per step, that a thread would only make compete for the
+            GIL: off by default; ``benchmarks/tracker_overhead.py``).
 
     Returns:
         The subscriber; ``cockpit.close()`` closes it (the outputs), not the run.
