@@ -40,6 +40,7 @@ import urllib.request
 
 import numpy as np
 
+from benchmarks.internals import open_stream
 from benchmarks.measure import CHILD_ENV, REPO
 
 DEFAULT_OUT = REPO / "benchmarks" / "serve_results.md"
@@ -67,14 +68,12 @@ print(t - start)
 
 def write_stream(path: str, steps: int, seed: int) -> None:
     """A streamed log with ``economy``-shaped values at every step."""
-    from cockpit.log.stream import LogStream
-
     rng = np.random.default_rng(seed)
     edges = np.linspace(-2, 2, 101).tolist()
     norms = np.abs(rng.normal(1, 0.1, 4))
     distance = np.zeros(4)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    stream = LogStream(path)
+    stream = open_stream(path)
     batch = {}
     for step in range(steps):
         norms = np.abs(norms + rng.normal(0, 0.01, 4))
@@ -165,11 +164,22 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.1)
                 page_ready = time.monotonic() - t1
                 shown = browser.evaluate("cockpit.shown.filter(Boolean).length")
+                coarse_points = browser.evaluate(
+                    "cockpit.stepPlots.reduce((n, p) => n + p.u.data.slice(1)"
+                    ".reduce((m, c) => m + c.filter(v => v != null).length, 0), 0)"
+                )
+                full_js = (
+                    "cockpit.runs().every((r, i) => !cockpit.shown[i] || "
+                    "(r.epoch != null && !r.coarse))"
+                )
+                while not browser.evaluate(full_js):
+                    time.sleep(0.2)
+                time.sleep(2)  # the next redraw
+                page_full = time.monotonic() - t1
                 points = browser.evaluate(
                     "cockpit.stepPlots.reduce((n, p) => n + p.u.data.slice(1)"
                     ".reduce((m, c) => m + c.filter(v => v != null).length, 0), 0)"
                 )
-                browser.screenshot(os.path.join(work, "bench.png"))
                 errors = browser.errors()
             while any(r["status"] == "reading" or not r["steps"]
                       for r in json.loads(_get(url + "api/runs"))["runs"]):  # fmt: skip
@@ -186,10 +196,30 @@ def main(argv: list[str] | None = None) -> int:
                                          str(args.live)], env=env,
                                         stdout=subprocess.PIPE, text=True)
                        for p in paths[:5]]  # fmt: skip
+            time.sleep(args.live / 2)
+            half_memory = _memory(server.pid)
             appended = [int(w.communicate()[0].strip() or 0) for w in writers]
             time.sleep(3)  # a poll or two
             query = urllib.request.quote(json.dumps(have))
             delta = _get(url + f"api/run/0?epoch={answer['epoch']}&have={query}")
+            delta_whole = json.loads(delta)["whole"]
+            # a steady state: what the page fetches a second after its last fetch
+            answer = json.loads(delta)
+            have = {k: v["from"] + len(v["steps"]) - v["tail"]
+                    for k, v in answer["series"].items()} if delta_whole else {
+                **have, **{k: v["from"] + len(v["steps"]) - v["tail"]
+                           for k, v in answer["series"].items()}}  # fmt: skip
+            one = subprocess.Popen(
+                [sys.executable, "-c", WRITER, paths[0], "1"],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            one.communicate()
+            time.sleep(1.5)
+            query = urllib.request.quote(json.dumps(have))
+            second = _get(url + f"api/run/0?epoch={answer['epoch']}&have={query}")
+            second_whole = json.loads(second)["whole"]
             live_memory = _memory(server.pid)
         finally:
             server.terminate()
@@ -218,16 +248,24 @@ def main(argv: list[str] | None = None) -> int:
         f"| server listening after start (s) | {listening:.1f} |",
         f"| page ready: every run listed, the {shown} shown drawn (s) | "
         f"{page_ready:.1f} |",
-        f"| points drawn on the page's step charts | {points:,} |",
+        f"| points drawn then (a preview: every 20th record) | {coarse_points:,} |",
+        f"| the {shown} shown runs drawn in full (s) | {page_full:.1f} |",
+        f"| points drawn on the page's step charts then | {points:,} |",
         f"| all {args.runs} runs read, from the server's start (s) | {all_read:.1f} |",
         f"| server memory after reading all (VmRSS / VmHWM, MiB) | "
         f"{read_memory['VmRSS']:.0f} / {read_memory['VmHWM']:.0f} |",
-        f"| after {args.live:g} s of 5 runs writing ({sum(appended):,} steps more) "
+        f"| halfway through {args.live:g} s of 5 runs writing (VmRSS / VmHWM, MiB) | "
+        f"{half_memory['VmRSS']:.0f} / {half_memory['VmHWM']:.0f} |",
+        f"| at the end ({sum(appended):,} steps more) and one more second of writing "
         f"(VmRSS / VmHWM, MiB) | {live_memory['VmRSS']:.0f} / "
         f"{live_memory['VmHWM']:.0f} |",
         f"| one run fetched whole (KiB) | {len(whole) / 1024:.0f} |",
-        f"| the page's next fetch of it, after the writing (KiB) | "
-        f"{len(delta) / 1024:.1f} |",
+        f"| its next fetch after the {args.live:g} s of writing (KiB; "
+        f"{'whole again: thinned, a new epoch' if delta_whole else 'the points added'}"
+        f") | {len(delta) / 1024:.1f} |",
+        f"| its fetch after one more second of writing (KiB; "
+        f"{'whole' if second_whole else 'the points added'}) | "
+        f"{len(second) / 1024:.1f} |",
         "",
         f"Browser errors: {errors or 'none'}.",
         "",

@@ -352,3 +352,21 @@ def test_missing_path_and_port_in_use_exit_with_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert f"port {port}" in lines[0] and "--port" in lines[0], lines
+
+
+def test_the_two_line_recipe_serves_from_a_thread(tmp_path, capsys):
+    """README.md and docs/serve.md: ``start(folder, port=...)`` in the script."""
+    recipe = open(os.path.join(REPO, "docs", "serve.md"), encoding="utf-8").read()
+    assert 'from cockpit.serve import start\nstart("runs", port=6007)' in recipe
+    from cockpit.serve import start
+
+    stream = LogStream(str(tmp_path / "log.jsonl"))
+    stream.write({0: {"Loss": 1.5}})
+    server = start(str(tmp_path), port=0)
+    try:
+        assert server.url in capsys.readouterr().out
+        status, body = _get(server.url, "/api/runs")
+        assert status == 200 and json.loads(body)["runs"][0]["path"] == "log.jsonl"
+    finally:
+        server.shutdown()
+        stream.close()

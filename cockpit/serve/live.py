@@ -66,6 +66,12 @@ HIST_KEYS = ("GradHist1d", "GradHist2d")
 #: Most bytes read from one log per poll (the rest waits for the next poll).
 READ_CHUNK = 8 << 20
 
+#: A log with more unread bytes than this at its first read is previewed first:
+#: every :data:`PREVIEW_EVERY`-th record, so the page draws every run soon; the
+#: full read follows (a new epoch: the page then fetches the run again).
+PREVIEW_BYTES = 2 << 20
+PREVIEW_EVERY = 20
+
 #: A line longer than this is not a cockpit record: the run shows an error.
 MAX_LINE = 64 << 20
 
@@ -409,6 +415,7 @@ class LiveRun:
         self._json_seen: tuple | None = None
         self._stat_key: tuple | None = None
         self._error_seen: tuple | None = None
+        self.previewed = False
         self._reset()
 
     # --- state -------------------------------------------------------------------
@@ -437,6 +444,7 @@ class LiveRun:
         self.wanted = False  # the page asked for this run: diagnose it first
         self.lr: list[float] | None = None
         self._batch: dict[str, tuple[list, list, list]] = {}
+        self.coarse = False  # what is held is a preview (see PREVIEW_BYTES)
         self.report = None
         self.epoch += 1
         self.version += 1
@@ -519,9 +527,44 @@ class LiveRun:
         else:
             self._read_json(stat)
 
+    def _preview(self, size: int) -> None:
+        """Every :data:`PREVIEW_EVERY`-th record of the whole file (a coarse view)."""
+        chosen: list[tuple[int, bytes, bool]] = []
+        number, offset = 0, 0
+        with open(self.path, "rb") as handle:
+            while offset < size:
+                data = handle.read(min(READ_CHUNK, size - offset))
+                if not data:
+                    break
+                end = data.rfind(b"\n") + 1
+                if end == 0:
+                    break  # a line longer than a chunk: the full read says so
+                handle.seek(offset + end)
+                offset += end
+                pieces = data[:end].split(b"\n")[:-1]
+                for i in range(0, len(pieces)):
+                    number += 1
+                    if number == 1 or number % PREVIEW_EVERY == 0:
+                        chosen.append((number, pieces[i], True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _, step, values in stream_records(self.path, chosen):
+                if step is not None:
+                    self._apply(step, values, raw=True)
+            self._flush()
+        self.coarse = True
+        self.version += 1
+
     def _read_stream(self, size: int) -> None:
         if size <= self.offset:
             return
+        if self.offset == 0 and not self.previewed and size > PREVIEW_BYTES:
+            self.previewed = True
+            self._preview(size)
+            return
+        if self.coarse:  # the full read replaces the preview
+            self._reset()
+            self.kind = "stream"
         with open(self.path, "rb") as handle:
             handle.seek(self.offset + len(self.pending))
             chunk = handle.read(min(size - self.offset - len(self.pending), READ_CHUNK))
@@ -741,6 +784,7 @@ class LiveRun:
             "steps": self.steps,
             "first_step": self.first_step,
             "last_step": self.last_step,
+            "coarse": self.coarse,
         }
 
     def sketch_history(self):
@@ -761,6 +805,8 @@ class LiveRun:
             return 1
         if self.kind != "stream" or self._stat_key is None:
             return 0
+        if self.coarse:
+            return 1
         return max(self._stat_key[1] - self.offset - len(self.pending), 0)
 
     def diagnose_some(self, most: int = 2000) -> bool:

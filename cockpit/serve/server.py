@@ -124,8 +124,8 @@ class Registry:
         if time.monotonic() - self.last_scan >= SCAN_SECONDS:
             self.scan()
         held = writers()
-        # newest first at the start, so the page's first runs come soonest
-        order = sorted(self.runs, key=lambda r: (r.kind is not None, -_mtime(r)))
+        # in the order of the run list (the page draws its first runs first)
+        order = list(self.runs)
         changed = False
         for run in order:
             changed |= run.poll(held)
@@ -214,13 +214,6 @@ class Registry:
         if not run.given and not inside(real, run.root):
             return None
         return real if os.path.isfile(real) else None
-
-
-def _mtime(run: LiveRun) -> float:
-    try:
-        return os.stat(run.path).st_mtime
-    except OSError:
-        return 0.0
 
 
 class Handler(BaseHTTPRequestHandler):

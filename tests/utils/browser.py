@@ -154,11 +154,15 @@ class Browser:
 
     def screenshot(self, path: str | os.PathLike | None = None) -> bytes:
         """A PNG of the whole page (also written to ``path``)."""
-        metrics = self.call("Page.getLayoutMetrics")["cssContentSize"]
+        layout = self.call("Page.getLayoutMetrics")
+        metrics, view = layout["cssContentSize"], layout["cssLayoutViewport"]
         clip = {"x": 0, "y": 0, "width": metrics["width"],
                 "height": metrics["height"], "scale": 1}  # fmt: skip
+        # beyond the viewport only when needed: that resizes the page, which
+        # ends a hover (what a screenshot of hover values must keep)
+        beyond = metrics["height"] > view["clientHeight"] + 1
         data = self.call("Page.captureScreenshot", format="png", clip=clip,
-                         captureBeyondViewport=True)["data"]  # fmt: skip
+                         captureBeyondViewport=beyond)["data"]  # fmt: skip
         png = base64.b64decode(data)
         if path is not None:
             with open(path, "wb") as handle:

@@ -53,11 +53,15 @@
     const out = [];
     for (let e = lo; e <= hi; e += every) out.push(Math.pow(10, e));
     if (out.length >= 2) return out;
-    // less than two powers: a few round values between the ends
-    const step = Math.pow(10, Math.floor(Math.log10(max - min))) || 1;
+    // less than two powers: 1, 2 and 5 times the powers, evenly spread on the axis
     const ticks = [];
-    for (let v = Math.ceil(min / step) * step; v <= max; v += step) ticks.push(v);
-    return ticks.length >= 2 && ticks.length <= 10 ? ticks : [min, max];
+    for (let e = lo - 1; e <= hi + 1; e++) {
+      for (const m of [1, 2, 5]) {
+        const v = m * Math.pow(10, e);
+        if (v >= min * 0.999 && v <= max * 1.001) ticks.push(v);
+      }
+    }
+    return ticks.length >= 2 ? ticks : [min, max];
   }
   // Tick labels (uPlot leaves out some labels of a log axis: those stay blank).
   function keepAll(u, splits) {
@@ -434,8 +438,7 @@
           const idx = u.cursor.idx;
           if (idx == null || u.cursor.left == null || u.cursor.left < 0) {
             if (u === hovered) showTip(u, []);
-            if (readout) readout.textContent = "";
-            return;
+            return;  // the readouts are cleared when the pointer leaves (not on a resize)
           }
           const lines = [];
           for (const h of hovers) {
@@ -466,7 +469,10 @@
     plot.u = u;
     wheel(u);
     u.over.addEventListener("mouseenter", () => { hovered = u; });
-    u.over.addEventListener("mouseleave", () => { tip.style.display = "none"; hovered = null; });
+    u.over.addEventListener("mouseleave", () => {
+      tip.style.display = "none"; hovered = null;
+      document.querySelectorAll(".readout").forEach((node) => { node.textContent = ""; });
+    });
     stepPlots.push(plot);
     allPlots.push(plot);
     return plot;
@@ -1201,7 +1207,8 @@
       td.appendChild(sw);
       tr.appendChild(td);
       tr.appendChild(el("td", "name", run.label));
-      const status = el("td", "status " + (run.status || "finished"), run.status || "finished");
+      const status = el("td", "status " + (run.status || "finished"),
+                        (run.status || "finished") + (run.coarse ? " (preview: every 20th step, reading the rest)" : ""));
       if (run.error) status.appendChild(el("div", "errorline", run.error));
       else if (run.warning) status.title = run.warning;
       tr.appendChild(status);
@@ -1402,7 +1409,8 @@
       run.have["hist:" + key] = h.items.length;
     }
     for (const k of ["epoch", "version", "latest", "nonfinite", "findings", "diagnosis", "diagnosed", "config",
-                     "status", "error", "warning", "steps", "first_step", "last_step", "label", "color"]) {
+                     "status", "error", "warning", "steps", "first_step", "last_step", "label", "color",
+                     "coarse"]) {
       run[k] = answer[k];
     }
   }
@@ -1439,7 +1447,7 @@
         const run = RUNS[r];
         const changed = run.version !== item.version || run.status !== item.status;
         for (const k of ["label", "color", "status", "error", "warning", "steps", "first_step",
-                         "last_step", "config", "path"]) run[k] = item[k];
+                         "last_step", "config", "path", "coarse"]) run[k] = item[k];
         if (changed) dirty = true;
         if (shown[r] && item.status !== "error" && item.status !== "reading" && run.version !== item.version) {
           fetches.push(fetchRun(r));
