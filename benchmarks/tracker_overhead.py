@@ -57,7 +57,7 @@ def digits_run(steps: int, attach=None) -> tuple[float, float, float]:
     """Train the digits run; return (loop seconds, drain seconds, outputs seconds)."""
     from cockpit import Cockpit
     from cockpit.demo import load_digits_tensors, make_demo_model
-    from cockpit.engines.backpack import extend
+    from cockpit.engines.backpack.api import extend
     from cockpit.utils.configuration import configuration
 
     x, y = load_digits_tensors()

@@ -109,7 +109,7 @@ except Exception as error:  # e.g. a torchvision that cannot load: name the fix
     raise
 
 from cockpit.cockpit import Cockpit
-from cockpit.engines.backpack.api.api import extend
+from cockpit.engines.backpack.api import extend
 from cockpit.integrations._common import (
     ScaleNewGradients,
     default_logpath,
