@@ -715,7 +715,7 @@ class GhostEngine(Engine):
             individual.densify()
         return ParamResults(individual)
 
-    def after_backward(self, run) -> None:
+    def after_backward(self, step: EngineStep) -> None:
         """Fail if a served parameter's results could not be formed (a bug)."""
         failures, self._failures = self._failures, []
         if failures:

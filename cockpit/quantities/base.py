@@ -51,11 +51,11 @@ from torch import Tensor
 
 from cockpit import needs as _needs
 from cockpit.context import StepInfo, tracked_info, tracking
+from cockpit.log.keys import MISSING_KEY  # noqa: F401  (re-exported)
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.compat import Helpers102, QuantityOutput
 from cockpit.quantities.utils_params import gradients
-from cockpit.step.recorder import MISSING_KEY  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

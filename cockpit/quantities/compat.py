@@ -112,9 +112,7 @@ class Helpers102:
 
         ``[N, D]`` over all parameters if ``aggregate``.
         """
-        from cockpit.engines.backpack.api import stored_per_sample
-
-        per_sample = [stored_per_sample(p) for p in params]
+        per_sample = [p.grad_batch for p in params]  # BackPACK's BatchGrad
         return _concat(per_sample, start_dim=1) if aggregate else per_sample
 
     @staticmethod

@@ -339,15 +339,16 @@ class BackpackEngine(Engine):
             )
         )
 
-    def after_backward(self, run) -> None:
+    def after_backward(self, step: EngineStep) -> None:
         """Name a layer BackPACK skipped although the quantities need it."""
-        self.check_modules(run.plan, run.diagnostics.module_label)
+        self.check_modules(step.plan, step.label)
 
-    def explain(self, error: BaseException, plan, label) -> Exception | None:
+    def explain(self, error: BaseException, step: EngineStep) -> Exception | None:
         """A clearer error for a BackPACK failure inside the backward pass."""
         failure = bp.explain_failure(error)
         if failure is None:
             return None
+        plan, label = step.plan, step.label
         step = plan.global_step
         who = who_needs(plan, {failure.savefield} if failure.savefield else set())
         if failure.kind == "loss_not_extended":

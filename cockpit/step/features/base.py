@@ -1,12 +1,16 @@
 """Step features: the concerns of a tracked step, each in its own module.
 
 :class:`~cockpit.step.run.StepRun` is a short template (open, backward, close,
-track); everything else a step does is a *feature* that it runs at fixed points:
+track); everything else a step does is a *feature* that it runs at fixed points.
+A feature reads the step's :class:`~cockpit.step.state.StepState` (``self.state``,
+read-only) and returns what it produces as a :class:`~cockpit.step.state.Produced`
+(or ``None``), which the step folds into what it has and hands on:
 
+* :meth:`StepFeature.begin`: when the step opens, before the quantities begin it;
 * :meth:`StepFeature.before_backward`: after the quantities began the step and the
   engines that need the forward graph ran, before the user's ``loss.backward()``;
-* :meth:`StepFeature.after_backward`: after it, before any quantity is tracked
-  (return :data:`STOP` to end the step without tracking);
+* :meth:`StepFeature.after_backward`: after it, before any quantity is tracked,
+  with what the step has so far (return :data:`STOP` to end the step untracked);
 * :meth:`StepFeature.close`: always, when the step ends (hooks, buffers).
 
 A new feature is a new file: subclass :class:`StepFeature` and decorate it with
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from cockpit.step.state import Produced, StepState
+
 #: Returned by :meth:`StepFeature.after_backward` to end the step untracked.
-STOP = "stop"
+STOP = Produced(stop=True)
 
 _REGISTRY: list[tuple[float, type]] = []
 
@@ -28,25 +34,35 @@ class StepFeature:
     """One concern of a tracked step (see the module's docstring).
 
     Args:
-        run: The step (:class:`~cockpit.step.run.StepRun`).
+        state: The step (read-only).
     """
 
     #: Position among the features (lower runs first, at every point).
     order: ClassVar[float] = 0.0
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, state: StepState):
+        self.state = state
 
     @classmethod
-    def applies(cls, run) -> bool:
+    def applies(cls, state: StepState) -> bool:
         """Whether the feature has work at this step (default: always)."""
         return True
 
-    def before_backward(self) -> None:  # noqa: B027
-        """Work before the user's backward pass."""
+    def begin(self) -> Produced | None:
+        """Work when the step opens, before the quantities begin it."""
+        return None
 
-    def after_backward(self) -> str | None:  # noqa: B027
-        """Work after it, before tracking (``STOP``: track nothing)."""
+    def before_backward(self) -> Produced | None:
+        """Work before the user's backward pass."""
+        return None
+
+    def after_backward(self, produced: Produced) -> Produced | None:
+        """Work after it, before tracking (``STOP``: track nothing).
+
+        Args:
+            produced: What the step has so far (the features before this one).
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027
         """Clean up, whatever happened."""

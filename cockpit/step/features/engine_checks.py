@@ -11,10 +11,7 @@ class EngineChecks(StepFeature):
 
     order = 35
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> None:
         """Work after it, before tracking (see the module)."""
-        run = self.run
-        for engine in run.engines:
-            check = getattr(engine, "after_backward", None)
-            if check is not None:
-                check(run)
+        for engine in self.state.engines:
+            engine.after_backward(self.state.engine)

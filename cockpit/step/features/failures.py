@@ -37,19 +37,19 @@ class Failures(StepFeature):
 
     order = 50
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> None:
         """Work after it, before tracking (see the module)."""
-        run = self.run
+        state = self.state
         failed = [
             g
-            for g in run.guards
-            if g.error is not None and not run.ledger.out(g.quantity)
+            for g in produced.guards
+            if g.error is not None and not state.ledger.out(g.quantity)
         ]
-        if failed and not run.tolerant:
+        if failed and not produced.tolerant:
             raise failed[0].error
         for guard in failed:
-            run.ledger.leave_out(
+            state.ledger.leave_out(
                 guard.quantity,
-                failed_reason(run.step, guard.error),
+                failed_reason(state.step, guard.error),
                 once=("dropped", guard.quantity.key),
             )

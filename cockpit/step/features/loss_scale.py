@@ -33,16 +33,16 @@ class LossScale(StepFeature):
 
     order = 30
 
-    def __init__(self, run):
-        super().__init__(run)
+    def __init__(self, state):
+        super().__init__(state)
         self._seeds: list[Tensor] = []
         self._handle = None
 
     def before_backward(self) -> None:
         """Work before the user's backward pass (see the module)."""
-        run = self.run
-        loss = run.info.get("loss") if run.info.has("loss") else None
-        if isinstance(loss, Tensor) and loss.requires_grad and run.plan.active:
+        state = self.state
+        loss = state.info.get("loss") if state.info.has("loss") else None
+        if isinstance(loss, Tensor) and loss.requires_grad and state.plan.active:
             self._handle = loss.register_hook(self._seen)
 
     def _seen(self, grad: Tensor) -> None:
@@ -57,16 +57,16 @@ class LossScale(StepFeature):
             return None
         return float(seeds[seeds != 1][0])
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> None:
         """Work after it, before tracking (see the module)."""
         self.close()
         scale = self.scale()
         if scale is None:
             return
-        run, reason = self.run, scaled_reason(scale)
-        for q in run.plan.active:
-            if run.plan.needs_of(q) - {Need.PARAMETERS} or q.extensions(run.step):
-                run.ledger.leave_out(q, reason, once=("scaled", q.key))
+        state, reason = self.state, scaled_reason(scale)
+        for q in state.plan.active:
+            if state.plan.needs_of(q) - {Need.PARAMETERS} or q.extensions(state.step):
+                state.ledger.leave_out(q, reason, once=("scaled", q.key))
 
     def close(self) -> None:
         """Remove what the feature hooked."""

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from cockpit.log.keys import NONFINITE_KEY
 from cockpit.step.features.base import StepFeature, register_feature
+from cockpit.step.state import Produced
+
+#: What a non-finite step hands on: quantities that fail are left out.
+_TOLERANT = Produced(tolerant=True)
 
 
 @register_feature
@@ -16,13 +20,14 @@ class NonFinite(StepFeature):
 
     order = 20
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> Produced | None:
         """Work after it, before tracking (see the module)."""
-        run = self.run
-        found = run.diagnostics.nonfinite(run.info)
-        if found:
-            run.recorder.record(run.step, NONFINITE_KEY, found)
-            run.tolerant = True
+        state = self.state
+        found = state.checks.nonfinite(state.info)
+        if not found:
+            return None
+        state.recorder.record(state.step, NONFINITE_KEY, found)
+        return _TOLERANT
 
 
 def failed_reason(step: int, error: Exception) -> str:

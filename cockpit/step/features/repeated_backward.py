@@ -22,11 +22,11 @@ class RepeatedBackward(StepFeature):
 
     order = 10
 
-    def after_backward(self) -> str | None:
+    def after_backward(self, produced):
         """Work after it, before tracking (see the module)."""
-        run = self.run
-        if not run.dispatcher.repeated:
+        state = self.state
+        if not state.dispatcher.repeated:
             return None
-        run.ledger.leave_out(list(run.plan.active), REPEATED, once=False)
-        run.diagnostics.warn_once("repeated-backward", _WARNING)
+        state.ledger.leave_out(list(state.plan.active), REPEATED, once=False)
+        state.checks.warn_once("repeated-backward", _WARNING)
         return STOP

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cockpit.engines.base import zero_results
 from cockpit.step.features.base import StepFeature, register_feature
 
 
@@ -13,18 +14,18 @@ class Unreached(StepFeature):
 
     def before_backward(self) -> None:
         """Work before the user's backward pass (see the module)."""
-        params = self.run.params
+        params = self.state.params
         self._before = [
             (p.grad, p.grad._version if p.grad is not None else None) for p in params
         ]
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> None:
         """Work after it, before tracking (see the module)."""
-        run = self.run
-        unused = run.diagnostics.unreached(run.plan, run.dispatcher, self._before)
-        batch_size = run.dispatcher.batch_size
-        if batch_size is None and run.info.has("batch_size"):
-            batch_size = int(run.info.get("batch_size"))
+        state = self.state
+        unused = state.checks.unreached(state.plan, state.dispatcher, self._before)
+        batch_size = state.dispatcher.batch_size
+        if batch_size is None and state.info.has("batch_size"):
+            batch_size = int(state.info.get("batch_size"))
         for index in unused:
-            results = run.zero_results(index, batch_size)
-            run.dispatcher.show(index, run.params[index], results)
+            results = zero_results(state.engines, index, batch_size)
+            state.dispatcher.show(index, state.params[index], results)
