@@ -15,7 +15,7 @@ from types import MappingProxyType
 from torch import Tensor
 
 from cockpit.curvature.source import estimate_method
-from cockpit.engines.base import AUTOGRAD, EngineStep, Why
+from cockpit.engines.base import AUTOGRAD, Engine, EngineStep, Why
 from cockpit.engines.coverage import (
     CURVATURE_NEEDS,
     MISSING,
@@ -152,14 +152,15 @@ class StepRouting:
     def _route(self, plan, user) -> None:
         self.routes = self.router.route(self.engine_step)
         per_sample = [q for q in plan.consumers if plan.needs_of(q) & PER_SAMPLE_NEEDS]
-        by_name = {}
+        with_losses = set()  # names of engines that need the per-sample losses
         for engine in self.engines:
-            by_name.setdefault(engine.name, []).append(engine)
-        needy = [
-            i
-            for i, r in enumerate(self.routes)
-            if any(e.needs_losses for e in by_name.get(r.engine, ()))
-        ]
+            if engine.needs_losses:
+                with_losses.add(engine.name)
+        needy = False
+        for route in self.routes:
+            if route.engine in with_losses:
+                needy = True
+                break
         if needy and per_sample and self.engine_step.losses is None:
             _refuse_unextended(self.routes, self.params, per_sample)
             reason, fix = MISSING_LOSSES
@@ -296,10 +297,12 @@ class StepRouting:
                         break
         self.before = {e: ix for e, ix in served.items() if e.needs_losses}
         for engine in self.engines:  # each skips what the others serve
-            others = sorted(
-                i for e, ix in served.items() if e is not engine for i in ix
-            )
-            engine.prepare(self.engine_step, dispatcher, others)
+            others = []
+            for other, indices in served.items():
+                if other is not engine:
+                    others.extend(indices)
+            if type(engine).prepare is not Engine.prepare:  # (no call where none)
+                engine.prepare(self.engine_step, dispatcher, sorted(others))
         self.served = {e: served.get(e, []) for e in self.engines if not e.needs_losses}
 
     def run_before_backward(self, quiet) -> dict[int, str]:
@@ -329,7 +332,8 @@ class StepRouting:
     def free(self, late: bool = False) -> None:
         """Free the engines' buffers on the parameters."""
         for engine in self.engines:
-            engine.free(late)
+            if type(engine).free is not Engine.free:
+                engine.free(late)
 
     def quiet(self) -> contextlib.AbstractContextManager:
         """A context for extra backward passes before the user's (hooks keep still)."""

@@ -25,9 +25,8 @@ from cockpit.engines.coverage import CoverageError
 from cockpit.errors import quiet_warnings
 from cockpit.param_view import Dispatcher
 from cockpit.quantities.base import Quantity, TrackContext
-from cockpit.step.features import feature_classes
-from cockpit.step.features.failures import Guarded
-from cockpit.step.features.nonfinite import failed_reason
+from cockpit.step.features import features_for
+from cockpit.step.features.backward_checks import Guarded, failed_reason
 from cockpit.step.ledger import Ledger
 from cockpit.step.routing import StepRouting, double_backward_reason
 from cockpit.step.state import Produced, StepState
@@ -131,10 +130,8 @@ class StepRun:
         """The step's ledger."""
         return self.state.ledger
 
-    def _take(self, produced: Produced | None) -> None:
+    def _take(self, produced: Produced) -> None:
         """Fold a feature's result into the step's (see :mod:`cockpit.step.state`)."""
-        if produced is None:
-            return
         self.produced = self.produced.then(produced)
         for quantity, error in produced.undifferentiable:
             self.without_double_backward(quantity, error)
@@ -148,9 +145,12 @@ class StepRun:
         and are shown to the quantities right away.
         """
         state = self.state
-        features = [cls(state) for cls in feature_classes() if cls.applies(state)]
+        features = features_for(state)
         for feature in features:
-            self._take(feature.begin())
+            if "begin" in feature._phases:
+                produced = feature.begin()
+                if produced is not None:
+                    self._take(produced)
         self.features = features
         for q in state.plan.active:
             q.begin_step(state.step, state.info, self.produced.comm)
@@ -158,7 +158,10 @@ class StepRun:
         if methods and self.coverage is not None:
             self.coverage = self.coverage.with_methods(methods)
         for feature in self.features:
-            self._take(feature.before_backward())
+            if "before_backward" in feature._phases:
+                produced = feature.before_backward()
+                if produced is not None:
+                    self._take(produced)
         stack = self._stack
         stack.enter_context(quiet_warnings(*_ENGINE_MESSAGES))
         if state.plan.create_graph:  # the step breaks the cycle when it closes
@@ -188,9 +191,9 @@ class StepRun:
         """Leave the backward contexts, check the step, track and record."""
         self._stack.close()
         try:
-            if self.plan.active:
+            if self.state.plan.active:
                 self._after_backward()
-            self.ledger.settle()
+            self.state.ledger.settle()
         except BaseException:
             self._abort()
             raise
@@ -201,19 +204,22 @@ class StepRun:
     # --- after the backward pass ---------------------------------------------------
     def _after_backward(self) -> None:
         for feature in self.features:
-            self._take(feature.after_backward(self.produced))
-            if self.produced.stop:
-                return
+            if "after_backward" in feature._phases:
+                produced = feature.after_backward(self.produced)
+                if produced is not None:
+                    self._take(produced)
+                    if produced.stop:
+                        return
         state = self.state
         ctx = self.produced.context or TrackContext(
             state.step, state.params, state.info
         )
         early = dict(self.produced.early)
         for q in state.plan.first:
-            if not self.ledger.out(q):
+            if not self.state.ledger.out(q):
                 self._track(q, ctx, early)
         self.routing.free(late=True)
-        last = [q for q in state.plan.last if not self.ledger.out(q)]
+        last = [q for q in state.plan.last if not self.state.ledger.out(q)]
         if last:  # the extra backward passes (HVPs) must not fire the engines' hooks
             with self.routing.idle():
                 for q in last:
@@ -221,7 +227,7 @@ class StepRun:
 
     def _track(self, quantity: Quantity, ctx: TrackContext, early: dict) -> None:
         ends = quantity.finishes(ctx.global_step)  # a two-step value finished here
-        step = self.step
+        step = self.state.step
         try:
             if id(quantity) in early:  # computed before the backward pass
                 results, error = early.pop(id(quantity))
@@ -237,35 +243,36 @@ class StepRun:
                 raise
             steps = [step - 1, step] if ends else [step]
             reason = failed_reason(step, error)
-            self.ledger.leave_out(
+            self.state.ledger.leave_out(
                 quantity, reason, steps, once=("dropped", quantity.key)
             )
             return
         for save_step, value in results:
-            self.ledger.record(quantity, save_step, value)
+            self.state.ledger.record(quantity, save_step, value)
 
     def without_double_backward(self, quantity: Quantity, error: Exception) -> None:
         """A quantity whose second derivatives PyTorch cannot compute: say the fix."""
         reason, status = double_backward_reason(quantity.key, error)
         if self.strict:
             raise CoverageError(f"strict=True: {reason}") from error
-        self.ledger.leave_out(quantity, reason)
+        self.state.ledger.leave_out(quantity, reason)
         if self.coverage is not None:  # the report said it would be computed
             self.coverage = self.coverage.with_status(quantity.key, status)
             self.coverage_changed = True
 
     # --- cleanup -------------------------------------------------------------------
     def _abort(self) -> None:
-        for q in self.plan.active:
-            q.abort_step(self.step)
+        for q in self.state.plan.active:
+            q.abort_step(self.state.step)
         self._cleanup()
         self.state.recorder.discard()  # nothing half-right of a failed step
 
     def _cleanup(self) -> None:
         for feature in self.features:
-            feature.close()
+            if "close" in feature._phases:
+                feature.close()
         self.routing.free(late=True)
-        if self.plan.create_graph:
+        if self.state.plan.create_graph:
             self._release_graph()
         # the engines (kept by the cockpit) may hold the engines' step: without its
         # show, which reaches the quantities' guards, a finished step is freed at once

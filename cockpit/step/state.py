@@ -13,9 +13,8 @@ from the features to the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from torch import Tensor
 
@@ -23,8 +22,6 @@ from cockpit.context import StepInfo
 from cockpit.engines.base import Engine, EngineStep
 from cockpit.step.ledger import Ledger
 from cockpit.step.plan import StepPlan
-
-_NOTHING: Mapping = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +70,11 @@ class Produced:
     Attributes:
         comm: The data-parallel step's collective state (when the step opens);
             the quantities begin the step with it.
-        early: ``id(quantity)`` -> ``(results, error)`` of a quantity tracked
-            from the forward graph before the backward pass.
-        guards: Quantities shown an estimated curvature, whose errors while
-            reading it are kept (:class:`~cockpit.step.features.failures.Guarded`).
+        early: ``(id(quantity), (results, error))`` of quantities tracked from
+            the forward graph before the backward pass.
+        guards: The quantities' errors while reading the backward pass's results
+            or an estimated curvature, kept for after it
+            (:class:`~cockpit.step.features.backward_checks.Guarded`).
         traces: The step's curvature estimate, per probe and parameter.
         undifferentiable: ``(quantity, error)`` of quantities whose second
             derivatives PyTorch cannot compute (the step says the fix).
@@ -87,7 +85,7 @@ class Produced:
     """
 
     comm: Any = None
-    early: Mapping[int, tuple] = field(default_factory=lambda: _NOTHING)
+    early: tuple = ()
     guards: tuple = ()
     traces: Tensor | None = None
     undifferentiable: tuple = ()
@@ -101,7 +99,7 @@ class Produced:
             return self
         return Produced(
             comm=later.comm if later.comm is not None else self.comm,
-            early=MappingProxyType({**self.early, **later.early}),
+            early=self.early + tuple(later.early),
             guards=self.guards + tuple(later.guards),
             traces=later.traces if later.traces is not None else self.traces,
             undifferentiable=self.undifferentiable + tuple(later.undifferentiable),

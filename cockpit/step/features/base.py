@@ -39,6 +39,13 @@ class StepFeature:
 
     #: Position among the features (lower runs first, at every point).
     order: ClassVar[float] = 0.0
+    #: What must hold for the feature to run, as data: names of attributes of the
+    #: :class:`~cockpit.step.state.StepState` (dotted, e.g. ``"plan.estimated"``)
+    #: that must be true at the step; then :meth:`applies` is asked, if defined.
+    only_if: ClassVar[tuple[str, ...]] = ()
+    #: The points the class defines (set when it is registered): the step calls a
+    #: feature only where it has work.
+    _phases: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, state: StepState):
         self.state = state
@@ -68,12 +75,47 @@ class StepFeature:
         """Clean up, whatever happened."""
 
 
+#: The points of a step at which a feature can work (its methods of these names).
+PHASES = ("applies", "begin", "before_backward", "after_backward", "close")
+
+
 def register_feature(cls: type[StepFeature]) -> type[StepFeature]:
     """Class decorator: run this feature at every tracked step (by its ``order``)."""
+    cls._phases = frozenset(name for name in PHASES if _defines(cls, name))
     _REGISTRY[:] = [entry for entry in _REGISTRY if entry[1] is not cls]
     _REGISTRY.append((cls.order, cls))
     _REGISTRY.sort(key=lambda entry: entry[0])
     return cls
+
+
+def _defines(cls: type, name: str) -> bool:
+    """Whether ``cls`` has its own ``name`` (not :class:`StepFeature`'s)."""
+    for klass in cls.__mro__:
+        if klass is StepFeature:
+            return False
+        if name in klass.__dict__:
+            return True
+    return False
+
+
+def features_for(state: StepState) -> list[StepFeature]:
+    """The registered features with work at this step, made, in order.
+
+    (Plain loops: the step's trace stays short, ``benchmarks/step_trace.py``.)
+    """
+    made = []
+    for _, cls in _REGISTRY:
+        runs = True
+        for path in cls.only_if:
+            value = state
+            for name in path.split("."):
+                value = getattr(value, name)
+            if not value:
+                runs = False
+                break
+        if runs and ("applies" not in cls._phases or cls.applies(state)):
+            made.append(cls(state))
+    return made
 
 
 def feature_classes() -> list[type[StepFeature]]:

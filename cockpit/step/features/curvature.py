@@ -33,8 +33,8 @@ from cockpit.curvature import source as curvature_source
 from cockpit.curvature.ggn import Head, NotCrossEntropy
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import sample_losses
+from cockpit.step.features.backward_checks import Guarded
 from cockpit.step.features.base import StepFeature, register_feature
-from cockpit.step.features.failures import Guarded
 from cockpit.step.state import Produced
 
 #: Every curvature label the GGN serves (the Hessian's where it stands in).
@@ -77,11 +77,7 @@ class Curvature(StepFeature):
     """Show estimated curvature diagonals to the estimated quantities."""
 
     order = 10
-
-    @classmethod
-    def applies(cls, state) -> bool:
-        """Whether any quantity's curvature is estimated at this step."""
-        return bool(state.ledger.estimated())
+    only_if = ("plan.estimated",)  # some quantity's curvature is estimated
 
     def before_backward(self) -> Produced | None:
         """The GGN for those that read it, then Hutchinson for the others."""

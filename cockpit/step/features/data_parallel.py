@@ -67,15 +67,15 @@ class DataParallel(StepFeature):
         #: The step's collective state (:class:`cockpit.distributed.StepComm`).
         self.shared = None
 
+    only_if = ("communicator",)
+
     @classmethod
     def applies(cls, state) -> bool:
-        """Whether the feature has work at this step.
+        """Whether the feature has work at this step (in a run with a communicator).
 
         Every step of a data-parallel run (an untracked one checks that no other
         process tracks it); the tracked steps of a rank-local one.
         """
-        if state.communicator is None:
-            return False
         return bool(state.plan.active) or not state.communicator.local
 
     def begin(self) -> Produced | None:
@@ -145,7 +145,7 @@ class DataParallel(StepFeature):
         if self.comm.local or self.no_sync or not shared.settled or shared.uneven:
             for index, param in enumerate(params):
                 self._hooks.append(param.register_hook(self._catcher(index)))
-        return Produced(early=early) if early else None
+        return Produced(early=tuple(early.items())) if early else None
 
     def _catcher(self, index: int):
         """A hook that keeps parameter ``index``'s local gradient where needed.
