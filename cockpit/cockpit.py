@@ -25,6 +25,7 @@ from cockpit.cockpit_args import (
     collect_params,
     manual_missing,
 )
+from cockpit.cockpit_output import CockpitOutput
 from cockpit.curvature import hutchinson
 from cockpit.engines import autograd as autograd_engine
 from cockpit.engines.coverage import Coverage, static_coverage
@@ -35,7 +36,6 @@ from cockpit.log.keys import LOG_KEYS, NONFINITE_KEY
 from cockpit.log.stream import LogStream
 from cockpit.precision import is_low_precision
 from cockpit.quantities.base import Quantity
-from cockpit.records import Records
 from cockpit.step.checks import StepChecks
 from cockpit.step.console import LOG, default_handler
 from cockpit.step.loop_checks import LoopChecks
@@ -55,7 +55,7 @@ def live_diagnosis(recorder: Recorder):
     return diagnosis
 
 
-class Cockpit(Records):
+class Cockpit(CockpitOutput):
     """Track quantities about the training during a single backward pass per step.
 
     Typical use (model and loss ``backpack.extend``-ed, as in 1.0.2)::

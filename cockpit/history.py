@@ -32,20 +32,22 @@ import numpy as np
 from cockpit.errors import unwritable_error
 from cockpit.log.format import (
     COMPACT_MIN_SIZE,
-    NotStreamable,
     compact,
     decode,
     encode,
     encode_legacy,
     expand,
+    pack,
+    to_builtin,
+    to_output,
+)
+from cockpit.log.json_file import (
+    NotStreamable,
     find_log,
     is_tagged,
     json_log_steps,
     json_path,
-    pack,
     parse_json_log,
-    to_builtin,
-    to_output,
 )
 from cockpit.log.keys import ESTIMATE_SUFFIX
 from cockpit.log.stream import (
@@ -387,7 +389,7 @@ class History:
         Args:
             path: Target file path (parent directories are created); used as given
                 (``Cockpit.write`` adds ``.json`` with
-                :func:`~cockpit.log.format.json_path`).
+                :func:`~cockpit.log.json_file.json_path`).
             legacy: Write 1.0.2's format instead of standard JSON.
             packed: Pack large arrays (ignored with ``legacy=True``).
 
@@ -450,7 +452,7 @@ class History:
         Args:
             path: Path of the log. Without a ``.json``/``.jsonl`` suffix,
                 ``<path>.json`` is meant, as in 1.0.2, then ``<path>.jsonl``, then the
-                file ``path`` itself (see :func:`~cockpit.log.format.find_log`).
+                file ``path`` itself (see :func:`~cockpit.log.json_file.find_log`).
 
         Returns:
             The history.

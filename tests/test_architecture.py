@@ -264,3 +264,57 @@ def test_the_engine_protocol_is_declared():
             ):
                 looked_up.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert not looked_up, f"engine methods looked up by name: {looked_up}"
+
+
+# --- the package's shape: the root, its shims, the size of a module ---------------
+#: Modules that keep a path of cockpit-for-pytorch 1.0.2 importable and only
+#: re-export (a docstring, imports and ``__all__``); the one list of them.
+SHIMS = ("cockpit.instruments", "cockpit.plotter", "cockpit.quantities.quantity")
+
+#: At most this many modules at the package root besides the shims.
+ROOT_MODULES_AT_MOST = 16
+
+
+def _only_re_exports(path: Path) -> bool:
+    """Whether a module holds nothing but a docstring, imports and ``__all__``."""
+    for index, node in enumerate(ast.parse(path.read_text(encoding="utf-8")).body):
+        docstring = index == 0 and isinstance(node, ast.Expr)
+        docstring = docstring and isinstance(node.value, ast.Constant)
+        names_all = isinstance(node, ast.Assign) and [
+            getattr(target, "id", None) for target in node.targets
+        ] == ["__all__"]
+        if not (
+            docstring or names_all or isinstance(node, (ast.Import, ast.ImportFrom))
+        ):
+            return False
+    return True
+
+
+def test_the_shims_only_re_export_and_are_all_listed():
+    for name in SHIMS:
+        assert _only_re_exports(MODULES[name]), f"{name} is a shim but holds code"
+    unlisted = sorted(
+        name
+        for name, path in MODULES.items()
+        if path.name != "__init__.py" and _only_re_exports(path) and name not in SHIMS
+    )
+    assert not unlisted, f"modules that only re-export, not in SHIMS: {unlisted}"
+
+
+def test_the_root_holds_few_modules():
+    root = sorted(
+        name
+        for name, path in MODULES.items()
+        if path.parent == PACKAGE and path.name != "__init__.py" and name not in SHIMS
+    )
+    assert len(root) <= ROOT_MODULES_AT_MOST, (
+        f"{len(root)} modules at cockpit/'s root (at most {ROOT_MODULES_AT_MOST} "
+        f"besides the shims): {root}. Fix: move them into the subpackage that says "
+        "what they do."
+    )
+
+
+def test_the_root_rule_counts_what_it_should():
+    assert "cockpit.cockpit" in MODULES and MODULES["cockpit.cockpit"].parent == PACKAGE
+    assert _only_re_exports(MODULES["cockpit.plotter"])
+    assert not _only_re_exports(MODULES["cockpit.cockpit"])

@@ -4,7 +4,7 @@ The 1.0.2 loop unchanged, default attention, ``business`` plus TICTrace, on mode
 BackPACK cannot backpropagate through: a hand-written text classifier (children
 named ``input0`` and ``output``, residuals added in place, fused attention, a
 ``dict`` output) and Hugging Face BERT (ViT in ``test_curvature_real_models.py``;
-ResNet in ``benchmarks/curvature_zoo_results.md``: its float64 convolutions take
+ResNet in ``benchmarks/results/curvature_zoo.md``: its float64 convolutions take
 seconds). With few rows times
 classes (4 samples, 3 classes) the GGN diagonal is exact: HessTrace, TICTrace and
 TICDiag equal their definitions on the brute-force GGN (``tests/utils/dense_ggn.py``,

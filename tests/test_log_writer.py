@@ -53,7 +53,7 @@ def _steps(cockpit, problem, steps):
 
 
 def _holder(*args):
-    lock = os.path.join(ROOT, "cockpit", "log_lock.py")
+    lock = os.path.join(ROOT, "cockpit", "log", "lock.py")
     return subprocess.Popen(
         [sys.executable, "-c", HOLDER, lock, *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

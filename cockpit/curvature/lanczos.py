@@ -174,7 +174,7 @@ def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
     Lanczos' three-term recurrence ``w`` is orthogonal to the basis up to rounding,
     so the second pass is rarely needed; each pass reads the whole basis twice,
     which on a small model costs about as much as the Hessian-vector product
-    itself (``benchmarks.kernels --lanczos``).
+    itself (``benchmarks.studies.kernels --lanczos``).
 
     Returns:
         The orthogonalised vector and its norm.

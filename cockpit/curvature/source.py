@@ -9,7 +9,7 @@ two sources, chosen by :func:`choose` when the step is routed:
   place of the Hessian (``"diag_h"``, the default) whenever the loss reaches the
   model through one ``log_softmax``. Hutchinson's estimate of the Hessian trace
   needs 24 to 11663 products per step for a 10 % relative error on the Hugging Face
-  zoo (``benchmarks/curvature_zoo_results.md``), far beyond any budget; the GGN is
+  zoo (``benchmarks/results/curvature_zoo.md``), far beyond any budget; the GGN is
   positive semi-definite, its estimate reaches 10 % in a few dozen backward passes,
   and the step says which curvature it used (the ``<key>_estimate`` record's
   ``"curvature"``, the coverage line, a :class:`~cockpit.errors.CockpitWarning`);

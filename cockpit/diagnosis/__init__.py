@@ -1,9 +1,10 @@
 """Diagnosis: what is wrong with a run, read off the quantities cockpit tracked.
 
-The checks (:mod:`~cockpit.diagnosis.checks`) read per-step signals and return
-:class:`Finding` records; :mod:`~cockpit.diagnosis.report` renders them as text,
-Markdown and JSON (``cockpit report``). The names below are the package's public
-surface (``from cockpit.diagnosis import diagnose``).
+The checks read per-step signals and return :class:`Finding` records (the docstring
+of :mod:`~cockpit.diagnosis.checks` lists them and where each part lives);
+:mod:`~cockpit.diagnosis.report` renders them as text, Markdown and JSON
+(``cockpit report``). The names below are the package's public surface
+(``from cockpit.diagnosis import diagnose``).
 """
 
 from cockpit.diagnosis.checks import (

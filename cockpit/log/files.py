@@ -22,7 +22,7 @@ import warnings
 
 from cockpit.errors import LogFileError
 from cockpit.history import History
-from cockpit.log.format import LOG_SUFFIXES, find_log
+from cockpit.log.json_file import LOG_SUFFIXES, find_log
 from cockpit.log.reader import read_log_history
 
 __all__ = ["empty_run_cause", "locate_log", "open_log"]
@@ -35,8 +35,8 @@ _WRITTEN_BY = "Cockpit.write(path) or Cockpit(..., logpath=path)"
 def empty_run_cause(closed_a_step: bool | None = None) -> str:
     """Why a run tracked no step, and the fix: the one text for every such message.
 
-    Said by :meth:`Cockpit.write <cockpit.records.Records.write>` (a warning), by
-    every command given the run's log and by the dashboard.
+    Said by :meth:`Cockpit.write <cockpit.cockpit_output.CockpitOutput.write>`
+    (a warning), by every command given the run's log and by the dashboard.
 
     Args:
         closed_a_step: Whether the cockpit ever closed a step (``Cockpit.end``
@@ -105,7 +105,7 @@ def empty_message(size: int) -> str:
 
 # --- reading -------------------------------------------------------------------------
 def locate_log(path: str | os.PathLike) -> str:
-    """Return the file a log path refers to (see :func:`~cockpit.log.format.find_log`).
+    """Return the file a log path names (see :func:`~cockpit.log.json_file.find_log`).
 
     Args:
         path: A log path, with or without ``.json``/``.jsonl``.

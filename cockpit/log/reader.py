@@ -41,15 +41,8 @@ import numpy as np
 
 from cockpit.errors import CockpitWarning, LogFileError
 from cockpit.history import History
-from cockpit.log.format import (
-    COMPACT_MIN_SIZE,
-    NotStreamable,
-    compact,
-    decode,
-    expand,
-    is_tagged,
-    json_log_steps,
-)
+from cockpit.log.format import COMPACT_MIN_SIZE, compact, decode, expand
+from cockpit.log.json_file import NotStreamable, is_tagged, json_log_steps
 from cockpit.log.keys import ESTIMATE_SUFFIX
 from cockpit.log.stream import STREAM_MAGIC, is_stream_data, stream_records
 
@@ -707,7 +700,7 @@ def read_log_history(
     """Read a log file into a :class:`LogHistory` (one pass).
 
     Args:
-        path: The log file (see :func:`cockpit.log.format.find_log`).
+        path: The log file (see :func:`cockpit.log.json_file.find_log`).
         mappings: ``"all"``: every mapping can be read (back from the file, when
             asked for); ``"latest"``: only the latest of each key exists.
         upto: Ignore steps after this one.

@@ -47,7 +47,8 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from cockpit.errors import CockpitWarning, LogFileError, unwritable_error
-from cockpit.log.format import compact, decode, pack, parse_json_log
+from cockpit.log.format import compact, decode, pack
+from cockpit.log.json_file import parse_json_log
 from cockpit.log.lock import LogInUseError, WriterLock
 
 #: Name and version in the header line. Version 2 packs large arrays
