@@ -179,15 +179,14 @@ def engine_per_sample_gradients(
 def hutchinson_estimate(losses, params, probes: int, generator):
     """cockpit's Hutchinson estimate: ``(diagonals, [probes, P] traces, SE of sum)``.
 
-    ``cockpit.engines.autograd.hutchinson_diagonals`` with its per-probe traces, and
-    the standard error of the summed trace (``sum_error``), as HessTrace reads them.
+    ``cockpit.curvature.hutchinson.hessian_diagonal`` (what a tracked step
+    computes) with its per-probe traces, and the standard error of the summed trace
+    (``sum_error``), as HessTrace reads them.
     """
-    from cockpit.engines.autograd import hutchinson_diagonals, sum_error
+    from cockpit.curvature.hutchinson import hessian_diagonal, sum_error
 
-    diagonals, _, table = hutchinson_diagonals(
-        losses, params, probes, generator, return_traces=True
-    )
-    return diagonals, table, sum_error(table)
+    estimate = hessian_diagonal(losses, params, probes, generator)
+    return estimate.diagonals, estimate.traces, sum_error(estimate.traces)
 
 
 def engine_routes(cockpit) -> list[str]:

@@ -27,6 +27,7 @@ from cockpit.cockpit_args import (
     manual_missing,
 )
 from cockpit.cockpit_output import CockpitOutput
+from cockpit.curvature import hutchinson
 from cockpit.engines import autograd as autograd_engine
 from cockpit.engines.coverage import Coverage, static_coverage
 from cockpit.engines.routing import Router
@@ -36,7 +37,7 @@ from cockpit.log.keys import LOG_KEYS, NONFINITE_KEY
 from cockpit.log.stream import LogStream
 from cockpit.precision import is_low_precision
 from cockpit.quantities.base import Quantity
-from cockpit.step.checks import Diagnostics
+from cockpit.step.checks import StepChecks
 from cockpit.step.console import LOG, default_handler
 from cockpit.step.loop_checks import LoopChecks
 from cockpit.step.plan import StepPlan, plan_step
@@ -119,7 +120,7 @@ class Cockpit(CockpitOutput):
     #: Per-sample gradient numbers the autograd engine holds at once.
     PER_SAMPLE_MAX_ELEMENTS = autograd_engine.DEFAULT_MAX_ELEMENTS
     #: Hessian-vector products per Hutchinson estimate (where BackPACK has none).
-    HUTCHINSON_PROBES = autograd_engine.DEFAULT_PROBES
+    HUTCHINSON_PROBES = hutchinson.DEFAULT_PROBES
 
     def __init__(
         self,
@@ -156,8 +157,8 @@ class Cockpit(CockpitOutput):
             self.recorder.subscribe(StreamWriter(self._stream))
         #: The live diagnosis (:class:`cockpit.diagnosis.LiveDiagnosis`) or ``None``.
         self.diagnosis = live_diagnosis(self.recorder) if diagnose and writer else None
-        self._diagnostics = Diagnostics(self.params, self.param_names)
-        self._loop = LoopChecks(self.params, self.recorder, self._diagnostics)
+        self._checks = StepChecks(self.params, self.param_names)
+        self._loop = LoopChecks(self.params, self.recorder, self._checks)
         self._router = Router(self.params)
         self._router.start()  # e.g. in-place modules off, replay watches on
         # dropped without close(): the hooks go with the cockpit (neither holds it)
@@ -211,7 +212,7 @@ class Cockpit(CockpitOutput):
         """
         if self._coverage is not None:
             return self._coverage
-        labels = [self._diagnostics.param_label(i) for i in range(len(self.params))]
+        labels = [self._checks.param_label(i) for i in range(len(self.params))]
         return static_coverage(
             self._router, self.quantities, labels, self.HUTCHINSON_PROBES
         )

@@ -193,7 +193,7 @@ def manual_missing(cockpit, step: int, quantities, reason, cause: Any) -> None:
             )
     for q in chosen:
         q.discard_start(step)
-        cockpit._diagnostics.missing(
+        cockpit._checks.missing(
             cockpit.recorder,
             [step],
             q.key,

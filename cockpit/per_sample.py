@@ -766,3 +766,10 @@ class OuterProductGradients(IndividualGradients):
         if term.indexed or term.positions != 1:
             return None
         return LinearFactors(term.cols, term.rows)
+
+
+def sample_losses(individual_losses: Tensor) -> Tensor:
+    """Return one loss per sample: further axes are averaged, as the quantities do."""
+    if individual_losses.dim() > 1:
+        return individual_losses.flatten(start_dim=1).mean(1)
+    return individual_losses

@@ -159,6 +159,113 @@ def test_the_log_keys_import_nothing():
     assert _imports("cockpit.log.keys") <= {"__future__"}
 
 
+# --- the step's layers (a feature reads a narrow state, returns what it makes) -------
+def _under(package: str) -> list[str]:
+    return [m for m in MODULES if m == package or m.startswith(package + ".")]
+
+
+def _reach(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module of the package that importing ``module`` can run."""
+    seen, stack = set(), [module]
+    while stack:
+        for following in graph[stack.pop()]:
+            if following not in seen:
+                seen.add(following)
+                stack.append(following)
+    return seen
+
+
+def test_the_step_state_is_small_and_read_only():
+    """What features see has at most 14 attributes, frozen, and none are written."""
+    import dataclasses
+
+    from cockpit.step.state import StepState
+
+    fields = [f.name for f in dataclasses.fields(StepState)]
+    assert 1 <= len(fields) <= 14, fields
+    assert StepState.__dataclass_params__.frozen
+    state = object.__new__(StepState)
+    assert not hasattr(state, "__dict__")  # slots: no attribute beside them
+    for name in (fields[0], "shared"):
+        try:
+            setattr(state, name, None)
+        except (dataclasses.FrozenInstanceError, AttributeError, TypeError):
+            continue
+        raise AssertionError(f"StepState.{name} could be written")
+    written = []
+    for module in _under("cockpit.step.features"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = (
+                    node.targets if isinstance(node, ast.Assign) else [node.target]
+                )
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in {
+                "setattr",
+                "delattr",
+            }:
+                targets = node.args[:1]
+            else:
+                continue
+            for target in targets:
+                parts = target.elts if isinstance(target, ast.Tuple) else [target]
+                for part in parts:
+                    if not isinstance(part, ast.Attribute):
+                        continue
+                    owner = part.value
+                    names = {"state", "run"}
+                    if (isinstance(owner, ast.Name) and owner.id in names) or (
+                        isinstance(owner, ast.Attribute) and owner.attr in names
+                    ):
+                        written.append(f"{module}:{node.lineno} {ast.unparse(part)}")
+    assert not written, f"step features write the step's state: {written}"
+
+
+def test_step_features_import_neither_the_run_nor_the_routing():
+    graph = import_graph()
+    features = _under("cockpit.step.features")
+    assert "cockpit.step.features.curvature" in features  # the test sees them
+    forbidden = {"cockpit.step.run", "cockpit.step.routing"}
+    found = {m: sorted(_reach(m, graph) & forbidden) for m in features}
+    found = {m: names for m, names in found.items() if names}
+    assert not found, f"step features reach the step's run or routing: {found}"
+
+
+def test_quantities_and_curvature_import_neither_engines_nor_the_step():
+    graph = import_graph()
+    layers = _under("cockpit.quantities") + _under("cockpit.curvature")
+    assert "cockpit.curvature.lanczos" in layers and "cockpit.quantities.base" in layers
+    found = {}
+    for module in layers:
+        names = sorted(
+            m
+            for m in _reach(module, graph)
+            if m.startswith(("cockpit.engines", "cockpit.step"))
+        )
+        if names:
+            found[module] = names
+    assert not found, f"quantities or curvature reach engines or the step: {found}"
+
+
+def test_the_engine_protocol_is_declared():
+    """The step asks engines only what ``Engine`` declares (no getattr look-ups)."""
+    from cockpit.engines.base import Engine
+
+    for name in ("explain", "after_backward", "before_backward", "backward_context"):
+        assert callable(getattr(Engine, name, None)), name
+    looked_up = []
+    for module in _under("cockpit.step"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") in {"getattr", "hasattr"}
+                and "engine" in ast.unparse(node.args[0])
+            ):
+                looked_up.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    assert not looked_up, f"engine methods looked up by name: {looked_up}"
+
+
 # --- the package's shape: the root, its shims, the size of a module ---------------
 #: Modules that keep a path of cockpit-for-pytorch 1.0.2 importable and only
 #: re-export (a docstring, imports and ``__all__``); the one list of them.

@@ -21,7 +21,7 @@ def test_estimators_benchmark_smoke():
     assert set(model["budgets"]) == {"6", "12"}
     assert set(model["theory_hutchinson_std"]) == {"6", "12"}
     for rows in model["budgets"].values():
-        ours = rows["ours (hutchinson_diagonals)"]
+        ours = rows["ours (hessian_diagonal)"]
         assert set(ours) >= {
             "mean",
             "std",
@@ -35,7 +35,7 @@ def test_estimators_benchmark_smoke():
         assert abs(ours["mean"] - model["exact_trace"]) < 4 * ours["std"] / 12**0.5
         assert ours["std"] > 0 and ours["median_time_s"] > 0
         if estimators.curvlinops is None:
-            assert list(rows) == ["ours (hutchinson_diagonals)"]
+            assert list(rows) == ["ours (hessian_diagonal)"]
     assert "rmsnorm-mlp" in estimators.markdown(result)
 
 

@@ -398,3 +398,54 @@ def test_a_second_backward_pass_in_the_step_leaves_it_without_values():
             loss.backward(retain_graph=True)
             loss.backward()
     assert "Variance" in cockpit.get_output()[0]["missing"]
+
+
+# --- a layer rule is an addition: it registers itself ---------------------------------
+class Affine(torch.nn.Module):
+    """``y = x * w + b`` elementwise over the last axis (no built-in rule has it)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+        self.bias = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def test_a_registered_layer_rule_serves_its_module_exactly():
+    from cockpit.engines import ghost
+
+    @ghost.register_layer(Affine)
+    class AffineLayer(ghost.Layer):
+        params = ("weight", "bias")
+
+        def term(self, module, attribute, x, delta):
+            axes = tuple(range(1, delta.dim() - 1))
+            if attribute == "weight":
+                delta = delta * x
+            return delta.sum(dim=axes) if axes else delta
+
+    try:
+        assert ghost.layer_of(Affine(3)) is ghost.LAYERS[Affine]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 5), Affine(5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+        )
+        gen = torch.Generator().manual_seed(1)
+
+        def make_batch(step):
+            x = torch.randn(4, 2, 6, generator=gen, dtype=torch.float64)
+            return x, torch.randint(0, 3, (4,), generator=gen)
+
+        def individual(out, y):
+            return _ce(out.mean(1), y)
+
+        problem = _problem("affine", model, make_batch, individual, 4)
+        quantities = [Q.GradNorm(linear(1)), Q.Variance(linear(1))]
+        result = run(problem, quantities, steps=STEPS, cockpit_cls=QUIET)
+        assert engines_of(result.cockpit) == ["ghost"] * 6
+        check_against_brute_force(problem, result)
+    finally:
+        del ghost.LAYERS[Affine]
+    assert ghost.layer_of(Affine(3)) is None

@@ -100,8 +100,9 @@ def test_reported_standard_error_matches_repeated_draws():
     allowing the ratio's bias ``r**2``.
 
     The probes' per-parameter traces ``v_p . (H v)_p`` are those Hutchinson's
-    estimator draws (:func:`hutchinson_diagonals`, whose own errors are checked
-    against repeated draws in ``test_estimate_errors.py``), formed here from the
+    estimator draws (:func:`~cockpit.curvature.hutchinson.hessian_diagonal`, whose
+    own errors are checked against repeated draws in ``test_estimate_errors.py``),
+    formed here from the
     dense Hessian in one matrix product: 25,600 Hessian-vector products through
     autograd would take most of a minute."""
     problem = make_any_problem("tied-custom", batch_size=6)

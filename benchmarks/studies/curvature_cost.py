@@ -105,13 +105,13 @@ def _reference_eigenvalue(model, loss_fn, logits, batch, params) -> float:
     """HessMaxEV's eigenvalue to a relative residual of 1e-9 (untimed)."""
     import torch
 
-    from cockpit.quantities.hess_max_ev import _make_hvp, lanczos_max_ev
+    from cockpit.curvature.lanczos import lanczos_max_ev, make_hvp
 
     x, y = batch
     loss = loss_fn(logits(model(x)), y)
     grads = torch.autograd.grad(loss, params, create_graph=True)
     dim = sum(p.numel() for p in params)
-    hvp = _make_hvp(params, grads, torch.float64, params[0].device)
+    hvp = make_hvp(params, grads, torch.float64, params[0].device)
     gen = torch.Generator().manual_seed(7)
     v0 = torch.randn(dim, generator=gen, dtype=torch.float64)
     result = lanczos_max_ev(hvp, v0, rtol=1e-9, atol=0.0, max_iter=300)

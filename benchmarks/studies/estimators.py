@@ -2,7 +2,7 @@
 
 Measures, at equal budgets of Hessian-vector products, the error and the wall
 time of cockpit's hand-written Hutchinson estimator
-(:func:`cockpit.engines.autograd.hutchinson_diagonals`) and of curvlinops'
+(:func:`cockpit.curvature.hutchinson.hessian_diagonal`) and of curvlinops'
 ``hutchinson_trace``, ``hutchpp_trace``, ``xtrace``, ``hutchinson_diag`` and
 ``xdiag`` on its ``HessianLinearOperator``, against the exact (dense, float64)
 Hessian of the mean loss of three tiny any-model test problems.
@@ -139,7 +139,7 @@ def _curvlinops(name):
 
 def estimators() -> dict:
     """Name -> estimator; curvlinops ones only when it is importable."""
-    table = {"ours (hutchinson_diagonals)": ours}
+    table = {"ours (hessian_diagonal)": ours}
     if curvlinops is not None:
         for name in ("hutchinson_trace", "hutchpp_trace", "xtrace"):
             table[f"curvlinops.{name}"] = _curvlinops(name)

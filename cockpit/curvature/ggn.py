@@ -28,7 +28,7 @@ Where rows times classes are few, :meth:`Head.exact` forms the diagonal exactly
 instead, one product per row and class. Both are tested against the dense float64
 GGN (``tests/test_ggn_estimate.py``); :mod:`cockpit.curvature.source` chooses them
 as the curvature of HessTrace and the TIC quantities where BackPACK cannot form it
-(:mod:`cockpit.step.features.ggn` forms them at the step).
+(:mod:`cockpit.step.features.curvature` forms them at the step).
 """
 
 from __future__ import annotations

@@ -1,41 +1,34 @@
-"""Unbiased estimates of a Hessian's diagonal and block traces from its products.
+"""Hutchinson's unbiased estimate of a Hessian's diagonal and block traces.
 
-Both estimators see ``H`` only through ``hvp(v) = H v`` on flat vectors (all
-parameters concatenated) and return a :class:`TraceEstimate`: a diagonal estimate
-per parameter and, per probe, the traces of the parameter blocks, whose mean over
-the probes is the estimate and whose spread gives its standard error (the
-parameters share the probes, so the error of the summed trace is the spread of the
-per-probe sums, :func:`cockpit.engines.autograd.sum_error`).
+The estimator sees ``H`` only through ``hvp(v) = H v`` on flat vectors (all
+parameters concatenated; :func:`cockpit.curvature.lanczos.make_hvp`) and returns a
+:class:`TraceEstimate`: a diagonal estimate per parameter and, per probe, the
+traces of the parameter blocks, whose mean over the probes is the estimate and
+whose spread gives its standard error (:func:`trace_errors`; the parameters share
+the probes, so the error of the summed trace is the spread of the per-probe sums,
+:func:`sum_error`).
 
-* :func:`hutchinson`: ``z * (H z)`` with Rademacher ``z`` (Hutchinson 1989). The
-  variance of a block's trace is ``2 sum_{d != e} H_de**2`` over the block's rows
-  ``d`` and all columns ``e``: the off-diagonal mass of the rows.
-* :func:`deflated`: the Krylov space ``Q`` that Lanczos built anyway (HessMaxEV's)
-  is taken exactly, only the rest is probed (the idea of Hutch++, Meyer, Musco,
-  Musco and Woodruff 2021, with the sketch replaced by the Lanczos basis, whose
-  products are already paid for). With ``P = Q Q^T``, ``P' = I - P`` and the
-  Lanczos relation ``H Q = Q T + w e_k^T`` (``w`` orthogonal to ``Q``)::
-
-      H = P H P + P H P' + P' H P + P' H P'
-        = Q T Q^T + q_k w^T + w q_k^T + P' H P',
-
-  so ``diag(H) = rowsum(Q o (Q T)) + 2 q_k o w + diag(P' H P')``: the first two
-  terms cost no product, the last is estimated with probes
-  ``z o (P' H P' z)``. The variance is that of Hutchinson on ``P' H P'``: the
-  spectrum's extreme eigenvalues, which the Krylov space captures first, no longer
-  contribute. The estimate is unbiased given ``Q`` (the probes are drawn
-  independently of it), hence unbiased.
+:func:`hutchinson` uses ``z * (H z)`` with Rademacher ``z`` (Hutchinson 1989). The
+variance of a block's trace is ``2 sum_{d != e} H_de**2`` over the block's rows
+``d`` and all columns ``e``: the off-diagonal mass of the rows.
+:func:`hessian_diagonal` is the step's estimate of the mean loss's Hessian from
+the per-sample losses (what a tracked step computes where BackPACK cannot form
+the curvature).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-HVP = Callable[[Tensor], Tensor]
+from cockpit.curvature.lanczos import HVP, common_dtype, make_hvp
+from cockpit.per_sample import sample_losses
+
+#: Rademacher probes of the Hutchinson estimate (Hessian-vector products per step).
+DEFAULT_PROBES = 16
 
 
 @dataclass
@@ -44,20 +37,17 @@ class TraceEstimate:
 
     Attributes:
         diagonals: One estimate of ``diag(H)`` per parameter (its shape).
-        traces: ``[probes, P]`` float64 (CPU): per probe, each block's trace (the
-            exactly known part included), so ``traces.mean(0)`` are the blocks'
-            estimated traces and their spread the estimate's error.
+        traces: ``[probes, P]`` float64 (CPU): per probe, each block's trace, so
+            ``traces.mean(0)`` are the blocks' estimated traces and their spread
+            the estimate's error.
         products: Hessian-vector products spent on the probes.
         method: How it was made (for the log and the coverage report).
-        krylov_variance: For a deflated estimate, the variance Hutchinson's probes
-            would have had on the part taken exactly (:func:`krylov_variance`).
     """
 
     diagonals: list[Tensor]
     traces: Tensor
     products: int
     method: str
-    krylov_variance: float | None = None
 
 
 def rademacher(dim: int, generator, dtype, device) -> Tensor:
@@ -117,99 +107,80 @@ def hutchinson(
     )
 
 
-def deflated(
-    hvp: HVP,
-    krylov,
-    shapes: Sequence[torch.Size],
-    probes: int,
-    generator,
-) -> TraceEstimate:
-    """The Krylov space taken exactly, the rest probed (see the module).
-
-    Args:
-        hvp: ``v -> H v`` on flat vectors (the ``H`` of ``krylov``).
-        krylov: The Lanczos decomposition
-            (:class:`cockpit.quantities.hess_max_ev.Krylov`); its rows' dtype and
-            device are used throughout.
-        shapes: The parameters' shapes, in the order of the flat vectors.
-        probes: Number of products on the rest (at least 2).
-        generator: The probes' random source (CPU).
-
-    Returns:
-        The estimate; its ``krylov_variance`` is the variance Hutchinson's probes
-        would have had on the Krylov part (:func:`krylov_variance`).
-    """
-    probes = max(2, int(probes))
-    sizes = [s.numel() for s in shapes]
-    rows = list(krylov.rows())
-    alphas, betas = krylov.alphas, krylov.betas
-    # rowsum(Q o (Q T)) = sum_l alpha_l q_l**2 + 2 sum_l beta_l q_l o q_{l+1}
-    known = torch.zeros_like(rows[0])
-    for index, row in enumerate(rows):
-        known.addcmul_(row, row, value=alphas[index])
-        if index < len(betas):
-            known.addcmul_(row, rows[index + 1], value=2 * betas[index])
-    if krylov.tail is not None:
-        known.addcmul_(rows[-1], krylov.tail, value=2.0)
-    blocks = krylov.blocks
-
-    def project_out(v: Tensor) -> Tensor:
-        for block in blocks:
-            v = torch.addmv(v, block.T, block @ v, alpha=-1)
-        return v
-
-    exact = _block_sums(known, sizes)
-    total = torch.zeros_like(known)
-    traces = []
-    for _ in range(probes):
-        z = rademacher(known.numel(), generator, known.dtype, known.device)
-        sample = z * project_out(hvp(project_out(z)))
-        total += sample
-        traces.append(exact + _block_sums(sample, sizes))
-    return TraceEstimate(
-        _split(known + total / probes, shapes),
-        torch.stack(traces),
-        probes,
-        deflated_method(krylov.size, probes),
-        krylov_variance(krylov, known),
-    )
-
-
-def residual_share(estimate: TraceEstimate) -> float:
-    """How much of Hutchinson's variance a deflated estimate's rest still has.
-
-    ``s**2 / (s**2 + V)`` with ``s**2`` the sample variance of the per-probe sums
-    (the rest's) and ``V`` the Krylov part's (:func:`krylov_variance`; the two
-    parts of Hutchinson's ``z^T H z`` are uncorrelated up to a term in the
-    diagonals). A deflated estimate with ``share * K`` probes is about as precise
-    as Hutchinson's with ``K``.
-    """
-    spread = float(estimate.traces.sum(dim=1).var())
-    total = spread + (estimate.krylov_variance or 0.0)
-    return 1.0 if not total > 0 else spread / total
-
-
-def krylov_variance(krylov, known: Tensor) -> float:
-    """Variance of Hutchinson's ``z^T L z`` for the Krylov part ``L`` of ``H``.
-
-    ``L = Q T Q^T + q_k w^T + w q_k^T`` (``H`` minus ``P' H P'``); for Rademacher
-    ``z`` the variance is ``2 (||L||_F**2 - sum_d L_dd**2)`` with
-    ``||L||_F**2 = ||T||_F**2 + 2 ||w||**2`` and ``diag(L)`` = ``known``.
-    """
-    frobenius = sum(a * a for a in krylov.alphas) + 2 * sum(b * b for b in krylov.betas)
-    if krylov.tail is not None:
-        frobenius += 2 * float(krylov.tail.double().norm()) ** 2
-    return max(0.0, 2 * (frobenius - float(known.double().norm()) ** 2))
-
-
 def hutchinson_method(probes: int) -> str:
     """How a Hutchinson estimate is made (the coverage report's words)."""
     return f"Hutchinson, {probes} Hessian-vector products"
 
 
-def deflated_method(basis: int, probes: int) -> str:
-    """How a deflated estimate is made (the coverage report's words)."""
-    return (
-        f"Krylov-deflated Hutchinson: HessMaxEV's {basis} Lanczos vectors exact, "
-        f"{probes} Hessian-vector products on the rest"
+def hessian_diagonal(
+    individual_losses: Tensor,
+    params: Sequence[Tensor],
+    probes: int = DEFAULT_PROBES,
+    generator: torch.Generator | None = None,
+) -> TraceEstimate:
+    """Hutchinson's estimate of the Hessian diagonal of the mean per-sample loss.
+
+    The gradient of ``mean_i l_i`` is formed with its graph (the graph of the
+    losses is kept for the user's ``loss.backward()``) and ``probes`` Rademacher
+    vectors are multiplied with its Hessian (:func:`hutchinson`), in the
+    parameters' promoted dtype, float32 at least. A parameter the loss does not
+    depend on has an exactly zero diagonal.
+
+    Args:
+        individual_losses: The per-sample losses with their autograd graph.
+        params: The parameters.
+        probes: Number of Hessian-vector products (at least 2).
+        generator: Random source of the probes (CPU), for reproducible runs.
+
+    Raises:
+        RuntimeError: PyTorch's, where an operation of the model has no double
+            backward (:func:`no_double_backward` says so).
+    """
+    loss = sample_losses(individual_losses).mean()
+    grads = torch.autograd.grad(
+        loss, params, create_graph=True, retain_graph=True, allow_unused=True
     )
+    grads = [
+        torch.zeros_like(p) if g is None else g
+        for p, g in zip(params, grads, strict=True)
+    ]
+    dtype, device = common_dtype(params), params[0].device
+    hvp = make_hvp(params, grads, dtype, device)
+    return hutchinson(hvp, [p.shape for p in params], probes, generator, dtype, device)
+
+
+def no_double_backward(error: Exception) -> bool:
+    """Whether ``error`` is PyTorch's missing derivative of a backward operator."""
+    text = str(error)
+    return (
+        isinstance(error, RuntimeError)
+        and "derivative for" in text
+        and "backward" in text
+        and "not implemented" in text
+    )
+
+
+def trace_errors(traces: Tensor) -> list[Tensor]:
+    """Standard errors of the mean trace per parameter, from ``[probes, P]`` traces."""
+    probes = traces.shape[0]
+    return list(traces.std(dim=0) / probes**0.5)
+
+
+def sum_error(traces: Tensor) -> Tensor:
+    """Standard error of the estimate of the parameters' summed trace.
+
+    All parameters' traces of one probe come from the same vector ``v_k``: the
+    block of parameter ``p`` gets ``v_p^T H_pp v_p + sum_q v_p^T H_pq v_q``, whose
+    cross terms it shares with block ``q``. Their errors are therefore
+    correlated, and the sum's standard error is the spread of the per-probe sums
+    (``std_k sum_p t_kp / sqrt(probes)``), not the root of the summed squares of
+    :func:`trace_errors`.
+
+    Args:
+        traces: ``[probes, P]`` per-probe traces.
+
+    Returns:
+        A scalar tensor.
+    """
+    probes = traces.shape[0]
+    return traces.sum(dim=1).std() / probes**0.5

@@ -51,6 +51,7 @@ from cockpit.curvature.ggn import (
     ggn_method,
     log_probabilities,
 )
+from cockpit.curvature.hutchinson import hutchinson_method
 from cockpit.needs import Need
 
 #: The curvature needs (as ``cockpit.engines.coverage.CURVATURE_NEEDS``).
@@ -129,21 +130,22 @@ def head_size(losses, params) -> int | NotCrossEntropy:
     return known
 
 
-def choose(run, plan, quantity, losses) -> str | None:
+def choose(plan, quantity, losses, params, parallel: bool) -> str | None:
     """The source of ``quantity``'s curvature at this step (``None``: none serves).
 
     Args:
-        run: The step (its parameters, communicator).
-        plan: Its plan.
+        plan: The step's plan.
         quantity: An estimable quantity no engine forms the curvature for.
         losses: The step's per-sample losses, with their graph.
+        params: The cockpit's parameters.
+        parallel: Whether the run is data-parallel (a communicator joins it).
     """
     wanted = plan.needs_of(quantity) & CURVATURE_NEEDS
     if not wanted or not wanted <= quantity.estimable:
         return None
     exact_only = getattr(quantity, "exact_curvature_only", False)
     hessian = wanted == {Need.DIAG_H}
-    parallel = run.communicator is not None or not USE_GGN
+    parallel = parallel or not USE_GGN
     if hessian and (getattr(quantity, "hessian_only", False) or parallel):
         return None if exact_only else HUTCHINSON
     if parallel:
@@ -151,7 +153,7 @@ def choose(run, plan, quantity, losses) -> str | None:
     known = _CHOICES.get(quantity)
     if known == HUTCHINSON:
         return None if exact_only else known
-    size = head_size(losses, run.params)
+    size = head_size(losses, params)
     if isinstance(size, NotCrossEntropy):
         if hessian and not exact_only:
             _CHOICES[quantity] = HUTCHINSON
@@ -161,6 +163,34 @@ def choose(run, plan, quantity, losses) -> str | None:
         return None
     _CHOICES[quantity] = GGN
     return GGN
+
+
+def estimate_method(
+    plan, quantity, losses, params, probes: int, parallel: bool
+) -> str | None:
+    """How the step's estimate for ``quantity`` will be made (``None``: none serves).
+
+    The source is chosen by :func:`choose` (the GGN of the cross-entropy where it
+    can be read, else Hutchinson's estimate of the Hessian); these are the
+    coverage report's words.
+
+    Args:
+        plan: The step's plan.
+        quantity: The estimated quantity.
+        losses: The step's per-sample losses, with their graph.
+        params: The cockpit's parameters.
+        probes: Hessian-vector products of a Hutchinson estimate.
+        parallel: Whether the run is data-parallel.
+    """
+    source = choose(plan, quantity, losses, params, parallel)
+    if source is None:
+        return None
+    if source != GGN:
+        return hutchinson_method(probes)
+    how = method(source, head_size(losses, params))
+    if substitutes(quantity):
+        how = f"{how}, in place of the Hessian (curvature='hutchinson' for it)"
+    return how
 
 
 def expected_method(quantity, probes: int) -> str:

@@ -259,12 +259,6 @@ class Communicator:
         self._wait(work, what, step)
         return buffer.to(tensor.device)
 
-    def all_gather_ints(
-        self, values: Sequence[int], what: str, step: int | None
-    ) -> list[list[int]]:
-        """Return every process's ``values`` (same length on all), in rank order."""
-        return self.start_gather_ints(values, what, step).wait()
-
     def start_gather_ints(
         self, values: Sequence[int], what: str, step: int | None
     ) -> PendingGather:

@@ -30,8 +30,7 @@ from cockpit.engines.base import (
 )
 from cockpit.errors import quiet_warnings
 from cockpit.param_view import ParamResults
-from cockpit.per_sample import DenseGradients
-from cockpit.precision import compute_dtype, upcast
+from cockpit.per_sample import DenseGradients, sample_losses
 
 #: Samples per batched backward pass (the memory of one chunk's backward grows with
 #: it, about ``chunk * N * activations`` numbers in the worst case).
@@ -49,13 +48,6 @@ DEFAULT_MAX_ELEMENTS = 1 << 26
 
 # vmap falls back to a (correct, slower) loop for operators without a batching rule
 _VMAP_FALLBACK_WARNING = r".*There is a performance drop because we have not yet"
-
-
-def sample_losses(individual_losses: Tensor) -> Tensor:
-    """Return one loss per sample: further axes are averaged, as the quantities do."""
-    if individual_losses.dim() > 1:
-        return individual_losses.flatten(start_dim=1).mean(1)
-    return individual_losses
 
 
 def parameter_groups(
@@ -163,115 +155,6 @@ def per_sample_gradients(
         for k, position in enumerate(group):
             full, out[k] = out[k], None  # held by the consumer only
             yield position, full
-
-
-#: Rademacher probes of the Hutchinson estimate (Hessian-vector products per step).
-DEFAULT_PROBES = 16
-
-
-def hutchinson_diagonals(
-    individual_losses: Tensor,
-    params: Sequence[Tensor],
-    probes: int = DEFAULT_PROBES,
-    generator: torch.Generator | None = None,
-    return_traces: bool = False,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Estimate the Hessian diagonal of the mean loss, per parameter (Hutchinson).
-
-    With Rademacher vectors ``v_k`` (entries +-1) over all parameters,
-    ``v_k * (H v_k)`` is an unbiased estimate of ``diag(H)``; restricted to a
-    parameter's block its sum is an unbiased estimate of that block's trace (the
-    cross terms vanish in expectation). The estimates of ``probes`` vectors are
-    averaged; the standard error of each block's trace is the sample standard
-    deviation of the per-probe traces over ``sqrt(probes)``.
-
-    The Hessian is that of ``mean_i l_i`` (the mini-batch loss). The graph of
-    ``individual_losses`` is kept for the user's ``loss.backward()``.
-
-    Args:
-        individual_losses: The per-sample losses with their autograd graph.
-        params: The parameters.
-        probes: Number of Hessian-vector products (at least 2).
-        generator: Random source of the probes (CPU), for reproducible runs.
-        return_traces: Also return the per-probe traces, ``[probes, P]`` (float64;
-            a data-parallel run sums them over processes before
-            :func:`trace_errors`).
-
-    Returns:
-        The estimated diagonals (one per parameter) and the standard errors of
-        their sums (scalars); with ``return_traces`` the traces as well.
-    """
-    probes = max(2, int(probes))
-    loss = sample_losses(individual_losses).mean()
-    grads = torch.autograd.grad(
-        loss, params, create_graph=True, retain_graph=True, allow_unused=True
-    )
-    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-    used = [p for p, _ in pairs]
-    # averaged in float32 at least (a half-precision model's products are summed)
-    diagonals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) for p in params]
-    traces = [[None] * len(params) for _ in range(probes)]
-    position = {id(p): i for i, p in enumerate(params)}
-    for k in range(probes):
-        vectors = [
-            (torch.randint(0, 2, p.shape, generator=generator) * 2 - 1).to(
-                device=p.device, dtype=p.dtype
-            )
-            for p in used
-        ]
-        products = torch.autograd.grad(
-            [g for _, g in pairs],
-            used,
-            grad_outputs=vectors,
-            retain_graph=True,
-            allow_unused=True,
-        )
-        for param, v, hv in zip(used, vectors, products, strict=True):
-            if hv is None:
-                continue
-            i = position[id(param)]
-            estimate = upcast((v * hv).detach())
-            diagonals[i] += estimate
-            traces[k][i] = estimate.sum()
-    diagonals = [d / probes for d in diagonals]
-    zero = torch.zeros((), dtype=torch.float64)
-    table = torch.stack(  # unused parameters (trace None) have exactly zero
-        [
-            torch.stack(
-                [zero if t is None else t.detach().to("cpu", zero.dtype) for t in row]
-            )
-            for row in traces
-        ]
-    )
-    if return_traces:
-        return diagonals, trace_errors(table), table
-    return diagonals, trace_errors(table)
-
-
-def trace_errors(traces: Tensor) -> list[Tensor]:
-    """Standard errors of the mean trace per parameter, from ``[probes, P]`` traces."""
-    probes = traces.shape[0]
-    return list(traces.std(dim=0) / probes**0.5)
-
-
-def sum_error(traces: Tensor) -> Tensor:
-    """Standard error of the estimate of the parameters' summed trace.
-
-    All parameters' traces of one probe come from the same vector ``v_k``: the
-    block of parameter ``p`` gets ``v_p^T H_pp v_p + sum_q v_p^T H_pq v_q``, whose
-    cross terms it shares with block ``q``. Their errors are therefore
-    correlated, and the sum's standard error is the spread of the per-probe sums
-    (``std_k sum_p t_kp / sqrt(probes)``), not the root of the summed squares of
-    :func:`trace_errors`.
-
-    Args:
-        traces: ``[probes, P]`` per-probe traces.
-
-    Returns:
-        A scalar tensor.
-    """
-    probes = traces.shape[0]
-    return traces.sum(dim=1).std() / probes**0.5
 
 
 @register_engine(order=300)

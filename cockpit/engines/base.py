@@ -133,6 +133,8 @@ class EngineStep:
         user: The user's extra extensions of the step.
         quiet: ``() -> context`` for an engine's own extra backward passes before
             the user's (the other engines' hooks keep still), or ``None``.
+        label: ``module -> str``, a module's name in messages (class and the
+            names of its parameters).
     """
 
     global_step: int
@@ -148,6 +150,7 @@ class EngineStep:
     plan: Any = None
     user: tuple = ()
     quiet: Callable[[], Any] | None = None
+    label: Callable[[Any], str] = repr
 
 
 class Engine:
@@ -214,6 +217,16 @@ class Engine:
         """A context around the user's backward pass (default: none)."""
         return contextlib.nullcontext()
 
+    def after_backward(self, step: EngineStep) -> None:  # noqa: B027
+        """Check its own work after the user's backward pass (default: nothing).
+
+        E.g. BackPACK names a layer it skipped although the quantities need it.
+        """
+
+    def explain(self, error: BaseException, step: EngineStep) -> Exception | None:
+        """A clearer error for ``error`` in the backward pass (``None``: none)."""
+        return None
+
     def quiet(self) -> contextlib.AbstractContextManager:
         """A context for extra backward passes before the user's (default: none)."""
         return contextlib.nullcontext()
@@ -260,6 +273,17 @@ def unregister_engine(cls: type[Engine]) -> None:
 def engine_classes() -> list[type[Engine]]:
     """The registered engines, in the order they are tried."""
     return [cls for _, cls in _REGISTRY]
+
+
+def zero_results(engines: Iterable[Engine], index: int, batch_size: int | None):
+    """Exact zero results of an unused parameter (from the first engine that has)."""
+    for engine in engines:
+        results = engine.zero_results(index, batch_size)
+        if results is not None:
+            return results
+    from cockpit.param_view import ParamResults
+
+    return ParamResults()
 
 
 def first_claims(

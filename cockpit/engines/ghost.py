@@ -44,7 +44,6 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from cockpit.engines.backpack.routing import batch_mixing, batchnorms, roots_of
 from cockpit.engines.base import (
     Decline,
     Engine,
@@ -52,7 +51,8 @@ from cockpit.engines.base import (
     Why,
     register_engine,
 )
-from cockpit.engines.modules import describe
+from cockpit.engines.calls import watch
+from cockpit.engines.modules import batch_mixing, batchnorms, describe, roots_of
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults
 from cockpit.per_sample import DenseGradients, OuterProductGradients, OuterTerm
@@ -61,8 +61,6 @@ from cockpit.torch_state import autocast_on, in_transform
 
 #: The engine's name in the coverage report.
 GHOST = "ghost"
-#: How the engine computes (the coverage report's method).
-METHOD = "ghost: from layer inputs and output gradients"
 #: Needs that read the elements of per-sample gradients (formed once per tensor).
 ELEMENT_NEEDS = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.SUM_GRAD_SQUARED})
 #: Calls of one module kept between forgets (older ones are dropped).
@@ -75,6 +73,35 @@ def _first_tensor(args, kwargs, name: str) -> Tensor | None:
 
 
 # --- the layers -----------------------------------------------------------------------
+#: Exact module types served, with their rules (:func:`register_layer`).
+LAYERS: dict[type, Layer] = {}
+#: ``(match, rule)`` for modules found by a test, asked in order after :data:`LAYERS`.
+MATCHERS: list[tuple[Callable[[Module], bool], Layer]] = []
+
+
+def register_layer(*types: type, match: Callable[[Module], bool] | None = None):
+    """Class decorator: serve these module types with this :class:`Layer` rule.
+
+    Like opacus' ``register_grad_sampler``: each rule registers itself, a new
+    layer type is a new rule, not a branch in the engine.
+
+    Args:
+        types: Module classes served (their exact type, not subclasses).
+        match: For modules no type names (e.g. another library's), a test on the
+            module; asked after the types, in the order rules registered.
+    """
+
+    def add(cls):
+        layer = cls()
+        for kind in types:
+            LAYERS[kind] = layer
+        if match is not None:
+            MATCHERS.append((match, layer))
+        return cls
+
+    return add
+
+
 class Layer:
     """How one layer type's per-sample gradients follow from input and ``delta``.
 
@@ -86,10 +113,16 @@ class Layer:
 
     params: tuple[str, ...] = ()
     input_name = "input"
+    #: Whether each call is checked against the rule's formula (:meth:`fits`).
+    checked = False
 
     def problem(self, module: Module) -> str | None:
         """Why the formulas do not cover this module's settings (``None``: they do)."""
         return None
+
+    def fits(self, module: Module, x: Tensor, output: Tensor) -> bool:
+        """Whether this call's output is what the formula assumes (``checked``)."""
+        return True
 
     def term(self, module: Module, attribute: str, x: Tensor, delta: Tensor):
         """The parameter's per-sample term of one call (see the class)."""
@@ -102,6 +135,7 @@ def _sequences(tensor: Tensor, width: int | None = None) -> Tensor:
     return tensor.reshape(n, -1, tensor.shape[-1] if width is None else width)
 
 
+@register_layer(torch.nn.Linear)
 class LinearLayer(Layer):
     """``nn.Linear``: ``y = x W^T + b``, weight ``[out, in]``."""
 
@@ -114,6 +148,14 @@ class LinearLayer(Layer):
         return OuterTerm(_sequences(delta), _sequences(x))
 
 
+def _is_conv1d(module: Module) -> bool:
+    """Hugging Face's ``Conv1D`` (looked up only where transformers is imported)."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(pytorch_utils, "Conv1D", None)
+    return conv1d is not None and type(module) is conv1d
+
+
+@register_layer(match=_is_conv1d)
 class Conv1DLayer(Layer):
     """Hugging Face's ``Conv1D``: ``y = x W + b``, weight ``[in, out]``."""
 
@@ -127,6 +169,7 @@ class Conv1DLayer(Layer):
         return OuterTerm(_sequences(x), _sequences(delta))
 
 
+@register_layer(torch.nn.Embedding)
 class EmbeddingLayer(Layer):
     """``nn.Embedding``: rows of the table picked by the indices."""
 
@@ -152,6 +195,7 @@ class EmbeddingLayer(Layer):
         return OuterTerm(indices, cols, num_rows=module.num_embeddings)
 
 
+@register_layer(torch.nn.LayerNorm, *filter(None, [getattr(torch.nn, "RMSNorm", None)]))
 class NormLayer(Layer):
     """``nn.LayerNorm`` and ``nn.RMSNorm``: ``y = x_hat * w (+ b)`` elementwise."""
 
@@ -180,6 +224,17 @@ class NormLayer(Layer):
         return delta.sum(dim=axes) if axes else delta
 
 
+def _is_scale_norm(module: Module) -> bool:
+    """A childless ``*RMSNorm`` / ``*LayerNorm`` with the one parameter ``weight``."""
+    if not type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+        return False
+    if module._modules:
+        return False
+    own = list(module._parameters.items())
+    return [n for n, _ in own] == ["weight"] and own[0][1] is not None
+
+
+@register_layer(match=_is_scale_norm)
 class ScaleLayer(Layer):
     """Another library's normalisation layer: ``y = w * f(x)`` elementwise.
 
@@ -193,6 +248,7 @@ class ScaleLayer(Layer):
     """
 
     params = ("weight",)
+    checked = True
 
     @staticmethod
     def base(module: Module, x: Tensor) -> Tensor:
@@ -221,60 +277,15 @@ class ScaleLayer(Layer):
         return delta.sum(dim=axes) if axes else delta
 
 
-_NORM = NormLayer()
-_SCALE = ScaleLayer()
-#: Exact module types served, with their rules.
-LAYERS: dict[type, Layer] = {
-    torch.nn.Linear: LinearLayer(),
-    torch.nn.Embedding: EmbeddingLayer(),
-    torch.nn.LayerNorm: _NORM,
-}
-if hasattr(torch.nn, "RMSNorm"):
-    LAYERS[torch.nn.RMSNorm] = _NORM
-
-
 def layer_of(module: Module) -> Layer | None:
-    """The rule of ``module``'s exact type (``Conv1D`` of transformers included)."""
+    """The rule of ``module`` (its exact type's, else the first that matches)."""
     layer = LAYERS.get(type(module))
     if layer is not None:
         return layer
-    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
-    conv1d = getattr(pytorch_utils, "Conv1D", None)
-    if conv1d is not None and type(module) is conv1d:
-        return _CONV1D
-    name = type(module).__name__
-    if name.endswith(("RMSNorm", "LayerNorm")) and not module._modules:
-        own = list(module._parameters.items())
-        if [n for n, _ in own] == ["weight"] and own[0][1] is not None:
-            return _SCALE
+    for match, rule in MATCHERS:
+        if match(module):
+            return rule
     return None
-
-
-_CONV1D = Conv1DLayer()
-
-
-class _Hook:
-    """The forward hook; a copied or pickled model gets an inert one."""
-
-    def __init__(self, engine):
-        self.engine = weakref.ref(engine)
-
-    def __call__(self, module, args, kwargs, output):
-        engine = self.engine()
-        if engine is not None:
-            engine.record(module, args, kwargs, output)
-
-    def __reduce__(self):
-        return (_no_hook, ())
-
-
-def _inert(*args, **kwargs):
-    """What a copied forward hook becomes: nothing."""
-    return None
-
-
-def _no_hook():
-    return _inert
 
 
 # --- calls ----------------------------------------------------------------------------
@@ -374,10 +385,7 @@ class GhostEngine(Engine):
                     for module, _, _ in found:
                         watched[id(module)] = module
         self._calls: dict[int, list] = {key: [] for key in watched}
-        self._handles = [
-            module.register_forward_hook(_Hook(self), with_kwargs=True)
-            for module in watched.values()
-        ]
+        self._handles = [h for m in watched.values() for h in watch(m, self)]
         self._probed: dict[tuple, bool] = {}
         #: (module, input shape, dtype) -> whether ``y = w * f(x)`` (ScaleLayer).
         self._scales: dict[tuple, bool] = {}
@@ -393,6 +401,10 @@ class GhostEngine(Engine):
         self._shown: set[int] = set()
 
     # --- the forward pass -------------------------------------------------------------
+    def returned(self, module, args, kwargs, output) -> None:
+        """A watched module's forward returned (:func:`cockpit.engines.calls.watch`)."""
+        self.record(module, args, kwargs, output)
+
     def record(self, module, args, kwargs, output) -> None:
         """The forward hook: keep the call's input, listen at its output."""
         if not torch.is_grad_enabled() or in_transform():
@@ -403,10 +415,10 @@ class GhostEngine(Engine):
         x = _first_tensor(args, kwargs, layer.input_name)
         if x is None:
             return
-        if layer is _SCALE:
+        if layer.checked:
             key = (id(module), tuple(x.shape), x.dtype)
             if key not in self._scales:
-                self._scales[key] = _SCALE.fits(module, x, output)
+                self._scales[key] = layer.fits(module, x, output)
         call = Call(self, module, x, output.grad_fn, autocast_on())
         call.hook = output.register_hook(call.receive)
         calls = self._calls[id(module)]
@@ -515,7 +527,7 @@ class GhostEngine(Engine):
             if call.autocast:
                 return None, Decline(Why.AUTOCAST, Why.AUTOCAST.value)
             key = (id(call.module), tuple(call.x.shape), call.x.dtype)
-            if layer_of(call.module) is _SCALE and not self._scales.get(key):
+            if layer_of(call.module).checked and not self._scales.get(key):
                 return None, Decline(
                     Why.NO_RULE,
                     f"the output of {describe(call.module)} is not its weight "
@@ -723,7 +735,7 @@ class GhostEngine(Engine):
             individual.densify()
         return ParamResults(individual)
 
-    def after_backward(self, run) -> None:
+    def after_backward(self, step: EngineStep) -> None:
         """Fail if a served parameter's results could not be formed (a bug)."""
         failures, self._failures = self._failures, []
         if failures:

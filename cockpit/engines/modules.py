@@ -3,7 +3,8 @@
 The 1.0.2 loop hands the cockpit only ``model.parameters()``; the modules owning
 them are found from the parameters alone (:func:`discover`: one scan of the garbage
 collector's objects, done once). :func:`graph_uses` walks the autograd graph of a
-step's losses. Nothing here knows an engine.
+step's losses; :func:`batch_mixing` finds the parameters whose samples mix
+through a batch norm after them. Nothing here knows an engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from itertools import compress
 from typing import Iterable, Sequence
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 
@@ -141,11 +143,15 @@ def ancestors(module: Module, parents: dict[int, list[Module]]) -> list[Module]:
     chain = [module]
     seen = {id(module)}
     while True:
-        above = [p for p in parents.get(id(chain[-1]), []) if id(p) not in seen]
-        if not above:
+        above = None
+        for parent in parents.get(id(chain[-1]), ()):
+            if id(parent) not in seen:
+                above = parent
+                break
+        if above is None:
             return chain
-        chain.append(above[0])
-        seen.add(id(above[0]))
+        chain.append(above)
+        seen.add(id(above))
 
 
 def common_container(
@@ -159,3 +165,100 @@ def common_container(
         m for m in chains[0] if all(any(o is m for o in chain) for chain in chains[1:])
     ]
     return common[0] if common else None
+
+
+def roots_of(owners: dict, parents: dict) -> list[Module]:
+    """The outermost modules holding the parameters' owners."""
+    roots: dict[int, Module] = {}
+    for found in owners.values():
+        for module, _ in found:
+            top = ancestors(module, parents)[-1]
+            roots.setdefault(id(top), top)
+    return list(roots.values())
+
+
+# --- samples that mix: batch norms with mini-batch statistics -------------------------
+# Engine-neutral: every engine that forms a layer's per-sample results from the
+# layer's input and the gradient at its output (BackPACK, ghost) declines the
+# parameters before such a batch norm (batch_mixing finds them in the step's graph).
+def is_training_batchnorm(module: Module) -> bool:
+    """Whether ``module`` is a BatchNorm layer normalising with mini-batch statistics.
+
+    In train mode it always does; in eval mode only without running statistics
+    (``track_running_stats=False``).
+    """
+    if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return False
+    return module.training or module.running_mean is None
+
+
+def batchnorms(roots: Sequence[Module]) -> list[tuple[str, Module]]:
+    """``(label, layer)`` of the BatchNorm layers in ``roots``.
+
+    With or without parameters of their own (``affine=False``); the label is the
+    class and the qualified name, e.g. ``BatchNorm2d 'b.0.bn'``.
+    """
+    layers: dict[int, tuple[str, Module]] = {}
+    for root in roots:
+        for name, module in root.named_modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                label = f"{type(module).__name__} {name!r}" if name else ""
+                layers.setdefault(id(module), (label or type(module).__name__, module))
+    return list(layers.values())
+
+
+def batch_mixing(
+    params: Sequence[Tensor], nodes: set, layers: list[tuple[str, Module]]
+) -> dict[int, str]:
+    """Parameters whose per-layer per-sample results mix samples, with why.
+
+    A batch norm that normalises with mini-batch statistics (a BatchNorm layer in
+    train mode, or without running statistics; ``F.batch_norm`` with
+    ``training=True``) makes sample ``i``'s loss depend on every sample's input to
+    it. An engine that forms a layer's per-sample results from its input and the
+    gradient of the mini-batch loss at its output (BackPACK, ghost) would, for
+    the layers before such a
+    batch norm these split the mini-batch gradient by input sample (they sum to
+    it) instead of giving ``d l_i / d theta``. The layers after it, and its own
+    weight and bias, are not affected. The batch norms are found among the
+    autograd nodes of the step's losses (every call, also of a shared layer or a
+    functional one); "before" means reached by the graph of a node's input.
+
+    Args:
+        params: The cockpit's parameters.
+        nodes: The autograd nodes of the step's (per-sample) losses.
+        layers: The BatchNorm layers around the model (labels of their calls;
+            BackPACK's stored ``output`` of a layer names its call).
+
+    Returns:
+        Parameter index -> the batch norms responsible, e.g.
+        ``"BatchNorm2d 'blocks.0.bn' and 3 more batch norms"``.
+    """
+    known_calls = {}  # node -> (label, layer) of the extended layers' last calls
+    for label, module in layers:
+        output = getattr(module, "output", None)
+        if isinstance(output, Tensor) and output.grad_fn is not None:
+            known_calls.setdefault(output.grad_fn, (label, module))
+    roots, labels = [], set()
+    for node in nodes:
+        if "BatchNormBackward" not in type(node).__name__:
+            continue
+        known = known_calls.get(node)
+        training = getattr(node, "_saved_training", None)
+        if training is None:  # a kernel that does not save it: ask the layer
+            training = is_training_batchnorm(known[1]) if known else True
+        if not training:
+            continue
+        labels.add(known[0] if known else "a batch_norm call")
+        source = node.next_functions[0][0] if node.next_functions else None
+        if source is not None:
+            roots.append(source)
+    if not roots:
+        return {}
+    first, *others = sorted(labels)
+    who = f"{first} and {len(others)} more batch norms" if others else first
+    _, reached = graph_uses(roots)
+    for root in roots:  # a parameter normalised directly
+        if getattr(root, "variable", None) is not None:
+            reached[id(root.variable)] += 1
+    return {i: who for i, p in enumerate(params) if id(p) in reached}

@@ -46,7 +46,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -67,11 +67,11 @@ from cockpit.engines.base import (
     Route,
     register_engine,
 )
+from cockpit.engines.calls import Call, CallRecorder
 from cockpit.engines.modules import ancestors, graph_uses, mixed_by_batch_statistics
 from cockpit.errors import quiet_warnings
 from cockpit.param_view import ParamResults
 from cockpit.per_sample import DenseGradients
-from cockpit.torch_state import autocast_on, in_transform
 
 _LOG = logging.getLogger(__name__)
 
@@ -93,140 +93,10 @@ _WRAPPERS = (
     torch.nn.parallel.DistributedDataParallel,
     torch.nn.DataParallel,
 )
-# a leaf whose products show how many autograd nodes exist (sequence numbers)
-_CLOCK = torch.zeros((), requires_grad=True)
-
-
-def _now() -> int:
-    """The sequence number the next autograd node of this thread gets (about)."""
-    with torch.enable_grad():
-        return (_CLOCK * 1).grad_fn._sequence_nr()
-
-
-@dataclass
-class Call:
-    """The last call of a watched module: what it got and what it returned.
-
-    Attributes:
-        leaves: The flattened ``(args, kwargs)``.
-        spec: Their tree structure.
-        outputs: The flattened output.
-        versions: ``_version`` of every tensor among inputs and outputs when the
-            call returned (a later in-place change makes the call unusable).
-        start: Sequence number of the first autograd node the call could create.
-        autocast: Whether it ran under ``torch.autocast``.
-    """
-
-    leaves: list
-    spec: Any
-    outputs: list
-    versions: list[int]
-    start: int
-    autocast: bool
-
-    def tensors(self) -> list[Tensor]:
-        """Input and output tensors, in the order of :attr:`versions`."""
-        return [t for t in (*self.leaves, *self.outputs) if isinstance(t, Tensor)]
-
-    def unchanged(self) -> bool:
-        """Whether no input or output was changed in place since the call."""
-        return all(
-            t._version == v for t, v in zip(self.tensors(), self.versions, strict=True)
-        )
-
-
-class CallRecorder:
-    """Forward hooks that keep the last call of each watched module.
-
-    A call made without gradients (evaluation) is not kept; :meth:`clear` drops the
-    references (the cockpit does so when a step closes, so nothing is held between
-    steps beyond what BackPACK's own hooks hold).
-    """
-
-    def __init__(self):
-        self.calls: dict[int, Call] = {}
-        self._handles: dict[int, list] = {}
-        self._starts: dict[int, tuple[int, bool]] = {}
-        #: While set, calls are not recorded: a forward that code run inside the
-        #: replayer's own backward passes (a hand-written recomputation in a custom
-        #: autograd function) must not replace the step's call.
-        self.paused = False
-
-    def watch(self, modules: Sequence[Module]) -> None:
-        """Keep the calls of ``modules`` from now on (watching twice is harmless)."""
-        for module in modules:
-            key = id(module)
-            if key in self._handles:
-                continue
-            self._handles[key] = [
-                module.register_forward_pre_hook(self._pre(key)),
-                module.register_forward_hook(self._post(key), with_kwargs=True),
-            ]
-
-    def _pre(self, key: int) -> Callable:
-        return _Hook(self, key, before=True)
-
-    def _post(self, key: int) -> Callable:
-        return _Hook(self, key, before=False)
-
-    def started(self, key: int) -> None:
-        """A watched module's forward begins (called by its pre-hook)."""
-        if torch.is_grad_enabled() and not self.paused and not in_transform():
-            self._starts[key] = (_now(), autocast_on())
-
-    def returned(self, key: int, args, kwargs, output) -> None:
-        """A watched module's forward returned (called by its hook)."""
-        start = self._starts.pop(key, None)
-        if start is None:
-            return
-        leaves, spec = tree_flatten((args, kwargs))
-        outputs, _ = tree_flatten(output)
-        tensors = [t for t in (*leaves, *outputs) if isinstance(t, Tensor)]
-        self.calls[key] = Call(
-            leaves, spec, outputs, [t._version for t in tensors], start[0], start[1]
-        )
-
-    def clear(self) -> None:
-        """Forget the recorded calls."""
-        self.calls.clear()
-        self._starts.clear()
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for handles in self._handles.values():
-            for handle in handles:
-                handle.remove()
-        self._handles.clear()
-        self.clear()
 
 
 class _Refused(Exception):
     """A module that must not be replayed (the message says why)."""
-
-
-class _Hook:
-    """A watch hook; pickled models (``torch.save(model)``) get an inert copy."""
-
-    def __init__(self, recorder: CallRecorder, key: int, before: bool):
-        self.recorder, self.key, self.before = recorder, key, before
-
-    def __call__(self, module, args, *rest):
-        if self.before:
-            self.recorder.started(self.key)
-        else:
-            self.recorder.returned(self.key, args, *rest)
-
-    def __reduce__(self):
-        return (_no_hook, ())
-
-
-def _inert(*args, **kwargs):
-    """What a pickled watch hook becomes: nothing."""
-    return None
-
-
-def _no_hook():
-    return _inert
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ def check_params(cockpit, saved) -> None:
         )
     for index, (entry, param) in enumerate(zip(saved, params, strict=True)):
         shape, dtype = tuple(entry["shape"]), entry["dtype"]
-        label = cockpit._diagnostics.param_label(index)
+        label = cockpit._checks.param_label(index)
         if shape != tuple(param.shape):
             raise ValueError(
                 f"Parameter {label} has shape {tuple(param.shape)}, but shape "

@@ -41,21 +41,24 @@ The pieces of 1.0.2's API this builds on are in :mod:`cockpit.quantities.compat`
 from __future__ import annotations
 
 import abc
-import collections
-import contextlib
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from torch import Tensor
 
 from cockpit import needs as _needs
-from cockpit.context import StepInfo, tracked_info, tracking
+from cockpit.context import StepInfo, tracked_info
+from cockpit.log.keys import MISSING_KEY  # noqa: F401  (re-exported)
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
-from cockpit.quantities.compat import Helpers102, QuantityOutput
+from cockpit.quantities.compat import (
+    Cache102,
+    Protocol102,
+    not_implemented,
+    takes_params_and_loss,
+    written_values,
+)
 from cockpit.quantities.utils_params import gradients
-from cockpit.step.recorder import MISSING_KEY  # noqa: F401  (re-exported)
 from cockpit.utils.host import to_host
 
 
@@ -102,58 +105,7 @@ class TrackContext:
         return gradients(self.params)
 
 
-def _takes_params_and_loss(function) -> bool:
-    """Whether ``function(self, global_step, params, batch_loss)`` (1.0.2's form)."""
-    try:
-        parameters = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    required = [
-        p
-        for p in parameters
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        and p.default is p.empty
-    ]
-    # (self, global_step, params, batch_loss); this package's form names ``ctx``
-    return len(required) == 4 and required[2].name != "ctx"
-
-
-def _not_implemented(name: str):
-    """1.0.2's stand-in for a step method a subclass does not use."""
-
-    def method(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"{type(self).__name__}.{name} is not implemented: the quantity is "
-            "tracked through its own track() or compute()."
-        )
-
-    method.__name__ = name
-    return method
-
-
-def _written(values: dict) -> list[tuple[Any, Any]]:
-    """The values a 1.0.2-style quantity wrote into ``output`` during a step.
-
-    An empty dict is no value: it is what reading a step not written gives
-    (``output`` is a ``defaultdict(dict)``).
-    """
-    return [(k, v) for k, v in values.items() if not (isinstance(v, dict) and not v)]
-
-
-def _result_pairs(results) -> list[tuple[int, Any]]:
-    """``compute``'s results as pairs: 1.0.2 returns one ``(step, value)``."""
-    if results is None:
-        return []
-    if (
-        isinstance(results, tuple)
-        and len(results) == 2
-        and not isinstance(results[0], (tuple, list))
-    ):
-        return [results]
-    return list(results)
-
-
-class Quantity(Helpers102, abc.ABC):
+class Quantity(Protocol102, abc.ABC):
     """A number (or list, or histogram) about the training, tracked on a schedule.
 
     Args:
@@ -206,7 +158,7 @@ class Quantity(Helpers102, abc.ABC):
             for name in ("_compute", "_compute_start", "_compute_end"):
                 method = getattr(cls, name, None)
                 if getattr(method, "__isabstractmethod__", False):
-                    setattr(cls, name, _not_implemented(name))
+                    setattr(cls, name, not_implemented(name))
 
     def __init__(
         self,
@@ -264,10 +216,6 @@ class Quantity(Helpers102, abc.ABC):
         """Return whether the quantity does any work at ``global_step``."""
         return self.should_compute(global_step)
 
-    def _every_step(self, global_step: int) -> bool:
-        """``is_active`` of a quantity that overrides 1.0.2's ``track``."""
-        return True
-
     def needs_at(self, global_step: int) -> frozenset[Need]:
         """Return what the quantity reads at ``global_step`` (nothing if inactive)."""
         return frozenset(self.needs) if self.is_active(global_step) else frozenset()
@@ -283,35 +231,11 @@ class Quantity(Helpers102, abc.ABC):
     @property
     def after_cleanup(self) -> bool:
         """Whether it is tracked after the engine's buffers are freed, engine off."""
-        return _needs.after_cleanup(self.needs)
-
-    @property
-    def _track_schedule(self) -> Callable[[int], bool]:
-        """The schedule under 1.0.2's attribute name (read by 1.0.2 subclasses)."""
-        return self.track_schedule
-
-    @property
-    def _verbose(self) -> bool:
-        """``verbose`` under 1.0.2's attribute name."""
-        return self.verbose
-
-    def extension_hooks(self, global_step: int) -> list:
-        """1.0.2's per-module hooks; cockpit's quantities use ``accumulate``."""
-        return []
-
-    def protected_savefields(self, global_step: int) -> set[str]:
-        """1.0.2's buffers to keep; results of ``extensions()`` are kept anyway."""
-        return set()
-
-    def extensions(self, global_step: int) -> list:
-        """Return extra BackPACK extensions to run at this step (1.0.2's API).
-
-        Quantities of this package declare ``needs`` instead. A quantity written
-        for cockpit-for-pytorch 1.0.2 returns extensions here and reads their
-        results from the parameters in ``_compute(global_step, params,
-        batch_loss)``; the cockpit keeps those results until then.
-        """
-        return []
+        known = self.__dict__.get("_after_cleanup")  # (needs, answer)
+        if known is None or known[0] is not self.needs:
+            known = (self.needs, _needs.after_cleanup(self.needs))
+            self.__dict__["_after_cleanup"] = known
+        return known[1]
 
     # --- per-step work (called by the cockpit) ------------------------------------
     def begin_step(
@@ -322,7 +246,7 @@ class Quantity(Helpers102, abc.ABC):
         ``shared`` is the data-parallel step (``StepComm``) in a run over several
         processes: :meth:`accumulate` then keeps what :meth:`share` needs.
         """
-        if self.extension_hooks(global_step):
+        if self._has_hooks and self.extension_hooks(global_step):
             raise NotImplementedError(
                 f"{self.key}.extension_hooks({global_step}) returned hooks: 1.0.2's "
                 "BackPACK extension hooks (cockpit.quantities.utils_transforms) do "
@@ -413,51 +337,6 @@ class Quantity(Helpers102, abc.ABC):
         """Drop a value started at ``global_step``; return whether there was one."""
         return False
 
-    def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
-        """Compute the results due at ``global_step`` (called by the cockpit).
-
-        Subclasses compute here (:class:`SingleStepQuantity` calls ``_compute``,
-        :class:`TwoStepQuantity` ``_compute_start`` and ``_compute_end``). This
-        default tracks a quantity written for cockpit-for-pytorch 1.0.2 that
-        overrides ``track`` or ``compute``: it calls ``track(global_step, params,
-        batch_loss)``, with :mod:`cockpit.context`'s getters reading ``ctx.info``,
-        and returns what ``track`` wrote into :attr:`output`.
-
-        Returns:
-            A list of ``(step_to_store_under, value)``; ``None`` values are skipped.
-        """
-        try:
-            with self._tracked_as_102(ctx) as written:
-                self.track(global_step, list(ctx.params), ctx.info.get("loss"))
-            return _written(written)
-        finally:
-            self.acc = None
-
-    @contextlib.contextmanager
-    def _tracked_as_102(self, ctx: TrackContext) -> Iterator[dict]:
-        """Run 1.0.2-style code for a step.
-
-        :mod:`cockpit.context`'s getters read ``ctx.info``; the values it writes
-        into :attr:`output` are collected in the dict yielded.
-        """
-        outer = self.__dict__.get("_step_102")
-        written: dict = {}
-        self.__dict__["_step_102"] = (ctx, written)
-        try:
-            with tracking(ctx.info):
-                yield written
-        finally:
-            self.__dict__["_step_102"] = outer
-
-    def _native_track_step(self) -> Callable | None:
-        """This class's own ``track_step`` (not 1.0.2's route through ``track``)."""
-        route = Quantity.__dict__["track_step"]
-        for klass in type(self).__mro__:
-            found = klass.__dict__.get("track_step")
-            if found is not None and found is not route:
-                return found.__get__(self)
-        return None
-
     def compute(self, global_step: int, params, batch_loss) -> list[tuple[int, Any]]:
         """Return the results due at ``global_step`` (1.0.2's signature).
 
@@ -490,20 +369,6 @@ class Quantity(Helpers102, abc.ABC):
             ctx = TrackContext(global_step, list(params), info)
         return to_host(native(global_step, ctx))  # numbers, as 1.0.2 returns them
 
-    def track(self, global_step: int, params, batch_loss) -> None:
-        """Compute the results due at ``global_step`` and record them (1.0.2's API).
-
-        Each ``(step, value)`` of :meth:`compute` is written into :attr:`output`,
-        which records it. The cockpit tracks through :meth:`track_step`; it calls
-        this method only for a quantity that overrides it (as 1.0.2 subclasses
-        may), and otherwise it is for code that tracks a quantity by hand.
-        """
-        if not self.is_active(global_step):
-            return
-        for step, value in _result_pairs(self.compute(global_step, params, batch_loss)):
-            if value is not None:
-                self.output[step] = value
-
     # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Return the state that must survive a restart (default: none)."""
@@ -526,60 +391,10 @@ class Quantity(Helpers102, abc.ABC):
     def _record_written(self, step, value) -> None:
         if self._history is None:
             self.__dict__.setdefault("_unsent", {})[step] = value
-        elif _written({step: value}) and not isinstance(value, (Missing, type(None))):
+        elif written_values({step: value}) and not isinstance(
+            value, (Missing, type(None))
+        ):
             self._history.add(step, self.key, value)
-
-    def _output_written(self, step, value) -> None:
-        """A value written into :attr:`output` (``self.output[step] = value``).
-
-        While the cockpit tracks the quantity it is one of the step's results,
-        recorded with them; otherwise it goes into the history at once.
-        """
-        running = self.__dict__.get("_step_102")
-        if running is not None:
-            running[1][step] = value
-        else:
-            self._record_written(step, value)
-
-    @property
-    def output(self) -> collections.defaultdict:
-        """``{step: value}`` of everything recorded under this quantity's key.
-
-        cockpit-for-pytorch 1.0.2's ``output`` (which ``get_output`` returns): one
-        ``defaultdict(dict)`` per quantity, with the values as
-        :meth:`cockpit.Cockpit.get_output` holds them (histograms as numpy
-        arrays), refilled when the history changed. A value written into it
-        (``self.output[step] = value``, as a 1.0.2 ``track`` does) is recorded:
-        during the cockpit's step as one of the step's results, otherwise at once.
-        """
-        output = self.__dict__.get("_output")
-        if not isinstance(output, QuantityOutput):
-            output = self.__dict__["_output"] = QuantityOutput(self._output_written)
-        history = self._history
-        # values written show at once (the object holds them); refilled when the
-        # history changed, with the values written but not yet recorded on top
-        stamp = (id(history), None if history is None else history.revision)
-        if output.stamp != stamp:
-            items = dict(zip(*history.output_series(self.key))) if history else {}
-            running = self.__dict__.get("_step_102")
-            items.update(self.__dict__.get("_unsent", {}))
-            items.update(running[1] if running else {})
-            output.refill(items, stamp)
-        return output
-
-    @output.setter
-    def output(self, value) -> None:
-        """1.0.2 subclasses assign ``self.output = defaultdict(dict)``: accepted.
-
-        The quantity keeps its own :attr:`output`; the entries of ``value`` are
-        written into it.
-        """
-        for step, entry in dict(value).items():
-            self.output[step] = entry
-
-    def get_output(self) -> dict[int, Any]:
-        """Return :attr:`output` (cockpit-for-pytorch 1.0.2's accessor)."""
-        return self.output
 
 
 class SingleStepQuantity(Quantity):
@@ -590,7 +405,7 @@ class SingleStepQuantity(Quantity):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._legacy = _takes_params_and_loss(cls._compute)
+        cls._legacy = takes_params_and_loss(cls._compute)
 
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Compute and return the value for ``global_step`` if it is scheduled."""
@@ -602,7 +417,7 @@ class SingleStepQuantity(Quantity):
             with self._tracked_as_102(ctx) as written:
                 loss = ctx.info.get("loss")
                 value = self._compute(global_step, list(ctx.params), loss)
-            return [*_written(written), (global_step, value)]
+            return [*written_values(written), (global_step, value)]
         finally:
             self.acc = None
 
@@ -630,7 +445,7 @@ class NothingToShare:
         return None
 
 
-class TwoStepQuantity(Quantity):
+class TwoStepQuantity(Cache102, Quantity):
     """A quantity that starts at a scheduled step ``t`` and ends at step ``t + 1``.
 
     The value is stored under the start step ``t``: it appears in the history only
@@ -654,7 +469,7 @@ class TwoStepQuantity(Quantity):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._legacy = _takes_params_and_loss(cls._compute_start)
+        cls._legacy = takes_params_and_loss(cls._compute_start)
         if not cls._legacy and not cls._tracks_itself:
             if cls.__dict__.get("SAVE_SHIFT", 1) != 1:
                 raise TypeError(
@@ -696,51 +511,6 @@ class TwoStepQuantity(Quantity):
     def is_active(self, global_step: int) -> bool:
         """Active on start steps and on the step after each of them."""
         return self.is_start(global_step) or self.finishes(global_step)
-
-    # --- 1.0.2's cache, for subclasses written against it ---------------------------
-    def save_to_cache(
-        self, global_step: int, key: str, value: Any, block_fn: Callable[[int], bool]
-    ) -> None:
-        """Keep ``value`` while ``block_fn(step)`` is true for the coming steps."""
-        self._cache.setdefault(global_step, {})[key] = (value, block_fn)
-
-    def load_from_cache(self, global_step: int, key: str) -> Any:
-        """Return a value stored by :meth:`save_to_cache`.
-
-        Raises:
-            KeyError: If nothing is cached under ``(global_step, key)``.
-        """
-        try:
-            return self._cache[global_step][key][0]
-        except KeyError:
-            raise KeyError(
-                f"{self.key}: nothing cached for step {global_step} and key {key!r}. "
-                "Fix: save it with save_to_cache in _compute_start, with a block_fn "
-                "that stays true until the step that loads it."
-            ) from None
-
-    def _evict(self, global_step: int) -> None:
-        """Drop cached values whose ``block_fn`` is false for the next step."""
-        for step in list(self._cache):
-            entries = self._cache[step]
-            for key in [
-                k for k, (_, keep) in entries.items() if not keep(global_step + 1)
-            ]:
-                del entries[key]
-            if not entries:
-                del self._cache[step]
-
-    def _track_legacy(self, global_step: int, ctx: TrackContext) -> list:
-        params, loss = list(ctx.params), ctx.info.get("loss")
-        results = []
-        with self._tracked_as_102(ctx) as written:
-            if self.is_start(global_step):  # 1.0.2's order: start, then end
-                self._compute_start(global_step, params, loss)
-            if self.is_end(global_step):
-                value = self._compute_end(global_step, params, loss)
-                results.append((global_step - self.SAVE_SHIFT, value))
-        self._evict(global_step)
-        return [*_written(written), *results]
 
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the pending start of the previous step, then start anew."""

@@ -104,32 +104,6 @@ def ortho_test_from_projections(
     return (orthogonal.sum() / (n * (n - 1) * grad_squared_norm)).sqrt()
 
 
-def cabs_batch_size(
-    lr: float,
-    sum_squared_norms: Tensor,
-    grad_squared_norm: Tensor,
-    n: int,
-    loss: Tensor,
-) -> Tensor:
-    """Return the CABS batch size of Balles et al. (2017).
-
-    ``lr * sum_d v_d / L`` with the biased per-coordinate variance
-    ``v_d = (1/N) sum_i (g_i,d - g_d)^2``, whose sum over coordinates is
-    ``(1/N) sum_i ||g_i||^2 - ||g||^2``.
-
-    Args:
-        lr: The SGD learning rate.
-        sum_squared_norms: ``sum_i ||g_i||^2`` over the whole model.
-        grad_squared_norm: ``||g||^2`` over the whole model.
-        n: The batch size ``N``.
-        loss: The mini-batch loss ``L``.
-
-    Returns:
-        A scalar tensor.
-    """
-    return lr * (sum_squared_norms / n - grad_squared_norm) / loss
-
-
 def snr_sum(
     mean_grad: Tensor,
     sum_grad_squared: Tensor,

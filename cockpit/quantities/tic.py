@@ -422,7 +422,7 @@ def tic_trace_estimate(
     ``TICTrace = A / (T + epsilon)`` with ``A = sum_d M_d`` exact and ``T`` the mean
     of the ``K`` per-probe traces ``t_k = sum_p t_kp`` (all parameters share the
     probes, so the sum's error is the spread of the per-probe sums,
-    :func:`cockpit.engines.autograd.sum_error`). The delta method gives
+    :func:`cockpit.curvature.hutchinson.sum_error`). The delta method gives
     ``SE = A * SE(T) / (T + epsilon)**2``: ``1/x`` linearised at the estimate, fair
     while ``SE(T)`` is small against ``T + epsilon`` (see :data:`MIN_RELATIVE`).
 

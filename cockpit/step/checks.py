@@ -420,8 +420,11 @@ def repeated_backward_message(step: int, module_class: str) -> str:
     )
 
 
-class Diagnostics:
+class StepChecks:
     """The checks around a tracked step, and the warnings they give (each once).
+
+    (Not the diagnosis of training, :mod:`cockpit.diagnosis`: these check the
+    step's input and name each parameter and module in their messages.)
 
     Args:
         params: The cockpit's parameters.

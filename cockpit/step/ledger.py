@@ -79,7 +79,7 @@ class Ledger:
             quantities: A quantity or a list of them (one warning names them all).
             reason: Why, with the fix (the text of the record and the warning).
             steps: The steps without a value (default: this step).
-            once: What makes the warning new (see ``Diagnostics.missing``);
+            once: What makes the warning new (see ``StepChecks.missing``);
                 ``False``: no warning (the caller gives its own).
             abort: Whether the quantities drop this step's work (``False`` for a
                 value the quantity itself returned as missing).

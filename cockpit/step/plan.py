@@ -54,12 +54,12 @@ class StepPlan:
     @property
     def first(self) -> tuple[Quantity, ...]:
         """Active quantities tracked before the engines' cleanup."""
-        return tuple(q for q in self.active if not q.after_cleanup)
+        return tuple([q for q in self.active if not q.after_cleanup])
 
     @property
     def last(self) -> tuple[Quantity, ...]:
         """Active quantities tracked after the cleanup, engines off (e.g. HVPs)."""
-        return tuple(q for q in self.active if q.after_cleanup)
+        return tuple([q for q in self.active if q.after_cleanup])
 
     @cached_property
     def requested(self) -> tuple:
@@ -97,15 +97,22 @@ def plan_step(
 
     ``low_precision``: some parameters are bfloat16 or float16.
     """
-    active = tuple(q for q in quantities if q.is_active(global_step))
+    active = tuple([q for q in quantities if q.is_active(global_step)])
     wants = {id(q): q.needs_at(global_step) for q in active}
     return StepPlan(
         global_step=global_step,
         active=active,
         needs=frozenset().union(*wants.values()),
-        create_graph=any(q.create_graph(global_step) for q in active),
-        consumers=tuple(q for q in active if N.in_backward(wants[id(q)])),
-        legacy=tuple(ext for q in active for ext in q.extensions(global_step)),
+        create_graph=any([q.create_graph(global_step) for q in active]),
+        consumers=tuple([q for q in active if N.in_backward(wants[id(q)])]),
+        legacy=tuple(
+            [
+                ext
+                for q in active
+                if q._asks_extensions
+                for ext in q.extensions(global_step)
+            ]
+        ),
         low_precision=low_precision,
         wants=wants,
     )

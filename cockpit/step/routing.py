@@ -14,7 +14,8 @@ from types import MappingProxyType
 
 from torch import Tensor
 
-from cockpit.engines.base import AUTOGRAD, EngineStep, Why
+from cockpit.curvature.source import estimate_method
+from cockpit.engines.base import AUTOGRAD, Engine, EngineStep, Why
 from cockpit.engines.coverage import (
     CURVATURE_NEEDS,
     MISSING,
@@ -27,9 +28,7 @@ from cockpit.engines.coverage import (
     with_fix,
 )
 from cockpit.needs import Need
-from cockpit.param_view import ParamResults
 from cockpit.step.checks import no_results_message
-from cockpit.step.features.estimators import estimate_method
 
 MISSING_LOSSES = (
     "the autograd engine needs info['individual_losses'] with its autograd graph "
@@ -110,29 +109,37 @@ class StepRouting:
     """The engines' part of one step (see the module's docstring).
 
     Args:
-        run: The step (its router, ledger, diagnostics).
+        router: The cockpit's router (its engines, in order).
         plan: The step's plan (before anything is left out).
-        user: The user's extra extensions.
-        options: The cockpit's engine settings.
+        info: The step's ``info``.
+        ledger: The step's ledger (what is estimated or left out).
+        checks: The cockpit's step checks (labels, warnings said once).
+        settings: ``user`` (the user's extra extensions), ``options`` (the
+            cockpit's engine settings), ``probes`` (of a Hutchinson estimate),
+            ``parallel`` (a data-parallel run), ``strict``.
     """
 
-    def __init__(self, run, plan, user, options):
-        self._run, self.router = run, run.router
-        info, step = run.info, plan.global_step
+    def __init__(self, router, plan, info, ledger, checks, settings):
+        self.router, self.ledger, self.checks = router, ledger, checks
+        self.params = router.params
+        self.probes, self.parallel = settings["probes"], settings["parallel"]
+        self.strict = settings["strict"]
         losses = (
             info.get("individual_losses") if info.has("individual_losses") else None
         )
         losses = losses if isinstance(losses, Tensor) and losses.grad_fn else None
+        user = tuple(settings["user"])
         self.engine_step = EngineStep(
-            step,
-            run.params,
+            plan.global_step,
+            self.params,
             losses=losses,
             loss=info.get("loss") if info.has("loss") else None,
-            options={**options, "debug": run.debug},
+            options=settings["options"],
             needs=plan.needs,
             plan=plan,
-            user=tuple(user),
+            user=user,
             quiet=self.quiet,
+            label=checks.module_label,
         )
         self.routes = None
         self.curvature = None
@@ -143,19 +150,19 @@ class StepRouting:
             self._route(plan, user)
 
     def _route(self, plan, user) -> None:
-        run = self._run
         self.routes = self.router.route(self.engine_step)
         per_sample = [q for q in plan.consumers if plan.needs_of(q) & PER_SAMPLE_NEEDS]
-        by_name = {}
+        with_losses = set()  # names of engines that need the per-sample losses
         for engine in self.engines:
-            by_name.setdefault(engine.name, []).append(engine)
-        needy = [
-            i
-            for i, r in enumerate(self.routes)
-            if any(e.needs_losses for e in by_name.get(r.engine, ()))
-        ]
+            if engine.needs_losses:
+                with_losses.add(engine.name)
+        needy = False
+        for route in self.routes:
+            if route.engine in with_losses:
+                needy = True
+                break
         if needy and per_sample and self.engine_step.losses is None:
-            _refuse_unextended(self.routes, run.params, per_sample)
+            _refuse_unextended(self.routes, self.params, per_sample)
             reason, fix = MISSING_LOSSES
             self._leave_out(per_sample, reason, fix)
         if plan.needs & CURVATURE_NEEDS:
@@ -164,7 +171,7 @@ class StepRouting:
         if self.curvature is not None:
             self._curvature_fallback(plan)
         slow = [
-            run.diagnostics.param_label(i)
+            self.checks.param_label(i)
             for i, r in enumerate(self.routes)
             if r.engine == AUTOGRAD and r.declined(Why.MIXED_BY_BATCHNORM)
         ]
@@ -177,22 +184,24 @@ class StepRouting:
                 for d in r.declines
                 if d.why is Why.MIXED_BY_BATCHNORM
             )
-            run.diagnostics.warn_once("batchnorm-autograd", _slow_message(slow, n, fix))
+            self.checks.warn_once("batchnorm-autograd", _slow_message(slow, n, fix))
 
     def _curvature_fallback(self, plan) -> None:
         """Estimate the curvature where a quantity accepts it; else leave it out."""
-        run, decline = self._run, self.curvature
+        ledger, decline = self.ledger, self.curvature
         groups: dict[tuple[str, str], list] = {}
         for q in plan.consumers:
             wanted = plan.needs_of(q) & CURVATURE_NEEDS
-            if not wanted or run.ledger.out(q):
+            if not wanted or ledger.out(q):
                 continue
             losses = self.engine_step.losses
             how = None
             if losses is not None and wanted <= q.estimable:
-                how = estimate_method(run, plan, q, losses)
+                how = estimate_method(
+                    plan, q, losses, self.params, self.probes, self.parallel
+                )
             if how is not None:
-                run.ledger.estimate(q, how)
+                ledger.estimate(q, how)
                 continue
             reason, fix = decline.message, decline.fix
             if q.not_estimable is not None and (
@@ -206,7 +215,7 @@ class StepRouting:
 
     def _leave_out(self, quantities, reason: str, fix: str) -> None:
         """One warning per reason: the quantities are not covered at this step."""
-        self._run.ledger.leave_out(
+        self.ledger.leave_out(
             list(quantities),
             f"{reason} (also at later steps like it). Fix: {fix}. "
             "cockpit.coverage() says who computes what",
@@ -216,7 +225,7 @@ class StepRouting:
 
     def adjusted(self, plan):
         """The plan of a step whose curvature is estimated (no curvature extension)."""
-        estimated = {id(q) for q in self._run.ledger.estimated()}
+        estimated = {id(q) for q in self.ledger.estimated()}
         if not estimated:
             return plan
         return replace(
@@ -234,8 +243,8 @@ class StepRouting:
         """The coverage report of the step (``None`` if nothing per-sample ran)."""
         if self.routes is None:
             return None
-        run, step, ledger = self._run, plan.global_step, self._run.ledger
-        labels = [run.diagnostics.param_label(i) for i in range(len(run.params))]
+        step, ledger = plan.global_step, self.ledger
+        labels = [self.checks.param_label(i) for i in range(len(self.params))]
         decline = self.curvature
         problem = with_fix(decline.message, decline.fix) if decline else None
         entries = [(q, ledger.entries[id(q)]) for q in ledger.planned.active]
@@ -266,7 +275,7 @@ class StepRouting:
                 )
             coverage = Coverage(step, tuple(rows))
             self.router.coverage_cache = (key, coverage)
-        if run.strict and coverage.problems():
+        if self.strict and coverage.problems():
             raise CoverageError(_strict_message(step, coverage.problems()))
         return coverage
 
@@ -288,10 +297,12 @@ class StepRouting:
                         break
         self.before = {e: ix for e, ix in served.items() if e.needs_losses}
         for engine in self.engines:  # each skips what the others serve
-            others = sorted(
-                i for e, ix in served.items() if e is not engine for i in ix
-            )
-            engine.prepare(self.engine_step, dispatcher, others)
+            others = []
+            for other, indices in served.items():
+                if other is not engine:
+                    others.extend(indices)
+            if type(engine).prepare is not Engine.prepare:  # (no call where none)
+                engine.prepare(self.engine_step, dispatcher, sorted(others))
         self.served = {e: served.get(e, []) for e in self.engines if not e.needs_losses}
 
     def run_before_backward(self, quiet) -> dict[int, str]:
@@ -318,22 +329,11 @@ class StepRouting:
                 left += [i for i in mine if i not in done]
         return methods
 
-    def zero_results(self, index: int, batch_size: int | None):
-        """Exact zero results of an unused parameter (the first engine that has)."""
-        for engine in self.engines:
-            results = engine.zero_results(index, batch_size)
-            if results is not None:
-                return results
-        return ParamResults()
-
     def free(self, late: bool = False) -> None:
         """Free the engines' buffers on the parameters."""
         for engine in self.engines:
-            engine.free(late)
-
-    def release(self) -> None:
-        """Let go of the step once it is over (no cycle through it stays)."""
-        self._run = None
+            if type(engine).free is not Engine.free:
+                engine.free(late)
 
     def quiet(self) -> contextlib.AbstractContextManager:
         """A context for extra backward passes before the user's (hooks keep still)."""

@@ -20,16 +20,16 @@ import contextlib
 from typing import Any
 
 from cockpit.context import StepInfo
-from cockpit.engines.base import EngineStep
+from cockpit.curvature.hutchinson import no_double_backward
 from cockpit.engines.coverage import CoverageError
 from cockpit.errors import quiet_warnings
 from cockpit.param_view import Dispatcher
 from cockpit.quantities.base import Quantity, TrackContext
-from cockpit.step.features import STOP, feature_classes
-from cockpit.step.features.estimators import no_double_backward
-from cockpit.step.features.failures import Guarded
+from cockpit.step.features import features_for
+from cockpit.step.features.backward_checks import Guarded, failed_reason
 from cockpit.step.ledger import Ledger
 from cockpit.step.routing import StepRouting, double_backward_reason
+from cockpit.step.state import Produced, StepState
 
 #: PyTorch's warning about backward(create_graph=True), silenced on cockpit's steps.
 _CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
@@ -56,50 +56,85 @@ class StepRun:
 
     def __init__(self, plan, info: StepInfo, cockpit, extensions=(), debug=False,
                  no_sync=False):  # fmt: skip
-        self.info, self.params, self.step = info, cockpit.params, plan.global_step
-        self.router, self.recorder = cockpit._router, cockpit.recorder
-        self.diagnostics, self.probes = cockpit._diagnostics, cockpit.HUTCHINSON_PROBES
-        self.communicator, self.no_sync = cockpit._communicator, no_sync
-        self.strict, self.debug = cockpit.strict, debug
-        self.shared = self.probe_traces = self.ctx = None
-        self.tolerant, self.coverage_changed = False, False
-        self.early: dict[int, tuple[list | None, Exception | None]] = {}
+        checks, recorder = cockpit._checks, cockpit.recorder
+        self.strict = cockpit.strict
+        self.coverage_changed = False
         self.features: list = []
-        self.diagnostics.before(plan, info)
-        self.ledger = Ledger(plan, self.recorder, self.diagnostics)
+        checks.before(plan, info)
+        ledger = Ledger(plan, recorder, checks)
         options = {
             "chunk": cockpit.PER_SAMPLE_CHUNK,
             "max_elements": cockpit.PER_SAMPLE_MAX_ELEMENTS,
             "save_memory": cockpit.BACKPACK_CONV_SAVE_MEMORY,
+            "debug": debug,
         }
-        self.routing = StepRouting(self, plan, extensions, options)
-        self.plan = self.routing.adjusted(self.ledger.plan())
-        self.coverage = self.routing.coverage(self.plan)
-        self.guards = [Guarded(q) for q in self.plan.consumers]
-        self.dispatcher = Dispatcher(list(self.guards), self.step)
-        self.engine_step: EngineStep = self.routing.engine_step
-        self.engine_step.show = self._show
-        self.engines = self.routing.engines
-        self.routing.prepare(self.plan, self.dispatcher)
+        settings = {
+            "user": extensions,
+            "options": options,
+            "probes": cockpit.HUTCHINSON_PROBES,
+            "parallel": cockpit._communicator is not None,
+            "strict": self.strict,
+        }
+        self.routing = routing = StepRouting(
+            cockpit._router, plan, info, ledger, checks, settings
+        )
+        plan = routing.adjusted(ledger.plan())
+        self.coverage = routing.coverage(plan)
+        guards = tuple(Guarded(q) for q in plan.consumers)
+        #: What the features produced so far (the quantities' own guards first).
+        self.produced = Produced(guards=guards)
+        dispatcher = Dispatcher(list(guards), plan.global_step)
+        engine_step = routing.engine_step
+        params = cockpit.params
+        engine_step.show = lambda index, results: dispatcher.show(
+            index, params[index], results
+        )
+        routing.prepare(plan, dispatcher)
         # the batch size of unused parameters' zeros, from the first per-sample view
-        self.dispatcher.sized = self.routing.engine_step.per_sample or bool(
-            self.plan.legacy
+        dispatcher.sized = engine_step.per_sample or bool(plan.legacy)
+        self.state = StepState(
+            step=plan.global_step,
+            params=params,
+            info=info,
+            plan=plan,
+            probes=cockpit.HUTCHINSON_PROBES,
+            generator=cockpit._router.generator,
+            communicator=cockpit._communicator,
+            no_sync=no_sync,
+            ledger=ledger,
+            engine=engine_step,
+            engines=tuple(routing.engines),
+            dispatcher=dispatcher,
+            checks=checks,
+            recorder=recorder,
         )
         self._stack = contextlib.ExitStack()
 
-    def _show(self, index: int, results) -> None:
-        self.dispatcher.show(index, self.params[index], results)
+    @property
+    def plan(self):
+        """The step's plan (after the routing)."""
+        return self.state.plan
 
-    def quiet(self) -> contextlib.AbstractContextManager:
-        """A context for extra backward passes before the user's."""
-        stack = contextlib.ExitStack()
-        for engine in self.engines:
-            stack.enter_context(engine.quiet())
-        return stack
+    @property
+    def step(self) -> int:
+        """The global step."""
+        return self.state.step
 
-    def zero_results(self, index: int, batch_size: int | None):
-        """Exact zero results of an unused parameter (from the step's engines)."""
-        return self.routing.zero_results(index, batch_size)
+    @property
+    def info(self) -> StepInfo:
+        """The step's ``info``."""
+        return self.state.info
+
+    @property
+    def ledger(self) -> Ledger:
+        """The step's ledger."""
+        return self.state.ledger
+
+    def _take(self, produced: Produced) -> None:
+        """Fold a feature's result into the step's (see :mod:`cockpit.step.state`)."""
+        self.produced = self.produced.then(produced)
+        for quantity, error in produced.undifferentiable:
+            self.without_double_backward(quantity, error)
 
     # --- opening and closing -------------------------------------------------------
     def open(self) -> None:
@@ -109,22 +144,32 @@ class StepRun:
         per-sample results here, before the user's backward pass frees the graph,
         and are shown to the quantities right away.
         """
-        self.features = [cls(self) for cls in feature_classes() if cls.applies(self)]
-        for q in self.plan.active:
-            q.begin_step(self.step, self.info, self.shared)
-        methods = self.routing.run_before_backward(self.quiet)
+        state = self.state
+        features = features_for(state)
+        for feature in features:
+            if "begin" in feature._phases:
+                produced = feature.begin()
+                if produced is not None:
+                    self._take(produced)
+        self.features = features
+        for q in state.plan.active:
+            q.begin_step(state.step, state.info, self.produced.comm)
+        methods = self.routing.run_before_backward(self.routing.quiet)
         if methods and self.coverage is not None:
             self.coverage = self.coverage.with_methods(methods)
         for feature in self.features:
-            feature.before_backward()
+            if "before_backward" in feature._phases:
+                produced = feature.before_backward()
+                if produced is not None:
+                    self._take(produced)
         stack = self._stack
         stack.enter_context(quiet_warnings(*_ENGINE_MESSAGES))
-        if self.plan.create_graph:  # the step breaks the cycle when it closes
+        if state.plan.create_graph:  # the step breaks the cycle when it closes
             stack.enter_context(
                 quiet_warnings(_CREATE_GRAPH_WARNING, category=UserWarning)
             )
         for engine, indices in self.routing.served.items():
-            stack.enter_context(engine.backward_context(self.engine_step, indices))
+            stack.enter_context(engine.backward_context(state.engine, indices))
 
     def fail(self, error: BaseException) -> Exception | None:
         """Abandon the step after ``error`` in the backward pass.
@@ -136,11 +181,8 @@ class StepRun:
             self._stack.__exit__(type(error), error, error.__traceback__)
         finally:
             self._abort()
-        for engine in self.engines:
-            explain = getattr(engine, "explain", None)
-            clearer = explain and explain(
-                error, self.plan, self.diagnostics.module_label
-            )
+        for engine in self.state.engines:
+            clearer = engine.explain(error, self.state.engine)
             if clearer is not None:
                 return clearer
         return None
@@ -149,37 +191,46 @@ class StepRun:
         """Leave the backward contexts, check the step, track and record."""
         self._stack.close()
         try:
-            if self.plan.active:
+            if self.state.plan.active:
                 self._after_backward()
-            self.ledger.settle()
+            self.state.ledger.settle()
         except BaseException:
             self._abort()
             raise
         finally:
             self._cleanup()
-            self.recorder.flush()
+            self.state.recorder.flush()
 
     # --- after the backward pass ---------------------------------------------------
     def _after_backward(self) -> None:
         for feature in self.features:
-            if feature.after_backward() == STOP:
-                return
-        ctx = self.ctx or TrackContext(self.step, self.params, self.info)
-        for q in self.plan.first:
-            if not self.ledger.out(q):
-                self._track(q, ctx)
+            if "after_backward" in feature._phases:
+                produced = feature.after_backward(self.produced)
+                if produced is not None:
+                    self._take(produced)
+                    if produced.stop:
+                        return
+        state = self.state
+        ctx = self.produced.context or TrackContext(
+            state.step, state.params, state.info
+        )
+        early = dict(self.produced.early)
+        for q in state.plan.first:
+            if not self.state.ledger.out(q):
+                self._track(q, ctx, early)
         self.routing.free(late=True)
-        last = [q for q in self.plan.last if not self.ledger.out(q)]
+        last = [q for q in state.plan.last if not self.state.ledger.out(q)]
         if last:  # the extra backward passes (HVPs) must not fire the engines' hooks
             with self.routing.idle():
                 for q in last:
-                    self._track(q, ctx)
+                    self._track(q, ctx, early)
 
-    def _track(self, quantity: Quantity, ctx: TrackContext) -> None:
+    def _track(self, quantity: Quantity, ctx: TrackContext, early: dict) -> None:
         ends = quantity.finishes(ctx.global_step)  # a two-step value finished here
+        step = self.state.step
         try:
-            if id(quantity) in self.early:  # computed before the backward pass
-                results, error = self.early.pop(id(quantity))
+            if id(quantity) in early:  # computed before the backward pass
+                results, error = early.pop(id(quantity))
                 if error is not None:
                     raise error
             else:
@@ -188,48 +239,45 @@ class StepRun:
             if no_double_backward(error):
                 self.without_double_backward(quantity, error)
                 return
-            if not self.tolerant:
+            if not self.produced.tolerant:
                 raise
-            from cockpit.step.features.nonfinite import failed_reason
-
-            steps = [self.step - 1, self.step] if ends else [self.step]
-            reason = failed_reason(self.step, error)
-            self.ledger.leave_out(
+            steps = [step - 1, step] if ends else [step]
+            reason = failed_reason(step, error)
+            self.state.ledger.leave_out(
                 quantity, reason, steps, once=("dropped", quantity.key)
             )
             return
         for save_step, value in results:
-            self.ledger.record(quantity, save_step, value)
+            self.state.ledger.record(quantity, save_step, value)
 
     def without_double_backward(self, quantity: Quantity, error: Exception) -> None:
         """A quantity whose second derivatives PyTorch cannot compute: say the fix."""
         reason, status = double_backward_reason(quantity.key, error)
         if self.strict:
             raise CoverageError(f"strict=True: {reason}") from error
-        self.ledger.leave_out(quantity, reason)
+        self.state.ledger.leave_out(quantity, reason)
         if self.coverage is not None:  # the report said it would be computed
             self.coverage = self.coverage.with_status(quantity.key, status)
             self.coverage_changed = True
 
     # --- cleanup -------------------------------------------------------------------
     def _abort(self) -> None:
-        for q in self.plan.active:
-            q.abort_step(self.step)
+        for q in self.state.plan.active:
+            q.abort_step(self.state.step)
         self._cleanup()
-        self.recorder.discard()  # nothing half-right of a failed step
+        self.state.recorder.discard()  # nothing half-right of a failed step
 
     def _cleanup(self) -> None:
         for feature in self.features:
-            feature.close()
+            if "close" in feature._phases:
+                feature.close()
         self.routing.free(late=True)
-        if self.plan.create_graph:
+        if self.state.plan.create_graph:
             self._release_graph()
-        # the features, the routing and the engines' step point back at this run:
-        # without these cycles a finished step is freed at once, not by the cycle
-        # collector (it holds the recorder, and with it the log and its lock)
+        # the engines (kept by the cockpit) may hold the engines' step: without its
+        # show, which reaches the quantities' guards, a finished step is freed at once
         self.features = []
-        self.engine_step.show = None
-        self.routing.release()
+        self.state.engine.show = None
 
     def _release_graph(self) -> None:
         """Detach ``.grad`` after a ``create_graph`` backward.
@@ -237,7 +285,7 @@ class StepRun:
         This breaks the parameter -> grad -> graph -> parameter cycle that would
         otherwise keep the double-backward graph alive; the values are unchanged.
         """
-        for p in self.params:
+        for p in self.state.params:
             if p.grad is not None and p.grad.grad_fn is not None:
                 p.grad = p.grad.detach()
 

@@ -271,7 +271,7 @@ def _served_by(extension: BackpropExtension, other: BackpropExtension) -> bool:
 
 def savefields(extensions: Iterable[BackpropExtension]) -> list[str]:
     """Return the savefields the extensions write, in order, without duplicates."""
-    return list(dict.fromkeys(ext.savefield for ext in extensions))
+    return list(dict.fromkeys([ext.savefield for ext in extensions]))
 
 
 def extension_names(extensions: Iterable[BackpropExtension], fields) -> str:
@@ -473,11 +473,12 @@ def stored_per_sample(param: Tensor) -> Tensor:
     return getattr(param, GRAD_BATCH)
 
 
-def free_buffers(param: Tensor, fields: Iterable[str]) -> None:
-    """Delete the given BackPACK savefields from ``param`` where present."""
-    for name in fields:
-        if hasattr(param, name):
-            delattr(param, name)
+def free_buffers(params: Iterable[Tensor], fields: Iterable[str]) -> None:
+    """Delete the given BackPACK savefields from ``params`` where present."""
+    for param in params:
+        for name in fields:
+            if hasattr(param, name):
+                delattr(param, name)
 
 
 def drop_stored_io(modules: Iterable[Module]) -> None:
@@ -532,7 +533,7 @@ class ExtensionHook:
     also notes modules whose parameters lack a needed savefield (BackPACK skips
     modules it has no rule for); their parameters are not shown to the quantities.
     (BatchNorm layers in train mode are found before the backward pass:
-    :func:`cockpit.engines.backpack.routing.batch_mixing`.)
+    :func:`cockpit.engines.modules.batch_mixing`.)
 
     Attributes:
         index: ``id(param)`` -> cockpit index.
@@ -557,32 +558,37 @@ class ExtensionHook:
         Runs without recording an autograd graph: under ``create_graph=True`` the
         statistics would otherwise keep their inputs alive until the step ends.
         """
-        mine = []
+        mine, params, other = [], [], []
         for p in module.parameters(recurse=False):
             index = self.index.get(id(p))
             if index is None:
                 continue
             if index in self.elsewhere:
-                free_buffers(p, self.free)
+                other.append(p)
             else:
                 mine.append((index, p))
+                params.append(p)
+        if other:
+            free_buffers(other, self.free)
         if not mine:
             return
         if self.needed:
-            missing = [
-                f for f in self.needed if not all(hasattr(p, f) for _, p in mine)
-            ]
+            missing = []
+            for name in self.needed:
+                for p in params:
+                    if not hasattr(p, name):
+                        missing.append(name)
+                        break
             if missing:
                 self.unsupported.append(
                     Unsupported(module, missing, [i for i, _ in mine])
                 )
-                for _, p in mine:
-                    free_buffers(p, self.free)
+                free_buffers(params, self.free)
                 return
         with torch.no_grad():
             for index, param in mine:
                 self.dispatcher.show(index, param, param_results(param))
-                free_buffers(param, self.free)
+            free_buffers(params, self.free)
 
 
 # --- explaining failures --------------------------------------------------------------

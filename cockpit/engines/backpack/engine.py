@@ -28,7 +28,13 @@ from cockpit.engines.base import (
     Why,
     register_engine,
 )
-from cockpit.engines.modules import describe
+from cockpit.engines.modules import (
+    batch_mixing,
+    batchnorms,
+    describe,
+    is_training_batchnorm,
+    roots_of,
+)
 from cockpit.errors import CockpitWarning, quiet_warnings
 from cockpit.step.checks import (
     batchnorm_message,
@@ -154,7 +160,7 @@ class BackpackEngine(Engine):
         refused = super().claim(step, indices)
         if not step.nodes:
             return refused
-        mixed = rules.batch_mixing(self.params, step.nodes, self.batchnorms())
+        mixed = batch_mixing(self.params, step.nodes, self.batchnorms())
         candidates = {}
         for index in indices:
             if index in refused:
@@ -184,8 +190,8 @@ class BackpackEngine(Engine):
     def batchnorms(self) -> list:
         """The BatchNorm layers around the parameters (found once)."""
         if self._batchnorms is None:
-            roots = rules.roots_of(self.modules.owners, self.modules.parents)
-            self._batchnorms = rules.batchnorms(roots)
+            roots = roots_of(self.modules.owners, self.modules.parents)
+            self._batchnorms = batchnorms(roots)
         return self._batchnorms
 
     def curvature_decline(self, routes: Sequence[Route], step) -> Decline | None:
@@ -221,7 +227,7 @@ class BackpackEngine(Engine):
         they compute the same values (unless forward code reads their input again
         afterwards), with a little more memory. Said once, with a warning.
         """
-        roots = rules.roots_of(self.modules.owners, self.modules.parents)
+        roots = roots_of(self.modules.owners, self.modules.parents)
         curvature = [make() for make in bp.CURVATURE_EXTENSIONS]
         first_order = bp.first_order_references()
         common = rules.common_container(
@@ -339,15 +345,16 @@ class BackpackEngine(Engine):
             )
         )
 
-    def after_backward(self, run) -> None:
+    def after_backward(self, step: EngineStep) -> None:
         """Name a layer BackPACK skipped although the quantities need it."""
-        self.check_modules(run.plan, run.diagnostics.module_label)
+        self.check_modules(step.plan, step.label)
 
-    def explain(self, error: BaseException, plan, label) -> Exception | None:
+    def explain(self, error: BaseException, step: EngineStep) -> Exception | None:
         """A clearer error for a BackPACK failure inside the backward pass."""
         failure = bp.explain_failure(error)
         if failure is None:
             return None
+        plan, label = step.plan, step.label
         step = plan.global_step
         who = who_needs(plan, {failure.savefield} if failure.savefield else set())
         if failure.kind == "loss_not_extended":
@@ -357,7 +364,7 @@ class BackpackEngine(Engine):
             return RuntimeError(repeated_backward_message(step, module_class))
         module = failure.module
         name = label(module) if module is not None else "a layer"
-        if module is not None and rules.is_training_batchnorm(module):
+        if module is not None and is_training_batchnorm(module):
             return NotImplementedError(batchnorm_message(name, who, step))
         return NotImplementedError(
             unsupported_message(
@@ -409,8 +416,7 @@ class BackpackEngine(Engine):
         if self.setup is None:
             return
         fields = self.setup.free_after if late else self.setup.free_in_hook
-        for param in self.params:
-            bp.free_buffers(param, fields)
+        bp.free_buffers(self.params, fields)
 
     def forget(self) -> None:
         """Drop the step's hook, extensions, hooked nodes and BackPACK's stored io.
@@ -421,7 +427,7 @@ class BackpackEngine(Engine):
         self.hook = None
         self._setup_cache = None
         hooks.forget(self._rewired)
-        for root in rules.roots_of(self.modules.owners, self.modules.parents):
+        for root in roots_of(self.modules.owners, self.modules.parents):
             bp.drop_stored_io(root.modules())
 
     def close(self) -> None:

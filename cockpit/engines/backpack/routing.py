@@ -13,7 +13,7 @@ BackPACK engine serves a parameter only where no rule declines it:
    invisible to the module's rule), and the module ran in its parameters' dtype
    (not under ``torch.autocast``),
 4. no batch norm that normalises with mini-batch statistics comes after it
-   (:func:`batch_mixing`): that mixes the samples,
+   (:func:`cockpit.engines.modules.batch_mixing`): that mixes the samples,
 5. the first axis of its output is the sample axis: the gradient of sample ``a``'s
    loss reaches only slice ``a`` of it (:class:`SampleAxisProbe`, checked for the
    first and the last sample, the first time a module is seen with given shapes).
@@ -35,7 +35,7 @@ from torch.nn import Module, Sequential
 
 from cockpit.engines.backpack.hooks import TAKEN_OFF, hooked_node, rewired
 from cockpit.engines.base import Decline, EngineStep, Route, Why
-from cockpit.engines.modules import ancestors, common_container, describe, graph_uses
+from cockpit.engines.modules import common_container, describe
 
 #: Rules on the model's structure: ``(module, attribute, requested, rule_problem)``.
 STATIC_RULES: list[Callable] = []
@@ -143,7 +143,7 @@ def _one_dtype(step: EngineStep, index, module, count) -> Decline | None:
         tensor = getattr(module, what, None)
         if isinstance(tensor, Tensor) and tensor.is_floating_point():
             seen[what] = tensor.dtype
-    if not own or all(dtype in own for dtype in seen.values()):
+    if not own or own.issuperset(seen.values()):
         return None
     name = {"input0": "input", "output": "output"}
     found = ", ".join(f"{name[w]} {_dtype_name(d)}" for w, d in seen.items())
@@ -160,87 +160,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # --- samples that mix: batch norms with mini-batch statistics -------------------------
-def is_training_batchnorm(module: Module) -> bool:
-    """Whether ``module`` is a BatchNorm layer normalising with mini-batch statistics.
-
-    In train mode it always does; in eval mode only without running statistics
-    (``track_running_stats=False``).
-    """
-    if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-        return False
-    return module.training or module.running_mean is None
-
-
-def batchnorms(roots: Sequence[Module]) -> list[tuple[str, Module]]:
-    """``(label, layer)`` of the BatchNorm layers in ``roots``.
-
-    With or without parameters of their own (``affine=False``); the label is the
-    class and the qualified name, e.g. ``BatchNorm2d 'b.0.bn'``.
-    """
-    layers: dict[int, tuple[str, Module]] = {}
-    for root in roots:
-        for name, module in root.named_modules():
-            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-                label = f"{type(module).__name__} {name!r}" if name else ""
-                layers.setdefault(id(module), (label or type(module).__name__, module))
-    return list(layers.values())
-
-
-def batch_mixing(
-    params: Sequence[Tensor], nodes: set, layers: list[tuple[str, Module]]
-) -> dict[int, str]:
-    """Parameters whose BackPACK per-sample results mix samples, with why.
-
-    A batch norm that normalises with mini-batch statistics (a BatchNorm layer in
-    train mode, or without running statistics; ``F.batch_norm`` with
-    ``training=True``) makes sample ``i``'s loss depend on every sample's input to
-    it. BackPACK forms a layer's per-sample results from its input and the
-    gradient of the mini-batch loss at its output; for the layers before such a
-    batch norm these split the mini-batch gradient by input sample (they sum to
-    it) instead of giving ``d l_i / d theta``. The layers after it, and its own
-    weight and bias, are not affected. The batch norms are found among the
-    autograd nodes of the step's losses (every call, also of a shared layer or a
-    functional one); "before" means reached by the graph of a node's input.
-
-    Args:
-        params: The cockpit's parameters.
-        nodes: The autograd nodes of the step's (per-sample) losses.
-        layers: The BatchNorm layers around the model (labels of their calls).
-
-    Returns:
-        Parameter index -> the batch norms responsible, e.g.
-        ``"BatchNorm2d 'blocks.0.bn' and 3 more batch norms"``.
-    """
-    known_calls = {}  # node -> (label, layer) of the extended layers' last calls
-    for label, module in layers:
-        output = getattr(module, "output", None)
-        if isinstance(output, Tensor) and output.grad_fn is not None:
-            known_calls.setdefault(output.grad_fn, (label, module))
-    roots, labels = [], set()
-    for node in nodes:
-        if "BatchNormBackward" not in type(node).__name__:
-            continue
-        known = known_calls.get(node)
-        training = getattr(node, "_saved_training", None)
-        if training is None:  # a kernel that does not save it: ask the layer
-            training = is_training_batchnorm(known[1]) if known else True
-        if not training:
-            continue
-        labels.add(known[0] if known else "a batch_norm call")
-        source = node.next_functions[0][0] if node.next_functions else None
-        if source is not None:
-            roots.append(source)
-    if not roots:
-        return {}
-    first, *others = sorted(labels)
-    who = f"{first} and {len(others)} more batch norms" if others else first
-    _, reached = graph_uses(roots)
-    for root in roots:  # a parameter normalised directly
-        if getattr(root, "variable", None) is not None:
-            reached[id(root.variable)] += 1
-    return {i: who for i, p in enumerate(params) if id(p) in reached}
-
-
 def mixing_decline(who: str) -> Decline:
     """The decline of a parameter before batch norms ``who``."""
     return Decline(
@@ -416,13 +335,3 @@ def in_place_modules(roots: Sequence[Module]) -> list[tuple[str, Module]]:
                     where = f"{name}.{child_name}" if name else child_name
                     found.append((f"{type(child).__name__} '{where}'", child))
     return found
-
-
-def roots_of(owners: dict, parents: dict) -> list[Module]:
-    """The outermost modules holding the parameters' owners."""
-    roots: dict[int, Module] = {}
-    for found in owners.values():
-        for module, _ in found:
-            top = ancestors(module, parents)[-1]
-            roots.setdefault(id(top), top)
-    return list(roots.values())

@@ -8,7 +8,14 @@ from cockpit.step.features.base import (
     STOP,
     StepFeature,
     feature_classes,
+    features_for,
     register_feature,
 )
 
-__all__ = ["STOP", "StepFeature", "feature_classes", "register_feature"]
+__all__ = [
+    "STOP",
+    "StepFeature",
+    "feature_classes",
+    "features_for",
+    "register_feature",
+]

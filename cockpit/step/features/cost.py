@@ -111,17 +111,17 @@ class _Clock:
 _CLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _speaks(run) -> bool:
+def _speaks(state) -> bool:
     """Whether this process prints the line (not data-parallel, or rank 0)."""
-    communicator = run.communicator
+    communicator = state.communicator
     return communicator is None or communicator.local or communicator.rank == 0
 
 
-def _clock_of(run) -> _Clock:
-    found = _CLOCKS.get(run.recorder)
+def _clock_of(state) -> _Clock:
+    found = _CLOCKS.get(state.recorder)
     if found is None:
-        sync = any(p.device.type == "cuda" for p in run.params)
-        found = _CLOCKS[run.recorder] = _Clock(sync=sync, done=not _speaks(run))
+        sync = any(p.device.type == "cuda" for p in state.params)
+        found = _CLOCKS[state.recorder] = _Clock(sync=sync, done=not _speaks(state))
     return found
 
 
@@ -132,14 +132,14 @@ class StepCost(StepFeature):
     order = -1000.0  # first at every point: its marks bound the others' work
 
     @classmethod
-    def applies(cls, run) -> bool:
+    def applies(cls, state) -> bool:
         """Only while the line is undecided."""
-        return not _clock_of(run).done
+        return not _clock_of(state).done
 
-    def __init__(self, run):
-        super().__init__(run)
-        self.clock = _clock_of(run)
-        self.tracked = bool(run.plan.active)
+    def __init__(self, state):
+        super().__init__(state)
+        self.clock = _clock_of(state)
+        self.tracked = bool(state.plan.active)
         self.marks = [self._now()]  # the step opens
         pending, self.clock.pending = self.clock.pending, None
         if pending is not None:
@@ -156,14 +156,14 @@ class StepCost(StepFeature):
         """The cockpit's work before the user's backward pass ends here."""
         self.marks.append(self._now())
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> None:
         """The user's backward pass ended."""
         self.marks.append(self._now())
 
     def close(self) -> None:
         """The step's block ends; its rest is measured when the next one opens."""
         end = self._now()
-        step = self.run.step
+        step = self.state.step
         if self.tracked and len(self.marks) == 3:
             opened, ready, backward_done = self.marks
             record = _Tracked(
@@ -185,7 +185,7 @@ class StepCost(StepFeature):
             clock.untracked.append(record)
         if len(clock.tracked) >= TRACKED_STEPS:
             clock.done = True
-            line = cost_line(clock.tracked, clock.untracked, self.run.step)
+            line = cost_line(clock.tracked, clock.untracked, self.state.step)
             if line is not None:
                 LOG.info(line)
 

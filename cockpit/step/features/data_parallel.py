@@ -17,10 +17,12 @@ from torch import Tensor
 
 from cockpit import distributed
 from cockpit.context import StepInfo
-from cockpit.engines import autograd as autograd_engine
+from cockpit.curvature.hutchinson import sum_error, trace_errors
+from cockpit.per_sample import sample_losses
 from cockpit.quantities.base import TrackContext
 from cockpit.quantities.utils_params import gradients
 from cockpit.step.features.base import StepFeature, register_feature
+from cockpit.step.state import Produced
 
 
 def _missing_batch_size(step: int) -> str:
@@ -51,41 +53,48 @@ class DataParallel(StepFeature):
 
     order = 60
 
-    def __init__(self, run):
-        super().__init__(run)
-        self.comm = run.communicator
+    def __init__(self, state):
+        super().__init__(state)
+        self.comm = state.communicator
         #: Whether the step is tracked (else the feature only checks the others).
-        self.tracked = bool(run.plan.active)
+        self.tracked = bool(state.plan.active)
         #: ``.grad`` is this process's own gradient (inside DDP's ``no_sync()``).
-        self.no_sync = bool(run.no_sync and not self.comm.local)
+        self.no_sync = bool(state.no_sync and not self.comm.local)
         self._captured: dict[int, Tensor] = {}
         self._hooks: list = []
         #: Whether this process did its share of the step's collectives.
         self.done = not self.tracked
-        if not self.tracked:  # did another process track this step?
-            self.comm.untracked(run.step)
-            return
-        try:
-            run.shared = self._exchange_header()
-        except BaseException as error:  # e.g. no batch_size: the others must know
-            self.comm.left(run.step, error)
-            raise
+        #: The step's collective state (:class:`cockpit.distributed.StepComm`).
+        self.shared = None
+
+    only_if = ("communicator",)
 
     @classmethod
-    def applies(cls, run) -> bool:
-        """Whether the feature has work at this step.
+    def applies(cls, state) -> bool:
+        """Whether the feature has work at this step (in a run with a communicator).
 
         Every step of a data-parallel run (an untracked one checks that no other
         process tracks it); the tracked steps of a rank-local one.
         """
-        if run.communicator is None:
-            return False
-        return bool(run.plan.active) or not run.communicator.local
+        return bool(state.plan.active) or not state.communicator.local
+
+    def begin(self) -> Produced | None:
+        """Send the step's header (a tracked step), or check no other tracks it."""
+        state = self.state
+        if not self.tracked:  # did another process track this step?
+            self.comm.untracked(state.step)
+            return None
+        try:
+            self.shared = self._exchange_header()
+        except BaseException as error:  # e.g. no batch_size: the others must know
+            self.comm.left(state.step, error)
+            raise
+        return Produced(comm=self.shared)
 
     def _exchange_header(self) -> distributed.StepComm:
         """Send the step, this shard's size and the plan to the other processes."""
-        run = self.run
-        info, step = run.info, run.step
+        state = self.state
+        info, step = state.info, state.step
         if info.has("batch_size"):
             n_local = int(info.get("batch_size"))
         elif isinstance(info.get("individual_losses"), Tensor):
@@ -93,13 +102,13 @@ class DataParallel(StepFeature):
         else:
             raise KeyError(_missing_batch_size(step))
         plan_text = ";".join(
-            f"{q.key}:{sorted(n.name for n in run.plan.needs_of(q))}"
-            for q in run.plan.active
+            f"{q.key}:{sorted(n.name for n in state.plan.needs_of(q))}"
+            for q in state.plan.active
         )
         plan_text += f";no_sync={self.no_sync}"  # the joined gradient's collective
         return distributed.start_header(self.comm, step, n_local, plan_text)
 
-    def before_backward(self) -> None:
+    def before_backward(self) -> Produced | None:
         """Hessian-vector products from this shard's graph; catch local gradients.
 
         (Nothing at an untracked step.)
@@ -111,30 +120,32 @@ class DataParallel(StepFeature):
         local gradient is caught on its way to DDP, to be joined afterwards.
         """
         if not self.tracked or self.comm.stopping:  # (stops after the backward)
-            return
-        run = self.run
-        shared, step = run.shared, run.step
-        last = [q for q in run.plan.last if not run.ledger.out(q)]
-        if run.plan.create_graph and last:
-            loss = run.info.require("loss", "cockpit (Hessian-vector products)")
-            ctx = TrackContext(step, run.params, run.info, comm=shared)
-            with run.quiet():
+            return None
+        state = self.state
+        shared, step, params = self.shared, state.step, state.params
+        last = [q for q in state.plan.last if not state.ledger.out(q)]
+        early: dict[int, tuple] = {}
+        if state.plan.create_graph and last:
+            loss = state.info.require("loss", "cockpit (Hessian-vector products)")
+            ctx = TrackContext(step, params, state.info, comm=shared)
+            with state.engine.quiet():
                 grads = torch.autograd.grad(
-                    loss, run.params, create_graph=True, allow_unused=True
+                    loss, params, create_graph=True, allow_unused=True
                 )
                 shared.graph_gradients = [
                     g if g is not None else torch.zeros_like(p)
-                    for g, p in zip(grads, run.params, strict=True)
+                    for g, p in zip(grads, params, strict=True)
                 ]
                 for quantity in last:
                     try:
-                        run.early[id(quantity)] = (quantity.track_step(step, ctx), None)
+                        early[id(quantity)] = (quantity.track_step(step, ctx), None)
                     except Exception as error:  # handled where it is recorded
-                        run.early[id(quantity)] = (None, error)
+                        early[id(quantity)] = (None, error)
             shared.graph_gradients = None  # frees the double-backward graph
         if self.comm.local or self.no_sync or not shared.settled or shared.uneven:
-            for index, param in enumerate(run.params):
+            for index, param in enumerate(params):
                 self._hooks.append(param.register_hook(self._catcher(index)))
+        return Produced(early=tuple(early.items())) if early else None
 
     def _catcher(self, index: int):
         """A hook that keeps parameter ``index``'s local gradient where needed.
@@ -143,7 +154,7 @@ class DataParallel(StepFeature):
         (the backward pass goes on while it travels); they are dropped if the
         shards turn out even.
         """
-        shared = self.run.shared
+        shared = self.shared
         always = self.comm.local or self.no_sync
 
         def catch(grad):
@@ -152,15 +163,15 @@ class DataParallel(StepFeature):
 
         return catch
 
-    def after_backward(self) -> None:
+    def after_backward(self, produced) -> Produced:
         """Combine the processes: the joined batch's gradient, info and sums."""
-        run = self.run
-        shared, info, step, params = run.shared, run.info, run.step, run.params
+        state = self.state
+        shared, info, step, params = self.shared, state.info, state.step, state.params
         self._unhook()
         self.comm.after_backward()  # a conflict found at the start stops here
         shared.settle()
         if shared.uneven:
-            run.diagnostics.warn_once(
+            state.checks.warn_once(
                 "uneven-shards", distributed.uneven_message(shared.counts, step)
             )
         if self.comm.local:  # .grad is DDP's average: the shard's own
@@ -187,33 +198,30 @@ class DataParallel(StepFeature):
             bucket.sum(loss * shared.n_local, lambda v: joined.update(loss=v / n))
         losses = info.get("individual_losses")
         if isinstance(losses, Tensor) and losses.shape[:1] == (shared.n_local,):
-            per_sample = autograd_engine.sample_losses(losses.detach())
+            per_sample = sample_losses(losses.detach())
             bucket.gather(per_sample, lambda v: joined.update(individual_losses=v))
         joined["batch_size"] = shared.n_global
-        for quantity in run.plan.active:
-            if run.ledger.out(quantity):
+        for quantity in state.plan.active:
+            if state.ledger.out(quantity):
                 continue
             if quantity.share(step, ctx, bucket) is NotImplemented:
-                run.diagnostics.warn_once(
+                state.checks.warn_once(
                     ("rank-local", quantity.key),
                     distributed.rank_local_message(quantity.key),
                 )
-        if run.probe_traces is not None:
-            for quantity in run.ledger.estimated():
+        if produced.traces is not None:
+            for quantity in state.ledger.estimated():
                 bucket.sum(
-                    run.probe_traces * shared.weight,
+                    produced.traces * shared.weight,
                     lambda total, q=quantity: self._errors(q, total),
                 )
         bucket.reduce()
         self.done = True  # this process's collectives of the step are over
-        run.ctx = replace(ctx, info=StepInfo(step, joined))
+        return Produced(context=replace(ctx, info=StepInfo(step, joined)))
 
     def _errors(self, quantity, total: Tensor) -> None:
         """The standard errors of the joined batch's estimate."""
-        self.run.ledger.set_errors(
-            quantity,
-            (autograd_engine.trace_errors(total), autograd_engine.sum_error(total)),
-        )
+        self.state.ledger.set_errors(quantity, (trace_errors(total), sum_error(total)))
         quantity.probe_traces(total)
 
     def _check_synchronised(self, shared: distributed.StepComm) -> None:
@@ -251,4 +259,4 @@ class DataParallel(StepFeature):
         self._unhook()
         if not self.done:
             self.done = True
-            self.comm.left(self.run.step, sys.exc_info()[1])
+            self.comm.left(self.state.step, sys.exc_info()[1])
