@@ -318,3 +318,18 @@ def test_the_root_rule_counts_what_it_should():
     assert "cockpit.cockpit" in MODULES and MODULES["cockpit.cockpit"].parent == PACKAGE
     assert _only_re_exports(MODULES["cockpit.plotter"])
     assert not _only_re_exports(MODULES["cockpit.cockpit"])
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's "where things live" table has a row for each module."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = page[page.index("## Where things live") :]
+    rows = {
+        line.split("`")[1]: line.rsplit("|", 2)[-2].strip()
+        for line in table.splitlines()
+        if line.startswith("| `cockpit/")
+    }
+    paths = {path.relative_to(PACKAGE.parent).as_posix() for path in MODULES.values()}
+    assert not sorted(paths - set(rows)), "modules missing from docs/architecture.md"
+    assert not sorted(set(rows) - paths), "rows for modules that no longer exist"
+    assert all(rows.values()), "a row says nothing about its module"
