@@ -7,7 +7,7 @@ seconds each)::
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \
         python -m benchmarks.any_model
     python -m benchmarks.any_model --quick --out /tmp/any_model.json   # tests
-    python -m benchmarks.any_model --table benchmarks/any_model_results.json
+    python -m benchmarks.any_model --table benchmarks/results/any_model.json
 
 The model is the character-level transformer of ``examples/char_transformer.py``
 (imported from there: width 32, two heads, one pre-LayerNorm block with
@@ -69,7 +69,7 @@ also times the plain step both ways (``plain MATH / default``).
 Goals (issue 11): economy at most 4x a plain step, full at most 25x, the engine no
 slower than the ``vmap`` baseline; each gets a verdict.
 
-Writes the JSON record ``--out`` (default ``benchmarks/any_model_results.json``) and
+Writes the JSON record ``--out`` (default ``benchmarks/results/any_model.json``) and
 prints Markdown tables (``--table JSON`` prints them again from a record).
 """
 
@@ -79,18 +79,15 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import statistics
 import sys
-import time
 from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from benchmarks import measure, record
-from benchmarks.measure import REPO
+from benchmarks import driver, measure, record
+from benchmarks.driver import RESULTS
 
-DEFAULT_OUT = REPO / "benchmarks" / "any_model_results.json"
+DEFAULT_OUT = RESULTS / "any_model.json"
 #: Characters per window (the example's default block).
 BLOCK = 32
 #: Goals of issue 11: tracked / plain step time.
@@ -823,41 +820,23 @@ def parse(argv=None):
     parser.add_argument("--table", metavar="JSON", help="print a record's tables")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    quick = args.quick
     defaults = {
-        "batch": 8 if quick else 32,
-        "memory_batches": [8, 16] if quick else [32, 256],
-        "members": "HessTrace" if quick else "all",
-        "chunks": [1] if quick else [1, 32],
-        "repeats": 2 if quick else 9,
-        "warmup": 1 if quick else 2,
-        "min_time": 0.0 if quick else 4.0,
-        "memory_steps": 1 if quick else 3,
+        "batch": (8, 32),
+        "memory_batches": ([8, 16], [32, 256]),
+        "members": ("HessTrace", "all"),
+        "chunks": ([1], [1, 32]),
+        "repeats": (2, 9),
+        "warmup": (1, 2),
+        "min_time": (0.0, 4.0),
+        "memory_steps": (1, 3),
     }
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    driver.fill_defaults(args, args.quick, defaults)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     return args
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
-    if args.child:
-        child_main(json.loads(args.child))
-        return 0
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
-        return 0
-    for name, value in measure.CHILD_ENV.items():
-        os.environ.setdefault(name, value)
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    started = time.perf_counter()
-    saved = measure_all(args)
-    machine = record.machine()
-    machine["load_before"] = load_before
-    settings = _args_for_child(args) | {
+def _settings(args) -> dict:
+    return _args_for_child(args) | {
         "batch": args.batch,
         "memory_batches": args.memory_batches,
         "memory_kinds": args.memory_kinds,
@@ -867,29 +846,24 @@ def main(argv=None) -> int:
         "context": "math",
         "timeout": args.timeout,
     }
-    saved = {
-        "machine": machine,
-        "argv": list(argv),
-        "settings": settings,
-        "wall_s": time.perf_counter() - started,
-        **saved,
-    }
+
+
+def _add_goals(saved: dict) -> None:
     saved["goals"] = verdicts(saved)
-    Path(args.out).write_text(json.dumps(saved, indent=1) + "\n")
-    print(table(saved))
-    print(f"wrote {args.out} ({saved['wall_s']:.0f} s)", file=sys.stderr)
-    failed = [k for k, r in saved["steps"].items() if "error" in r]
-    failed += ["engine"] if "error" in saved["engine"] else []
-    failed += [k for k, r in saved["members"].items() if "error" in r]
-    failed += [
-        f"memory {b} {k}"
-        for b, row in saved["memory"].items()
-        for k, r in row.items()
-        if "error" in r
-    ]
-    if failed:
-        print("failed: " + ", ".join(failed), file=sys.stderr)
-    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    """Measure (or print a record's tables, or run one child); see the module."""
+    return driver.main(
+        argv,
+        parse,
+        child_main=child_main,
+        render=table,
+        measure_all=measure_all,
+        settings=_settings,
+        sections=("steps", "engine", "members", "memory"),
+        complete=_add_goals,
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Used by :mod:`benchmarks.cli_memory` (and the tests, at small sizes) to measure how
 reading scales with the log. A log is written by cockpit's own writers
-(:func:`cockpit.log_stream.record_line` for a streamed log,
+(:func:`cockpit.log.stream.record_line` for a streamed log,
 :meth:`cockpit.history.History.write_json` for a written one, ``legacy=True`` for
 cockpit-for-pytorch 1.0.2's format), so only the values are synthetic, and they
 have the keys and shapes a ``full`` configuration tracking every step writes for a
@@ -40,8 +40,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_format import encode_legacy, pack
-from cockpit.log_stream import _HEADER, record_line
+from cockpit.log.format import encode_legacy, pack
+from cockpit.log.stream import _HEADER, record_line
 
 #: Parameter tensors of the synthetic model (3c3d: 3 conv + 3 linear, weight + bias).
 PARAMS = 12

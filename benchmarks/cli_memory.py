@@ -4,7 +4,7 @@ Run from the repository root (the 1 GB log takes a few minutes to write and tens
 minutes to read five times on two loaded cores; logs are deleted after measuring)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-        python -m benchmarks.cli_memory --out benchmarks/cli_memory_results.md
+        python -m benchmarks.cli_memory --out benchmarks/results/cli_memory.md
     python -m benchmarks.cli_memory --sizes 20 --kinds stream --commands plot \\
         --baseline /tmp/main-checkout --out /tmp/cli.md
 

@@ -64,7 +64,7 @@ rounds is chosen to fill ``--seconds`` per case (at least ``--min-rounds``, at m
 over the median) and the communication share of each half of the rounds are
 recorded, to say how noisy the run was.
 
-Writes ``--out`` (default ``benchmarks/ddp_results.json``) and prints a Markdown
+Writes ``--out`` (default ``benchmarks/results/ddp.json``) and prints a Markdown
 table (``--table`` prints it again from a saved record). The processes start with
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776`` (as in
 :mod:`benchmarks.measure`; set here when missing) and ``OMP_NUM_THREADS=1``.
@@ -87,9 +87,10 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.measure import CHILD_ENV, REPO
+from benchmarks.driver import RESULTS
+from benchmarks.measure import CHILD_ENV
 
-DEFAULT_OUT = REPO / "benchmarks" / "ddp_results.json"
+DEFAULT_OUT = RESULTS / "ddp.json"
 #: The variants of a step, see the module docstring.
 VARIANTS = ("plain", "plain_local", "dp", "local", "unaware")
 #: What the header collective is called by cockpit's communicator.
@@ -591,7 +592,7 @@ def _three(entry: dict) -> str:
 
 
 def table(record: dict) -> str:
-    """The Markdown tables of a record (for analysis.md)."""
+    """The Markdown tables of a record (for results/overhead_analysis.md)."""
     cases = record["cases"]
     lines = [
         "| case | plain | DDP's all-reduce | local | dp | dp - local | (paired) "

@@ -33,15 +33,15 @@ Two disjoint sets:
 
 Run (about 9 CPU minutes, one thread)::
 
-    python -m benchmarks.diagnosis_validation --out benchmarks/diagnosis_results.md \
-        --json benchmarks/diagnosis_results.json
+    python -m benchmarks.diagnosis_validation --out benchmarks/results/diagnosis.md \
+        --json benchmarks/results/diagnosis.json
 
 The committed results were made in two parts, the tuning set first and the held-out
 set once the checks were frozen, and rendered together::
 
     python -m benchmarks.diagnosis_validation --render \
-        benchmarks/diagnosis_results_tuning.json \
-        benchmarks/diagnosis_results_held_out.json --out benchmarks/diagnosis_results.md
+        benchmarks/results/diagnosis_tuning.json \
+        benchmarks/results/diagnosis_held_out.json --out benchmarks/results/diagnosis.md
 
 ``--sets tuning`` runs one set; ``--families mlp-digits,quickstart`` and ``--seeds
 0`` make shorter runs; ``--json FILE`` keeps the raw record of every run (ids,
@@ -70,13 +70,14 @@ from typing import Any, Callable
 import torch
 from backpack import extend
 
+from benchmarks import driver
 from cockpit import Cockpit
 from cockpit.diagnosis import LiveDiagnosis, diagnose
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear, logarithmic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "diagnosis_results.md")
+RESULTS = str(driver.RESULTS / "diagnosis.md")
 SEEDS = {"tuning": (0, 1), "held-out": (10, 11)}
 
 
@@ -577,7 +578,7 @@ def _record(spec, seed, live, final, seconds=None) -> dict[str, Any]:
 
 def replay_one(spec: Spec, seed: int, cache: str) -> dict[str, Any] | None:
     """Diagnose a cached run again (live by replay); ``None`` if not cached."""
-    from cockpit.log_files import open_log
+    from cockpit.log.files import open_log
 
     path = os.path.join(cache, _file(spec, seed) + ".json")
     if not os.path.exists(path):

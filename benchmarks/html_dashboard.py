@@ -2,7 +2,7 @@
 
 Run from the repository root (a few minutes on two CPU cores)::
 
-    python -m benchmarks.html_dashboard --out benchmarks/html_dashboard_results.md
+    python -m benchmarks.html_dashboard --out benchmarks/results/html_dashboard.md
     python -m benchmarks.html_dashboard --steps 2000 --repeats 1 --out /tmp/h.md
 
 Two logs of ``--steps`` tracked steps each are written, with what the
@@ -36,10 +36,11 @@ import tempfile
 
 import numpy as np
 
+from benchmarks.driver import RESULTS
 from benchmarks.internals import new_history
 from benchmarks.measure import CHILD_ENV, REPO
 
-DEFAULT_OUT = REPO / "benchmarks" / "html_dashboard_results.md"
+DEFAULT_OUT = RESULTS / "html_dashboard.md"
 MIB = 2**20
 
 

@@ -12,11 +12,11 @@ Names imported: ``cockpit.Cockpit``, ``cockpit.quantities`` (its ``__all__`` and
 classes), ``cockpit.quantities.base.Quantity``, ``cockpit.utils.schedules.linear``,
 ``cockpit.utils.configuration.configuration`` and
 ``cockpit.utils.configuration.quantities_cls_for_configuration``,
-``cockpit.engines.backpack_rules.PerSampleGradients``. Used on a cockpit:
+``cockpit.engines.backpack.rules.PerSampleGradients``. Used on a cockpit:
 ``create_graph(step)``,
 ``__call__(step, info=...)``, ``get_output()``, ``history.memory_bytes()``,
 ``logpath`` and ``close()``. ``benchmarks.long_runs`` also uses
-``cockpit.history.History``, ``cockpit.log_stream.LogStream`` and
+``cockpit.history.History``, ``cockpit.log.stream.LogStream`` and
 ``cockpit.CockpitPlotter``. ``benchmarks.any_model`` also uses the autograd engine
 (``cockpit.engines.autograd.per_sample_gradients``, with
 ``Cockpit.PER_SAMPLE_CHUNK`` and ``Cockpit.PER_SAMPLE_MAX_ELEMENTS``), a cockpit's
@@ -105,8 +105,8 @@ def new_history():
 
 
 def open_stream(logpath: str):
-    """Return ``cockpit.log_stream.LogStream(logpath)``: ``write({step: values})``."""
-    from cockpit.log_stream import LogStream
+    """Return ``cockpit.log.stream.LogStream(logpath)``: ``write({step: values})``."""
+    from cockpit.log.stream import LogStream
 
     return LogStream(logpath)
 
@@ -120,7 +120,7 @@ def make_plotter(**kwargs):
 
 def per_sample_gradients():
     """Return cockpit's own per-sample gradient extension (a building block)."""
-    from cockpit.engines.backpack_rules import PerSampleGradients
+    from cockpit.engines.backpack.rules import PerSampleGradients
 
     return PerSampleGradients()
 

@@ -4,7 +4,7 @@ Run from the repository root (each scenario takes a few seconds, plus the fork
 server's start)::
 
     python -m benchmarks.kill_while_reading --seeds 0-49 \
-        --out benchmarks/kill_while_reading_results.md
+        --out benchmarks/results/kill_while_reading.md
     python -m benchmarks.kill_while_reading --seeds 17     # replay one seed
 
 Each seed plays one scenario of :mod:`tests.utils.chaos` (what the test suite runs

@@ -2,7 +2,7 @@
 
 Run from the repository root (about five minutes on two CPU cores)::
 
-    python -m benchmarks.long_runs       # -> benchmarks/long_runs_results.md
+    python -m benchmarks.long_runs       # -> benchmarks/results/long_runs.md
     python -m benchmarks.long_runs --steps 2000 --out /tmp/long.md      # quicker
     python -m benchmarks.long_runs --before /path/to/older/checkout     # before/after
 
@@ -46,9 +46,10 @@ import warnings
 from pathlib import Path
 
 from benchmarks import internals
+from benchmarks.driver import RESULTS
 from benchmarks.measure import CHILD_ENV, REPO, tracked_step
 
-DEFAULT_OUT = REPO / "benchmarks" / "long_runs_results.md"
+DEFAULT_OUT = RESULTS / "long_runs.md"
 #: Sizes of the live runs besides the long one: 200 steps draw all their points,
 #: 5,000 steps are thinned to at most 2,000 points per series, as the long run is.
 LIVE_SIZES = (200, 5000)
@@ -294,7 +295,7 @@ def render(results: dict) -> str:
 
 
 NOTES = """\
-How: logs are packed (`cockpit.log_format.pack`): histogram edges as
+How: logs are packed (`cockpit.log.format.pack`): histogram edges as
 `{"__linspace__": [first, last, n]}` (checked to give back the exact floats),
 integer counts that are mostly zero (the 2-D histogram) as `{"__sparse__": ...}`
 (the non-zero counts and the run of zeros before each), one line per step; every

@@ -22,7 +22,7 @@ Run (about ten minutes on two cores)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
         python -m benchmarks.real_architectures \\
-        --out benchmarks/real_architectures_results.json
+        --out benchmarks/results/real_architectures.json
 
 ``--table FILE`` prints the tables of a record again; ``--models bert,gpt2``,
 ``--batch``, ``--rounds``, ``--warmup`` choose what to measure.
@@ -42,8 +42,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.driver import RESULTS
+
 VARIANTS = ("plain", "economy", "business", "full")
-DEFAULT_OUT = Path(__file__).with_name("real_architectures_results.json")
+DEFAULT_OUT = RESULTS / "real_architectures.json"
 
 
 def _variant(case, label: str):

@@ -5,9 +5,9 @@ busy cores, most of it ``full`` and ``business`` on GPT-2 at batch 32)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \
         python -m benchmarks.real_models_speed \
-        --out benchmarks/real_models_speed_results.json
+        --out benchmarks/results/real_models_speed.json
     python -m benchmarks.real_models_speed \
-        --table benchmarks/real_models_speed_results.json
+        --table benchmarks/results/real_models_speed.json
     python -m benchmarks.real_models_speed --quick --out /tmp/speed.json   # tests
 
 Models (:mod:`benchmarks.real_models`): Hugging Face GPT-2 built from a config
@@ -72,10 +72,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import record
+from benchmarks import driver, record
+from benchmarks.driver import RESULTS
 from benchmarks.measure import REPO, Interpreter, peak_rss_mib, spawn
 
-DEFAULT_OUT = REPO / "benchmarks" / "real_models_speed_results.json"
+DEFAULT_OUT = RESULTS / "real_models_speed.json"
 REFERENCE_COMMIT = "6fc3e24"
 REFERENCE_DIR = Path("/tmp/ref6fc")
 MODELS = ("gpt2", "resnet18")
@@ -617,14 +618,11 @@ def _fmt(value, digits=2) -> str:
 
 def report(data: dict) -> str:
     """Markdown tables of a record."""
-    machine, results = data["machine"], data["results"]
+    results = data["results"]
     lines = [
         "# Real models: cockpit against a plain step and `vmap(grad)`",
         "",
-        f"Commit {machine['commit']}, {machine['date']}, {machine['cpu']} "
-        f"({machine['cores']} cores, load {machine['load']}), torch "
-        f"{machine['torch']}, BackPACK {machine['backpack']}. Command: "
-        f"`{' '.join(data['argv'])}`"
+        driver.machine_line(data, backpack=True)
         + "".join(
             f"; memory: `{' '.join(run['argv'])}` (commit "
             f"{run['machine']['commit']}, {run['machine']['date']})"
@@ -819,10 +817,7 @@ def main(argv=None) -> None:
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
         },
     }
-    args.out.write_text(json.dumps(data, indent=1))
-    text = report(data)
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
+    driver.write_record(data, args.out, report)
 
 
 if __name__ == "__main__":

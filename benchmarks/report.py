@@ -1,4 +1,4 @@
-"""Rendering a run's record (:mod:`benchmarks.record`) as Markdown (results.md).
+"""Rendering a run's record (:mod:`benchmarks.record`) as results/overhead.md.
 
 Pure formatting: nothing here measures, and nothing imports torch or cockpit except
 through :func:`benchmarks.internals.configuration_members` (the member quantities of

@@ -2,7 +2,7 @@
 
 Run from the repository root (takes a few minutes on a laptop CPU)::
 
-    python -m benchmarks.soak          # 5,000 steps -> benchmarks/soak_results.md
+    python -m benchmarks.soak          # 5,000 steps -> benchmarks/results/soak.md
     python -m benchmarks.soak --steps 500 --out /tmp/soak.md
 
 The benchmark MLP (784-128-10, batch 32, random data; :mod:`benchmarks.problems`) is
@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import internals
+from benchmarks.driver import RESULTS
 from benchmarks.measure import REPO, tracked_step
 from benchmarks.problems import make
 
-DEFAULT_OUT = REPO / "benchmarks" / "soak_results.md"
+DEFAULT_OUT = RESULTS / "soak.md"
 CHEAP = ("Loss", "GradNorm", "Distance", "UpdateSize")
 MIB = 2**20
 

@@ -8,7 +8,7 @@
 * ``cockpit export LOG --tensorboard DIR | --wandb PROJECT | --mlflow URI``: the log
   in TensorBoard, W&B or MLflow (:mod:`cockpit.integrations.cli`).
 * ``cockpit report LOG [--markdown | --json]``: what is wrong with the run
-  (:mod:`cockpit.report`).
+  (:mod:`cockpit.diagnosis.report`).
 
 Exit codes: 0 success; 1 a problem with the input (a log that is missing, empty,
 truncated or not a cockpit log, an unwritable output, a bad option value), reported
@@ -18,7 +18,7 @@ error is reported in one line too (set ``COCKPIT_TRACEBACK=1`` to see its
 traceback). Warnings are printed as one line each, ``cockpit <command>: warning:
 ...``.
 
-A command that reads a log calls :func:`cockpit.log_files.open_log` (also
+A command that reads a log calls :func:`cockpit.log.files.open_log` (also
 importable here as ``load_log``); :func:`main` turns its
 :class:`~cockpit.errors.LogFileError` (and any ``OSError``) into that line.
 """
@@ -31,7 +31,7 @@ import os
 import sys
 
 from cockpit.errors import LogFileError, one_line_warnings
-from cockpit.log_files import open_log
+from cockpit.log.files import open_log
 
 #: The reader of every command's log (the name it had before it moved).
 load_log = open_log
@@ -347,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timelapse.set_defaults(func=_timelapse)
 
+    from cockpit.diagnosis.report import add_report_parser
     from cockpit.integrations.cli import add_export_command
-    from cockpit.report import add_report_parser
 
     add_report_parser(sub)
     add_export_command(sub)

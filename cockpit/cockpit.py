@@ -1,10 +1,10 @@
 """The Cockpit: holds the quantities and runs each tracked step's backward pass.
 
 The hub is small on purpose. Per step it asks the planner what the quantities need
-(:func:`cockpit.planner.plan_step`, once per step), opens a
-:class:`~cockpit.step_run.StepRun` around the user's ``loss.backward()`` (the
+(:func:`cockpit.step.plan.plan_step`, once per step), opens a
+:class:`~cockpit.step.run.StepRun` around the user's ``loss.backward()`` (the
 engines, the step features, the tracking), and hands the values to a
-:class:`~cockpit.recorder.Recorder`, to which the history, the streamed log and any
+:class:`~cockpit.step.recorder.Recorder`, to which the history, the streamed log and any
 other consumer subscribe. ``docs/architecture.md`` draws the picture.
 """
 
@@ -16,8 +16,6 @@ from typing import Any, Iterable
 from torch import Tensor
 
 from cockpit import distributed
-from cockpit.checkpoint import STATE_VERSION
-from cockpit.checks import Diagnostics
 from cockpit.cockpit_args import (
     as_step,
     check_log_rank,
@@ -27,20 +25,22 @@ from cockpit.cockpit_args import (
     collect_params,
     manual_missing,
 )
-from cockpit.console import LOG, default_handler
+from cockpit.cockpit_output import CockpitOutput
 from cockpit.engines import autograd as autograd_engine
 from cockpit.engines.coverage import Coverage, static_coverage
 from cockpit.engines.routing import Router
 from cockpit.history import History
-from cockpit.log_keys import LOG_KEYS, NONFINITE_KEY
-from cockpit.log_stream import LogStream
-from cockpit.loop_checks import LoopChecks
-from cockpit.planner import StepPlan, plan_step
+from cockpit.log.checkpoint import STATE_VERSION
+from cockpit.log.keys import LOG_KEYS, NONFINITE_KEY
+from cockpit.log.stream import LogStream
 from cockpit.precision import is_low_precision
 from cockpit.quantities.base import Quantity
-from cockpit.recorder import HistoryWriter, Recorder, StreamWriter
-from cockpit.records import Records
-from cockpit.step_run import StepRun, as_info
+from cockpit.step.checks import Diagnostics
+from cockpit.step.console import LOG, default_handler
+from cockpit.step.loop_checks import LoopChecks
+from cockpit.step.plan import StepPlan, plan_step
+from cockpit.step.recorder import HistoryWriter, Recorder, StreamWriter
+from cockpit.step.run import StepRun, as_info
 
 __all__ = ["Cockpit", "LOG_KEYS", "NONFINITE_KEY", "STATE_VERSION"]
 
@@ -54,7 +54,7 @@ def live_diagnosis(recorder: Recorder):
     return diagnosis
 
 
-class Cockpit(Records):
+class Cockpit(CockpitOutput):
     """Track quantities about the training during a single backward pass per step.
 
     Typical use (model and loss ``backpack.extend``-ed, as in 1.0.2)::

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cockpit.cockpit import Cockpit
-from cockpit.engines.backpack import extend
+from cockpit.engines.backpack.api import extend
 
 
 @dataclass

@@ -56,7 +56,8 @@ def quiet_warnings(*messages: str, category: type[Warning] = Warning) -> Iterato
 def one_line_warnings(command: str) -> Iterator[None]:
     """Print warnings as ``cockpit <command>: warning: <message>`` while inside.
 
-    For the command line (:mod:`cockpit.cli`, :mod:`cockpit.report`): one line per
+    For the command line (:mod:`cockpit.cli`, :mod:`cockpit.diagnosis.report`): one
+    line per
     warning, without the file and line of the code that raised it.
     """
     original = warnings.formatwarning

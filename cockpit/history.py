@@ -4,9 +4,9 @@ The history is the only thing plotting reads (data flows quantities -> history -
 plotting). It hands out plain Python values (floats, ints, lists, dicts), writes
 standard JSON (non-finite floats are tagged so they survive a round trip) or, on
 request, the format of cockpit-for-pytorch 1.0.2, and reads its own logs, streamed
-logs (:mod:`cockpit.log_stream`) and logs written by 1.0.2 (json_tricks
+logs (:mod:`cockpit.log.stream`) and logs written by 1.0.2 (json_tricks
 ``__ndarray__`` objects). How values are stored and encoded is in
-:mod:`cockpit.log_format`.
+:mod:`cockpit.log.format`.
 
 Long runs: numeric arrays with at least :data:`COMPACT_MIN_SIZE` entries (histograms,
 per-parameter lists of large models) are kept as numpy arrays inside the history
@@ -30,25 +30,27 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from cockpit.errors import unwritable_error
-from cockpit.log_format import (
+from cockpit.log.format import (
     COMPACT_MIN_SIZE,
-    NotStreamable,
     compact,
     decode,
     encode,
     encode_legacy,
     expand,
+    pack,
+    to_builtin,
+    to_output,
+)
+from cockpit.log.json_file import (
+    NotStreamable,
     find_log,
     is_tagged,
     json_log_steps,
     json_path,
-    pack,
     parse_json_log,
-    to_builtin,
-    to_output,
 )
-from cockpit.log_keys import ESTIMATE_SUFFIX
-from cockpit.log_stream import (
+from cockpit.log.keys import ESTIMATE_SUFFIX
+from cockpit.log.stream import (
     STREAM_MAGIC,
     file_lines,
     is_stream_data,
@@ -253,9 +255,9 @@ class History:
     def from_decoded(cls, data: Mapping[int, Mapping[str, Any]]) -> History:
         """Return a history of ``{step: {key: value}}`` read from a log.
 
-        For plain Python values as :func:`~cockpit.log_format.decode` gives them;
+        For plain Python values as :func:`~cockpit.log.format.decode` gives them;
         faster than the constructor: only lists and dicts go through
-        :func:`~cockpit.log_format.compact`.
+        :func:`~cockpit.log.format.compact`.
         """
         history = cls()
         plain = (bool, str, int, float, type(None))
@@ -372,7 +374,7 @@ class History:
         Steps become string keys, keys are sorted. Our format (the default) is
         standard JSON, one line per step; NaN and infinities become
         ``{"__float__": "nan" | "inf" | "-inf"}``, and large arrays are packed
-        (:func:`~cockpit.log_format.pack`: histogram edges as
+        (:func:`~cockpit.log.format.pack`: histogram edges as
         ``{"__linspace__": ...}``, mostly-zero counts as ``{"__sparse__": ...}``), a
         few KB per step of the ``full`` configuration. ``packed=False`` writes plain
         lists instead, with indent 2 (about 33 KB per step of ``full``), for tools
@@ -387,7 +389,7 @@ class History:
         Args:
             path: Target file path (parent directories are created); used as given
                 (``Cockpit.write`` adds ``.json`` with
-                :func:`~cockpit.log_format.json_path`).
+                :func:`~cockpit.log.json_file.json_path`).
             legacy: Write 1.0.2's format instead of standard JSON.
             packed: Pack large arrays (ignored with ``legacy=True``).
 
@@ -441,7 +443,7 @@ class History:
         """Read a log: standard JSON, a streamed log, or a cockpit-for-pytorch log.
 
         The format is detected from the first bytes: streamed logs (written while
-        training with ``Cockpit(..., logpath=...)``, see :mod:`cockpit.log_stream`)
+        training with ``Cockpit(..., logpath=...)``, see :mod:`cockpit.log.stream`)
         are read record by record, merged per step, and a torn last record (the
         run was killed while writing it) is skipped with a warning. A streamed log
         with no record yet (the run stopped before its first tracked step) gives an
@@ -450,7 +452,7 @@ class History:
         Args:
             path: Path of the log. Without a ``.json``/``.jsonl`` suffix,
                 ``<path>.json`` is meant, as in 1.0.2, then ``<path>.jsonl``, then the
-                file ``path`` itself (see :func:`~cockpit.log_format.find_log`).
+                file ``path`` itself (see :func:`~cockpit.log.json_file.find_log`).
 
         Returns:
             The history.

@@ -3,7 +3,8 @@
 A quantity declares the :class:`Need` members it reads (its ``needs`` attribute); it
 never names an engine's extensions or buffers. At each step the cockpit unions the
 needs of the quantities due and the engine picks the cheapest way to serve them all
-in one backward pass (for BackPACK: :func:`cockpit.engines.backpack.extensions_for`).
+in one backward pass (for BackPACK:
+:func:`cockpit.engines.backpack.api.extensions_for`).
 
 :data:`NEEDS` says, for every need, what it is and what it asks of the step: whether
 it is read inside the backward pass (through

@@ -6,7 +6,7 @@ output layer, a learned positional parameter, pre-LayerNorm attention
 ordinary cockpit loop; cockpit picks an engine per parameter (BackPACK where it has
 a rule, autograd elsewhere), estimates the curvature trace with the Monte-Carlo GGN
 of the cross-entropy in place of the Hessian (BackPACK's exact diagonal needs a rule
-for every layer; ``cockpit/curvature_source.py``), and ``coverage()`` says who
+for every layer; ``cockpit/curvature/source.py``), and ``coverage()`` says who
 computed what. The text is the source of Python's own ``textwrap`` module.
 
 HessMaxEV needs second derivatives, which the fused attention kernel on CPU does not

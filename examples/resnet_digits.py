@@ -3,7 +3,7 @@
 Residual connections live in ``forward()`` code, so BackPACK's exact curvature
 diagonal (which needs an ``nn.Sequential`` of layers it knows) is out of reach: the
 curvature trace is the Monte-Carlo GGN of the cross-entropy in place of the Hessian
-(``cockpit/curvature_source.py``), with its standard error.
+(``cockpit/curvature/source.py``), with its standard error.
 Where the per-sample gradients come from depends on the normalisation layer;
 ``coverage()`` says who computed what, and how exact it is.
 

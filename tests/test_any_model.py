@@ -301,13 +301,14 @@ def test_fused_attention_has_curvature_and_says_what_to_do_where_it_cannot(
 ):
     """nn.MultiheadAttention's fused kernel has no double backward of its own.
 
-    The cockpit's twice-differentiable attention (``cockpit.attention``) gives the
+    The cockpit's twice-differentiable attention (``cockpit.curvature.attention``)
+    gives the
     same HessMaxEV as the math kernel; where a model calls a function bound before
     (simulated: PyTorch's own, put back), the value is missing with the fix.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cockpit import attention
+    from cockpit.curvature import attention
 
     problem = make_any_problem("transformer")
     x, y = problem.make_batch(0)  # one batch for every run (make_batch draws anew)
@@ -442,8 +443,8 @@ def test_without_per_sample_losses_a_shared_layer_is_never_left_to_backpack():
 def test_coverage_of_a_step_like_the_one_before_is_reused_and_the_same(monkeypatch):
     """The per-step report is rebuilt only when routes, plan or statuses change;
     reused, it is the report a fresh build gives (HessTrace only at step 1)."""
-    from cockpit import step_routing
     from cockpit.engines.routing import Router
+    from cockpit.step import routing as step_routing
 
     built = []
     status_for = step_routing.status_for

@@ -121,10 +121,10 @@ def test_the_graph_reader_counts_what_can_run():
     }
     assert names == {"typing", "at_runtime", "inside"}
     graph = import_graph()
-    assert "cockpit.log_files" in graph["cockpit.cli"]
-    assert "cockpit.report" in graph["cockpit.cli"]  # inside build_parser
+    assert "cockpit.log.files" in graph["cockpit.cli"]
+    assert "cockpit.diagnosis.report" in graph["cockpit.cli"]  # inside build_parser
     # `from cockpit.engines import backpack as bp` names the module
-    assert "cockpit.engines.backpack" in graph["cockpit.engines.backpack_engine"]
+    assert "cockpit.engines.backpack.api" in graph["cockpit.engines.backpack.engine"]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
         ["a", "b", "c", "a"]
     ]
@@ -136,9 +136,11 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles in the cockpit package:\n{shown}"
 
 
-#: Modules that import BackPACK although they are no engine (to be moved behind one).
 def _is_backpack_engine(module: str) -> bool:
-    return module.startswith("cockpit.engines.backpack")
+    """The BackPACK engine's package, the one place that may import BackPACK."""
+    return module == "cockpit.engines.backpack" or module.startswith(
+        "cockpit.engines.backpack."
+    )
 
 
 def test_backpack_is_imported_by_its_engine_only():
@@ -154,4 +156,58 @@ def test_backpack_is_imported_by_its_engine_only():
 
 def test_the_log_keys_import_nothing():
     """Every reader and writer of a log can name its keys (no torch, no numpy)."""
-    assert _imports("cockpit.log_keys") <= {"__future__"}
+    assert _imports("cockpit.log.keys") <= {"__future__"}
+
+
+# --- the package's shape: the root, its shims, the size of a module ---------------
+#: Modules that keep a path of cockpit-for-pytorch 1.0.2 importable and only
+#: re-export (a docstring, imports and ``__all__``); the one list of them.
+SHIMS = ("cockpit.instruments", "cockpit.plotter", "cockpit.quantities.quantity")
+
+#: At most this many modules at the package root besides the shims.
+ROOT_MODULES_AT_MOST = 16
+
+
+def _only_re_exports(path: Path) -> bool:
+    """Whether a module holds nothing but a docstring, imports and ``__all__``."""
+    for index, node in enumerate(ast.parse(path.read_text(encoding="utf-8")).body):
+        docstring = index == 0 and isinstance(node, ast.Expr)
+        docstring = docstring and isinstance(node.value, ast.Constant)
+        names_all = isinstance(node, ast.Assign) and [
+            getattr(target, "id", None) for target in node.targets
+        ] == ["__all__"]
+        if not (
+            docstring or names_all or isinstance(node, (ast.Import, ast.ImportFrom))
+        ):
+            return False
+    return True
+
+
+def test_the_shims_only_re_export_and_are_all_listed():
+    for name in SHIMS:
+        assert _only_re_exports(MODULES[name]), f"{name} is a shim but holds code"
+    unlisted = sorted(
+        name
+        for name, path in MODULES.items()
+        if path.name != "__init__.py" and _only_re_exports(path) and name not in SHIMS
+    )
+    assert not unlisted, f"modules that only re-export, not in SHIMS: {unlisted}"
+
+
+def test_the_root_holds_few_modules():
+    root = sorted(
+        name
+        for name, path in MODULES.items()
+        if path.parent == PACKAGE and path.name != "__init__.py" and name not in SHIMS
+    )
+    assert len(root) <= ROOT_MODULES_AT_MOST, (
+        f"{len(root)} modules at cockpit/'s root (at most {ROOT_MODULES_AT_MOST} "
+        f"besides the shims): {root}. Fix: move them into the subpackage that says "
+        "what they do."
+    )
+
+
+def test_the_root_rule_counts_what_it_should():
+    assert "cockpit.cockpit" in MODULES and MODULES["cockpit.cockpit"].parent == PACKAGE
+    assert _only_re_exports(MODULES["cockpit.plotter"])
+    assert not _only_re_exports(MODULES["cockpit.cockpit"])

@@ -1,4 +1,4 @@
-"""cockpit.attention: fused attention whose backward pass can be differentiated.
+"""cockpit.curvature.attention: fused attention whose backward pass differentiates.
 
 While a quantity that needs Hessian-vector products belongs to a cockpit,
 ``F.scaled_dot_product_attention`` runs the same fused kernel forward and backward
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cockpit import Cockpit, attention
+from cockpit import Cockpit
 from cockpit import quantities as Q
+from cockpit.curvature import attention
 from cockpit.utils.schedules import linear
 
 ORIGINAL = attention._ORIGINAL

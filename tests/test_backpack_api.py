@@ -2,13 +2,13 @@
 
 import pytest
 
-from cockpit.engines import backpack as engine
+from cockpit.engines.backpack import api as engine
 
 
 def test_installed_backpack_provides_what_the_engine_relies_on():
     problems = engine.check_backpack_api()
     assert not problems, (
-        "The installed BackPACK changed what cockpit/engines/backpack.py and "
+        "The installed BackPACK changed what cockpit/engines/backpack/api.py and "
         "backpack_rules.py rely on:\n  "
         + "\n  ".join(problems)
         + "\nFix: adapt those two modules (and REQUIRED_API) to this BackPACK, or "
@@ -35,8 +35,8 @@ def test_no_other_module_names_backpack_internals():
     import pathlib
     import re
 
-    root = pathlib.Path(engine.__file__).parents[1]
-    allowed = {"engines/backpack.py", "engines/backpack_rules.py"}
+    root = pathlib.Path(engine.__file__).parents[2]
+    allowed = {"engines/backpack/api.py", "engines/backpack/rules.py"}
     offenders = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root).as_posix()

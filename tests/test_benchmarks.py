@@ -16,6 +16,7 @@ from benchmarks import measure, record, report, retry, run
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
+RESULTS = BENCHMARKS / "results"
 
 
 def run_harness(*args):
@@ -72,20 +73,20 @@ def test_harness_measures_time_memory_and_blocks(tmp_path):
 
 
 def test_committed_results_are_the_rendering_of_the_committed_record(tmp_path):
-    """results.md is results.json rendered with analysis.md appended, byte for byte."""
+    """results/overhead.md is overhead.json rendered, overhead_analysis.md appended."""
     out = tmp_path / "results.md"
-    proc = run_harness("--render", str(BENCHMARKS / "results.json"), "--out", str(out))
+    proc = run_harness("--render", str(RESULTS / "overhead.json"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert out.read_text() == (BENCHMARKS / "results.md").read_text(), (
-        "benchmarks/results.md is stale: run "
-        "`python -m benchmarks.run --render benchmarks/results.json`"
+    assert out.read_text() == (RESULTS / "overhead.md").read_text(), (
+        "benchmarks/results/overhead.md is stale: run "
+        "`python -m benchmarks.run --render benchmarks/results/overhead.json`"
     )
 
 
 def test_only_internals_imports_cockpit():
     """Core names used by the benchmarks live in one module, for one place to fix."""
     offenders = []
-    for path in sorted(BENCHMARKS.glob("*.py")):
+    for path in sorted(BENCHMARKS.rglob("*.py")):
         if path.name in (
             "internals.py",
             "diagnosis_validation.py",
@@ -341,8 +342,8 @@ def test_any_model_benchmark_checks_the_engine_and_records_goals(tmp_path):
 
 
 def test_hvp_counts_compare_warm_starts_against_a_tight_reference():
-    """`benchmarks.kernels --hvp-steps`: products and errors per warm start."""
-    from benchmarks.kernels import hvp_counts
+    """`benchmarks.studies.kernels --hvp-steps`: products and errors per warm start."""
+    from benchmarks.studies.kernels import hvp_counts
 
     out = hvp_counts("mlp", 2, lr=0.05, momentum=0.9)
     assert set(out) == {"warm start from 3", "warm start from 1", "reference"}
@@ -359,13 +360,13 @@ def test_hvp_counts_compare_warm_starts_against_a_tight_reference():
 
 
 def test_small_block_times_compare_two_exact_paths():
-    """`benchmarks.kernels --small-blocks`: both paths timed, their counts equal."""
-    from benchmarks.kernels import small_block_times
-    from cockpit.quantities import grad_hist
+    """`benchmarks.studies.kernels --small-blocks`: both paths timed, counts equal."""
+    from benchmarks.studies.kernels import small_block_times
+    from cockpit.quantities import histogram_kernels as kernels
 
-    limit = grad_hist.SEARCH_AT_MOST
+    limit = kernels.SEARCH_AT_MOST
     rows = small_block_times(sizes=(64, 3000), repeats=1)
-    assert grad_hist.SEARCH_AT_MOST == limit  # restored
+    assert kernels.SEARCH_AT_MOST == limit  # restored
     assert [(n, s) for n, s, *_ in rows] == [
         (64, 1e-3), (64, 0.3), (3000, 1e-3), (3000, 0.3)
     ]  # fmt: skip
@@ -373,8 +374,8 @@ def test_small_block_times_compare_two_exact_paths():
 
 
 def test_hvp_modes_agree_and_are_timed(monkeypatch):
-    """`benchmarks.hvp_modes`: four ways to the same Hessian-vector products."""
-    from benchmarks import hvp_modes
+    """`benchmarks.studies.hvp_modes`: four ways to the same Hessian-vector products."""
+    from benchmarks.studies import hvp_modes
 
     result = hvp_modes.measure("mlp", probes=3, repeats=1)
     assert result["parameters"] == 101_770 and result["probes"] == 3

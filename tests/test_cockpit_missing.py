@@ -10,7 +10,7 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_stream import read_stream
+from cockpit.log.stream import read_stream
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem
 

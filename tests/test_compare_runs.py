@@ -18,7 +18,7 @@ from matplotlib.collections import PathCollection
 from cockpit.cli import _default_output, main
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_stream import LogStream
+from cockpit.log.stream import LogStream
 from cockpit.plotting import CockpitPlotter, instruments
 from cockpit.plotting.data import trend
 from cockpit.plotting.drawers import extra_axes

@@ -132,7 +132,7 @@ def test_exception_in_backward_surfaces_and_tracks_nothing():
 
 def test_hess_trace_holds_one_module_of_curvature_at_a_time(monkeypatch):
     """While BackPACK runs, curvature diagonals never exist for two modules at once."""
-    from cockpit.engines import backpack as engine
+    from cockpit.engines.backpack import api as engine
 
     problem = make_problem("cnn", "mse")
     params = problem.params

@@ -13,7 +13,7 @@ import pytest
 import torch
 from backpack import extend
 
-import cockpit.step_features.cost as cost
+import cockpit.step.features.cost as cost
 from cockpit import Cockpit
 from cockpit.quantities import SingleStepQuantity
 from cockpit.utils.schedules import linear

@@ -16,7 +16,7 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_stream import is_stream_file, read_stream, stream_path
+from cockpit.log.stream import is_stream_file, read_stream, stream_path
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem
 
@@ -285,7 +285,7 @@ def test_plotter_reads_a_streamed_and_torn_log(tmp_path):
 
 
 def test_resuming_onto_a_written_log_converts_it_to_a_stream(tmp_path):
-    from cockpit.log_stream import LogStream
+    from cockpit.log.stream import LogStream
 
     path = tmp_path / "run.json"  # e.g. Cockpit.write and logpath gave one name
     History({0: {"Loss": 1.0, "GradNorm": [math.inf]}}).write_json(path)

@@ -10,8 +10,8 @@ import pytest
 
 from cockpit.cli import main
 from cockpit.diagnosis import Finding
+from cockpit.diagnosis.report import render_json, render_markdown, render_text
 from cockpit.history import History
-from cockpit.report import render_json, render_markdown, render_text
 
 FINDINGS = [
     Finding(

@@ -1,8 +1,8 @@
-"""Smoke test of ``benchmarks/estimators.py`` at a tiny setting (ours only)."""
+"""Smoke test of ``benchmarks/studies/estimators.py`` at a tiny setting (ours only)."""
 
 import torch
 
-from benchmarks import estimators
+from benchmarks.studies import estimators
 
 
 def test_estimators_benchmark_smoke():

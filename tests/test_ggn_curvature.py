@@ -4,13 +4,13 @@ The 1.0.2 loop unchanged, default attention, ``business`` plus TICTrace, on mode
 BackPACK cannot backpropagate through: a hand-written text classifier (children
 named ``input0`` and ``output``, residuals added in place, fused attention, a
 ``dict`` output) and Hugging Face BERT (ViT in ``test_curvature_real_models.py``;
-ResNet in ``benchmarks/curvature_zoo_results.md``: its float64 convolutions take
+ResNet in ``benchmarks/results/curvature_zoo.md``: its float64 convolutions take
 seconds). With few rows times
 classes (4 samples, 3 classes) the GGN diagonal is exact: HessTrace, TICTrace and
 TICDiag equal their definitions on the brute-force GGN (``tests/utils/dense_ggn.py``,
 float64), the step says which curvature it used (the estimate records, one
 warning naming ``curvature='hutchinson'``, the coverage line). The Monte-Carlo
-GGN's count rule (:func:`cockpit.curvature_source.monte_carlo`) keeps its reported
+GGN's count rule (:func:`cockpit.curvature.source.monte_carlo`) keeps its reported
 standard error honest (repeated estimates) and at most 10 %. A loss that is not a
 cross-entropy keeps Hutchinson's estimate of the Hessian.
 """
@@ -85,8 +85,8 @@ def test_monte_carlo_count_rule_reports_an_honest_error_of_at_most_ten_percent()
     error is at most 10 %, the mean squared reported error matches the variance of
     the estimates (band [0.7, 1.4]: 120 estimates of a heavy-tailed draw), and their
     mean lies within 4 standard errors of the brute-force GGN's trace."""
-    from cockpit import curvature_source
-    from cockpit.ggn_estimate import Head
+    from cockpit.curvature import source as curvature_source
+    from cockpit.curvature.ggn import Head
 
     torch.manual_seed(1)
     case = tiny_gpt()

@@ -1,4 +1,4 @@
-"""The Monte-Carlo GGN of ``cockpit/ggn_estimate.py`` against the dense float64 GGN.
+"""The Monte-Carlo GGN of ``cockpit/curvature/ggn.py`` against the dense float64 GGN.
 
 The GGN is formed from its definition, ``sum_r c_r J_r^T (diag p_r - p_r p_r^T) J_r``
 with the full Jacobian ``J_r`` of the logits (``torch.func.jacrev``) and the row
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from cockpit.ggn_estimate import NotCrossEntropy, exact_ggn, monte_carlo_ggn
+from cockpit.curvature.ggn import NotCrossEntropy, exact_ggn, monte_carlo_ggn
 
 
 class TokenModel(nn.Module):

@@ -18,9 +18,9 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import FactoredLinearGradients, LinearFactors
-from cockpit.quantities import grad_hist
+from cockpit.quantities import histogram_kernels as kernels
 from cockpit.quantities.bin_adaptation import GradAbsMax, NoAdaptation, ParamAbsMax
-from cockpit.quantities.grad_hist import (
+from cockpit.quantities.histogram_kernels import (
     bin_index,
     histogram_1d,
     histogram_2d,
@@ -151,13 +151,13 @@ def test_many_exact_zeros_share_one_bin_without_re_checking_every_value(
     values = torch.cat([probes, zeros, nan])
     values = values[torch.randperm(values.numel())]
     sizes = []
-    original = grad_hist._correct
+    original = kernels._correct
 
     def correct(v, index, edges):
         sizes.append(v.numel())
         return original(v, index, edges)
 
-    monkeypatch.setattr(grad_hist, "_correct", correct)
+    monkeypatch.setattr(kernels, "_correct", correct)
     fast = bin_index(values, edges, (lo, hi), clamp, correct_all=False)
     assert sizes and max(sizes) < values.numel() // 8  # no re-check of every value
     full = bin_index(values, edges, (lo, hi), clamp, correct_all=True)
@@ -243,7 +243,7 @@ def test_concentrated_values_take_the_comparison_path_and_stay_exact(
         ]
     )
     values = values.clamp(max=edges[first + span])
-    assert grad_hist._span(values, edges, (lo, hi), None) is not None
+    assert kernels._span(values, edges, (lo, hi), None) is not None
     counts = histogram_1d(values, edges, (lo, hi))
     expected, _ = np_hist_1d(values.numpy(), bins, lo, hi)
     assert counts.tolist() == expected
@@ -252,7 +252,7 @@ def test_concentrated_values_take_the_comparison_path_and_stay_exact(
     clamps = ((lo + 0.02, hi - 0.02), (-2.0 + 0.04, 2.0 - 0.04))
     x = values[: 4 * 1000].reshape(4, 1000)
     y = 3 * torch.randn(1000, generator=gen, dtype=dtype)
-    assert grad_hist._span(x, xedges, (lo, hi), clamps[0]) is not None
+    assert kernels._span(x, xedges, (lo, hi), clamps[0]) is not None
     got = histogram_2d(x, y, xedges, yedges, ((lo, hi), (-2.0, 2.0)), clamps)
     want, _ = np_hist_2d([x.numpy()], [y.numpy()], (100, 50), ((lo, hi), (-2, 2)))
     assert got.tolist() == want
@@ -289,7 +289,7 @@ def test_outer_product_counts_equal_the_materialised_ones(dtype, bins, lo, hi, s
     inputs[0, : on_edges.numel()] = on_edges
     inputs[1, : on_edges.numel()] = -on_edges
     for force in (True, False):
-        got = grad_hist.histogram_1d_outer(
+        got = kernels.histogram_1d_outer(
             delta, inputs, scale, edges, (lo, hi), force=force
         )
         if got is not None:
@@ -303,7 +303,7 @@ def test_outer_product_counts_equal_the_materialised_ones(dtype, bins, lo, hi, s
 def test_outer_product_counts_for_any_row_length_and_scale(dim, scale):
     edges = histogram_edges(-0.3, 0.2, 13)
     delta, inputs, _ = outer_case(torch.float64, dim, dim=dim, spread=0.1)
-    got = grad_hist.histogram_1d_outer(
+    got = kernels.histogram_1d_outer(
         delta, inputs, scale, edges, (-0.3, 0.2), force=True
     )
     want = materialized_counts(delta, inputs, scale, edges, (-0.3, 0.2))
@@ -314,8 +314,8 @@ def test_outer_product_path_declines_non_finite_factors():
     edges = histogram_edges(-2.0, 2.0, 10)
     delta, inputs, scale = outer_case(torch.float64, 3)
     inputs[2, 5] = math.inf  # inf * 0 would be NaN
-    assert grad_hist.histogram_1d_outer(delta, inputs, scale, edges, (-2, 2)) is None
-    empty = grad_hist.histogram_1d_outer(
+    assert kernels.histogram_1d_outer(delta, inputs, scale, edges, (-2, 2)) is None
+    empty = kernels.histogram_1d_outer(
         delta[:, :0], inputs, scale, edges, (-2, 2), force=True
     )
     assert empty.tolist() == [0] * 10
@@ -323,16 +323,16 @@ def test_outer_product_path_declines_non_finite_factors():
 
 def test_grad_hist_1d_through_the_outer_product_path(problem, monkeypatch):
     """Forced onto every Linear weight, the counts still equal the numpy twin."""
-    monkeypatch.setattr(grad_hist, "OUTER_COST_FRACTION", math.inf)
+    monkeypatch.setattr(kernels, "OUTER_COST_FRACTION", math.inf)
     taken = [0]
-    original = grad_hist.histogram_1d_outer
+    original = kernels.histogram_1d_outer
 
     def counting(*args, **kwargs):
         result = original(*args, **kwargs)
         taken[0] += result is not None
         return result
 
-    monkeypatch.setattr(grad_hist, "histogram_1d_outer", counting)
+    monkeypatch.setattr(kernels, "histogram_1d_outer", counting)
     kwargs = {"bins": 7, "range": (-0.05, 0.05)}
     result = run(problem, [Q.GradHist1d(linear(1), **kwargs)], steps=2)
     linear_weights = sum(
@@ -359,14 +359,14 @@ def factored_view(delta, inputs, param):
 def test_grad_hist_2d_from_linear_factors_equals_numpy(dtype, case, monkeypatch):
     """Rows in one x-bin, straddling the edge at 0, or wider: all exact."""
     taken = []
-    original = grad_hist._may_round_to_zero
+    original = kernels._may_round_to_zero
 
     def recording(*args):
         result = original(*args)
         taken.append(not result)
         return result
 
-    monkeypatch.setattr(grad_hist, "_may_round_to_zero", recording)
+    monkeypatch.setattr(kernels, "_may_round_to_zero", recording)
     gen = torch.Generator().manual_seed(7)
     n, out, dim = 12, 9, 30
     delta = torch.randn(n, out, generator=gen, dtype=dtype) * 1e-3
@@ -618,7 +618,7 @@ def test_small_blocks_are_counted_by_searching_the_edges(bins, lo, hi, dtype):
     values = edge_probes(edges, torch.Generator().manual_seed(4), hi - lo, n=300)
     values[:150] += (lo + hi) / 2
     values = torch.cat([values, torch.full((3,), math.nan, dtype=dtype)])
-    assert values.numel() <= grad_hist.SEARCH_AT_MOST
+    assert values.numel() <= kernels.SEARCH_AT_MOST
     searched = []
     original = torch.bucketize
 

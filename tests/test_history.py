@@ -250,9 +250,9 @@ import json, sys
 for name in ("torch", "backpack", "torchvision"):
     sys.modules[name] = None  # any import of them raises ImportError
 import cockpit
-import cockpit.history, cockpit.log_stream, cockpit.log_format, cockpit.cli
+import cockpit.history, cockpit.log.stream, cockpit.log.format, cockpit.cli
 from cockpit.history import History
-from cockpit.log_stream import LogStream
+from cockpit.log.stream import LogStream
 try:
     import torch
 except ImportError:
@@ -315,11 +315,11 @@ def test_history_and_log_stream_share_the_codec_and_import_no_privates():
     import ast
 
     import cockpit.history
-    import cockpit.log_format
-    import cockpit.log_stream
+    import cockpit.log.format
+    import cockpit.log.stream
 
     imported = {}
-    for module in (cockpit.history, cockpit.log_stream, cockpit.log_format):
+    for module in (cockpit.history, cockpit.log.stream, cockpit.log.format):
         tree = ast.parse(open(module.__file__).read())
         imported[module.__name__] = {
             (node.module, alias.name)
@@ -331,10 +331,10 @@ def test_history_and_log_stream_share_the_codec_and_import_no_privates():
         privates = [n for n in names if n[1].startswith("_")]
         assert not privates, (name, privates)
     modules = {name: {m for m, _ in names} for name, names in imported.items()}
-    assert "cockpit.history" not in modules["cockpit.log_stream"]
-    assert not {"cockpit.history", "cockpit.log_stream"} & modules["cockpit.log_format"]
-    assert "cockpit.log_format" in modules["cockpit.history"]
-    assert "cockpit.log_format" in modules["cockpit.log_stream"]
+    assert "cockpit.history" not in modules["cockpit.log.stream"]
+    assert not {"cockpit.history", "cockpit.log.stream"} & modules["cockpit.log.format"]
+    assert "cockpit.log.format" in modules["cockpit.history"]
+    assert "cockpit.log.format" in modules["cockpit.log.stream"]
 
 
 def test_package_attributes_load_on_first_use():

@@ -1,7 +1,7 @@
-"""Reading a log of any length: :class:`cockpit.log_reader.LogHistory`.
+"""Reading a log of any length: :class:`cockpit.log.reader.LogHistory`.
 
 Every value a command reads from a :class:`LogHistory` (what
-:func:`cockpit.log_files.open_log` returns) must equal what the whole-file readers
+:func:`cockpit.log.files.open_log` returns) must equal what the whole-file readers
 give (:meth:`History.from_json`, and :meth:`History.from_json_latest` for
 ``latest``), for streamed, written and 1.0.2 logs, with resume markers, torn and
 damaged lines, values of changing shapes and estimates; the dashboard's series and
@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 from benchmarks import big_logs
+from cockpit.diagnosis.running_median import running_median
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_files import open_log
-from cockpit.log_reader import LogHistory, read_log_history
-from cockpit.log_stream import _HEADER, record_line
+from cockpit.log.files import open_log
+from cockpit.log.reader import LogHistory, read_log_history
+from cockpit.log.stream import _HEADER, record_line
 from cockpit.plotting.data import REDUCERS, DashboardData
-from cockpit.running_median import running_median
 
 
 def same(a, b, path="value"):

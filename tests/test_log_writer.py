@@ -14,8 +14,8 @@ from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
-from cockpit.log_lock import LogInUseError
-from cockpit.log_stream import LogStream, read_stream
+from cockpit.log.lock import LogInUseError
+from cockpit.log.stream import LogStream, read_stream
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem
 
@@ -53,7 +53,7 @@ def _steps(cockpit, problem, steps):
 
 
 def _holder(*args):
-    lock = os.path.join(ROOT, "cockpit", "log_lock.py")
+    lock = os.path.join(ROOT, "cockpit", "log", "lock.py")
     return subprocess.Popen(
         [sys.executable, "-c", HOLDER, lock, *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -18,18 +18,17 @@ from cockpit import CockpitPlotter
 from cockpit.cli import main
 from cockpit.errors import CockpitWarning, LogFileError
 from cockpit.history import History
-from cockpit.log_format import (
+from cockpit.log.format import (
     LINSPACE_TAG,
     SPARSE_TAG,
-    NotStreamable,
     compact,
     decode,
     encode,
     expand,
-    json_log_steps,
     pack,
 )
-from cockpit.log_stream import LogStream
+from cockpit.log.json_file import NotStreamable, json_log_steps
+from cockpit.log.stream import LogStream
 from cockpit.plotting import instruments
 from cockpit.plotting.data import MAX_POINTS, as_data, extremes_index, read_log
 

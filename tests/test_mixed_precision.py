@@ -30,11 +30,11 @@ from backpack import extend
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.checks import StepHealth, reduction_problem, step_health
 from cockpit.context import StepInfo
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import SingleStepQuantity
+from cockpit.step.checks import StepHealth, reduction_problem, step_health
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
@@ -353,7 +353,7 @@ def test_curvature_under_autocast_is_estimated_or_missing_with_the_fix(mode, arc
     forward): HessTrace with ``curvature="hutchinson"`` is a Hutchinson estimate,
     within 4 standard errors (plus the ``8 u`` of the low dtype's products) of the
     float64 truth; TICDiag of the GGN is the exact GGN of the cross-entropy (one
-    backward pass per row and class, ``cockpit.curvature_source``), within ``8 u``
+    backward pass per row and class, ``cockpit.curvature.source``), within ``8 u``
     as BackPACK's; HessMaxEV within ``4 u``. TICDiag of the Hessian is missing with
     a reason that names the fix."""
     setup = Setup(mode, arch)

@@ -6,8 +6,8 @@ from backpack import CTX, backpack, extend
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagGGNMC, DiagHessian
 
 from cockpit import Cockpit
-from cockpit.engines.backpack import extensions_for, merge_extensions
-from cockpit.engines.backpack_rules import (
+from cockpit.engines.backpack.api import extensions_for, merge_extensions
+from cockpit.engines.backpack.rules import (
     PerSampleGradients,
     lean_diag_ggn_exact,
     lean_diag_ggn_mc,

@@ -23,7 +23,7 @@ import torch
 from backpack.extensions import BatchGrad
 
 from cockpit import quantities as Q
-from cockpit.engines import backpack as engine
+from cockpit.engines.backpack import api as engine
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.utils.schedules import linear

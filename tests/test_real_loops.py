@@ -260,7 +260,7 @@ def test_several_backward_passes_in_one_tracked_step_are_explained():
 
 
 def test_a_failure_while_the_step_opens_leaves_nothing_open(monkeypatch):
-    from cockpit.step_run import StepRun
+    from cockpit.step.run import StepRun
 
     problem = make_problem("mlp", "ce", "sgd")
     cockpit = Cockpit(problem.params, [Q.GradHist1d(EVERY)])
@@ -374,7 +374,7 @@ def test_the_optimizer_hook_goes_when_the_cockpit_closes():
 
 
 def test_a_failing_subscriber_does_not_cost_the_others_their_values():
-    from cockpit.recorder import Recorder
+    from cockpit.step.recorder import Recorder
 
     seen = []
 

@@ -16,7 +16,7 @@ from backpack import extend
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
-from cockpit.engines.backpack import quiet_backward
+from cockpit.engines.backpack.api import quiet_backward
 from cockpit.engines.replay import ReplayEngine, Replayer
 from cockpit.engines.routing import PER_SAMPLE_BACKWARD, REPLAY, Router
 from cockpit.needs import Need

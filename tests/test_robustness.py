@@ -966,9 +966,9 @@ DESIGN_CASES = {
 
 @pytest.mark.parametrize("case", sorted(DESIGN_CASES))
 def test_the_statistics_jacobian_design_is_exact(case):
-    """benchmarks.batchnorm_designs' low-rank design (per-sample gradients with the
-    statistics held, plus their Jacobian's rows) equals brute force in float64."""
-    from benchmarks.batchnorm_designs import stats_jacobian_gradients
+    """benchmarks.studies.batchnorm_designs' low-rank design (per-sample gradients with
+    the statistics held, plus their Jacobian's rows) equals brute force in float64."""
+    from benchmarks.studies.batchnorm_designs import stats_jacobian_gradients
 
     build, features = DESIGN_CASES[case]
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import step_trace
+from benchmarks.studies import step_trace
 
 
 def test_step_trace_figures_are_consistent(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Trace estimators and the Lanczos decomposition they share, on dense matrices.
 
-``cockpit.trace_estimators`` against the exact diagonal of symmetric float64
+``cockpit.curvature.hutchinson`` against the exact diagonal of symmetric float64
 matrices whose spectra look like networks' Hessians (a few outliers of both signs
 over a flat bulk): the estimates are unbiased, their reported standard errors match
 the spread of repeated estimates, and deflation by the Krylov space cuts the
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from cockpit import trace_estimators as te
+from cockpit.curvature import hutchinson as te
 from cockpit.engines.autograd import sum_error
 from cockpit.quantities.hess_max_ev import lanczos_max_ev
-from cockpit.step_features.estimators import MIN_DEFLATED_PROBES, deflated_probes
+from cockpit.step.features.estimators import MIN_DEFLATED_PROBES, deflated_probes
 
 SHAPES = [torch.Size([7]), torch.Size([4, 5]), torch.Size([33])]
 DIM = sum(s.numel() for s in SHAPES)

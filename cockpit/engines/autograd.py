@@ -41,7 +41,7 @@ DEFAULT_CHUNK = 8
 #: backward's memory stays that of about ``PAIRS`` samples' activations however
 #: large ``N`` is. Measured on the ResNet-18 layout with BatchNorm (one thread):
 #: at N=128, chunk 2 instead of 8 took 56.5 s instead of 59.5 s and 1018 MiB of
-#: peak RSS instead of 1825 MiB (benchmarks/batchnorm_cost.py has the method).
+#: peak RSS instead of 1825 MiB (benchmarks/studies/batchnorm_cost.py has the method).
 DEFAULT_PAIRS = 256
 #: Numbers of per-sample gradients (``N * sum numel``) held at once; parameters
 #: beyond it are processed in further groups (one more chunked backward each).

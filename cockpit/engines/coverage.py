@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from cockpit.curvature_source import expected_method
+from cockpit.curvature.source import expected_method
 from cockpit.engines.base import AUTOGRAD, BACKPACK, UNUSED, EngineStep, Route
 from cockpit.needs import Need
 

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from cockpit.engines.backpack_routing import batch_mixing, batchnorms, roots_of
+from cockpit.engines.backpack.routing import batch_mixing, batchnorms, roots_of
 from cockpit.engines.base import (
     Decline,
     Engine,

@@ -4,7 +4,7 @@ Like opacus' grad samplers (a registry of fast per-layer rules and a generic
 fallback), the :class:`Router` asks the registered engines
 (:func:`cockpit.engines.base.engine_classes`, in their declared order) which
 parameters they serve: BackPACK where its layer rules are known to be right
-(:mod:`cockpit.engines.backpack_routing`), then the replay engine, then the batched
+(:mod:`cockpit.engines.backpack.routing`), then the replay engine, then the batched
 autograd engine, which serves any parameter. A parameter the per-sample losses do
 not depend on is :data:`UNUSED` (exact zeros). Each route keeps the reasons of the
 engines that declined (:class:`~cockpit.engines.base.Decline`), for

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
-from cockpit.engines.backpack import extend
+from cockpit.engines.backpack.api import extend
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities.base import Quantity

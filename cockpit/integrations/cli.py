@@ -10,7 +10,7 @@
   :mod:`cockpit.integrations.mlflow`).
 
 The W&B and MLflow runs also get the dashboard, the HTML dashboard and the
-diagnosis. The log is read with :func:`cockpit.log_files.open_log`.
+diagnosis. The log is read with :func:`cockpit.log.files.open_log`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 import sys
 
 from cockpit.errors import LogFileError
-from cockpit.log_files import open_log
+from cockpit.log.files import open_log
 
 
 def add_export_command(sub) -> argparse.ArgumentParser:

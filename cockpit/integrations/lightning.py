@@ -123,9 +123,9 @@ from cockpit.integrations._common import (
     updated_named_parameters,
     warn,
 )
-from cockpit.log_keys import LOG_KEYS
-from cockpit.loop_checks import GradSnapshot
+from cockpit.log.keys import LOG_KEYS
 from cockpit.quantities.base import Quantity
+from cockpit.step.loop_checks import GradSnapshot
 
 if TYPE_CHECKING:  # lightning is imported when CockpitCallback is first used
     import lightning.pytorch as pl

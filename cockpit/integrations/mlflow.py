@@ -200,7 +200,7 @@ def export_mlflow(
     """Send a log written earlier to a new MLflow run (then finished).
 
     Args:
-        log: A log file (read with :func:`~cockpit.log_files.open_log`) or a
+        log: A log file (read with :func:`~cockpit.log.files.open_log`) or a
             :class:`~cockpit.history.History`.
         tracking_uri: The tracking server or store (default: MLflow's).
         experiment: The experiment's name (created if missing).
@@ -213,7 +213,7 @@ def export_mlflow(
         as ``.sink.run_id``).
     """
     from cockpit.history import History
-    from cockpit.log_files import open_log
+    from cockpit.log.files import open_log
 
     history = log if isinstance(log, History) else open_log(log)
     if run_name is None and not isinstance(log, History):

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from cockpit.log_keys import LEARNING_RATES_KEY
+from cockpit.log.keys import LEARNING_RATES_KEY
 
 #: Per-parameter quantities with a meaningful total over all tensors, and how it is
 #: formed: ``"norm"`` (square root of the sum of squares) or ``"sum"``.

@@ -60,7 +60,7 @@ from cockpit.integrations.series import (
     Scalar,
     Series,
 )
-from cockpit.log_files import open_log
+from cockpit.log.files import open_log
 
 __all__ = [
     "HIST2D_AXES",
@@ -144,7 +144,7 @@ def export_tensorboard(
         ValueError: If neither ``logdir`` nor ``writer`` is given.
         ImportError: If the ``tensorboard`` package is missing.
         LogFileError: If ``log`` is a path without a readable log holding a
-            tracked step (:func:`~cockpit.log_files.open_log`).
+            tracked step (:func:`~cockpit.log.files.open_log`).
     """
     history, known_names = _as_history(log)
     if param_names is None:

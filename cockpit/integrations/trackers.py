@@ -1,7 +1,7 @@
 """Cockpit's values in an experiment tracker: the subscriber every tracker shares.
 
 A :class:`TrackerLog` subscribes to a cockpit's recorder (``on_record`` and
-``close``, :mod:`cockpit.recorder`): each tracked step's values are named by
+``close``, :mod:`cockpit.step.recorder`): each tracked step's values are named by
 :class:`~cockpit.integrations.series.Series` (the names of the TensorBoard export)
 and handed to a *sink*, the few lines that speak one tracker's API:
 

@@ -109,7 +109,7 @@ except Exception as error:  # e.g. a torchvision that cannot load: name the fix
     raise
 
 from cockpit.cockpit import Cockpit
-from cockpit.engines.backpack import extend
+from cockpit.engines.backpack.api import extend
 from cockpit.integrations._common import (
     ScaleNewGradients,
     default_logpath,
@@ -120,8 +120,8 @@ from cockpit.integrations._common import (
     updated_named_parameters,
     warn,
 )
-from cockpit.loop_checks import GradSnapshot
 from cockpit.quantities.base import Quantity
+from cockpit.step.loop_checks import GradSnapshot
 
 __all__ = ["CockpitTrainer", "CockpitTrainerMixin"]
 

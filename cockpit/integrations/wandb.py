@@ -221,7 +221,7 @@ def export_wandb(
     """Send a log written earlier to a new W&B run of ``project`` (then finished).
 
     Args:
-        log: A log file (read with :func:`~cockpit.log_files.open_log`) or a
+        log: A log file (read with :func:`~cockpit.log.files.open_log`) or a
             :class:`~cockpit.history.History`.
         project: The W&B project.
         name: The run's name (default: the log file's name).
@@ -234,7 +234,7 @@ def export_wandb(
         as ``.sink.run``).
     """
     from cockpit.history import History
-    from cockpit.log_files import open_log
+    from cockpit.log.files import open_log
 
     history = log if isinstance(log, History) else open_log(log)
     if name is None and not isinstance(log, History):

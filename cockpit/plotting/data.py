@@ -10,7 +10,7 @@ dashboard up to date costs time proportional to the new data. Gauges draw at mos
 extremes), so drawing does not grow with the run either.
 
 Estimated values (a step with ``<key>_estimate``, see
-:data:`cockpit.log_keys.ESTIMATE_SUFFIX`) carry their standard error along: a
+:data:`cockpit.log.keys.ESTIMATE_SUFFIX`) carry their standard error along: a
 series holds, next to each value, the standard error of the reduced value (NaN
 where it is exact; :func:`estimate_error`), which :meth:`Series.view_errors` thins
 with the values.
@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from cockpit.history import History
-from cockpit.log_files import locate_log, open_log
-from cockpit.log_keys import ESTIMATE_SUFFIX
+from cockpit.log.files import locate_log, open_log
+from cockpit.log.keys import ESTIMATE_SUFFIX
 
 #: Number of neighbouring points of the trend line's local fits (see :func:`trend`):
 #: about the smoothing of the exponential moving average of cockpit-for-pytorch
@@ -147,7 +147,7 @@ class Series:
         #: Whether some error is only an upper bound (see :func:`estimate_error`).
         self.error_bound = False
         #: The curvatures its estimates say they used (``{"ggn"}``: the GGN stood
-        #: in for the Hessian, see :mod:`cockpit.curvature_source`).
+        #: in for the Hessian, see :mod:`cockpit.curvature.source`).
         self.curvatures: set[str] = set()
 
     def note_estimate(self, estimate: Any) -> None:
@@ -434,7 +434,7 @@ class DashboardData:
         self._resume = new[-1]
 
     def _read_log_history(self, steps: list[int]) -> None:
-        """The first refresh of a :class:`~cockpit.log_reader.LogHistory`.
+        """The first refresh of a :class:`~cockpit.log.reader.LogHistory`.
 
         Its latest mapping of each key is asked for, not found by reading every
         step (whose mappings are read from the file when asked for).
@@ -589,7 +589,7 @@ def read_log(path: str | os.PathLike, upto: int | None = None) -> DashboardData:
         Refreshed data; :attr:`DashboardData.log` is the file read.
 
     Raises:
-        LogFileError: As :func:`~cockpit.log_files.open_log` raises it (also for
+        LogFileError: As :func:`~cockpit.log.files.open_log` raises it (also for
             a log without a tracked step up to ``upto``).
     """
     found = locate_log(path)
@@ -611,7 +611,7 @@ def as_history(source: Any) -> History:
         The history (the cockpit's own object for a cockpit, so it stays live).
 
     Raises:
-        LogFileError: For a path, as :func:`~cockpit.log_files.open_log` raises it.
+        LogFileError: For a path, as :func:`~cockpit.log.files.open_log` raises it.
         TypeError: For any other kind of source.
     """
     if isinstance(source, History):

@@ -55,7 +55,7 @@ from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities.compat import Helpers102, QuantityOutput
 from cockpit.quantities.utils_params import gradients
-from cockpit.recorder import MISSING_KEY  # noqa: F401  (re-exported)
+from cockpit.step.recorder import MISSING_KEY  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class Helpers102:
 
         ``[N, D]`` over all parameters if ``aggregate``.
         """
-        from cockpit.engines.backpack import stored_per_sample
+        from cockpit.engines.backpack.api import stored_per_sample
 
         per_sample = [stored_per_sample(p) for p in params]
         return _concat(per_sample, start_dim=1) if aggregate else per_sample

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cockpit import attention
+from cockpit.curvature import attention
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.precision import compute_dtype
@@ -79,7 +79,7 @@ class Krylov:
     tail ``w`` (orthogonal to the rows) is what the last product left outside the
     space. The relation holds to rounding (full re-orthogonalisation), so a
     trace estimator can take ``Q^T H Q`` as exact and estimate only the rest
-    (:mod:`cockpit.trace_estimators`).
+    (:mod:`cockpit.curvature.hutchinson`).
 
     Attributes:
         blocks: The rows of ``Q``, block by block (views of the Lanczos basis).
@@ -225,7 +225,7 @@ def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
     Lanczos' three-term recurrence ``w`` is orthogonal to the basis up to rounding,
     so the second pass is rarely needed; each pass reads the whole basis twice,
     which on a small model costs about as much as the Hessian-vector product
-    itself (``benchmarks.kernels --lanczos``).
+    itself (``benchmarks.studies.kernels --lanczos``).
 
     Returns:
         The orthogonalised vector and its norm.
@@ -465,11 +465,11 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self._largest: dict[int, float] = {}
         #: Where a trace estimate shared this quantity's Lanczos run: the part of
         #: Hutchinson's variance its rest still had (it sets the next step's
-        #: number of probes, :func:`cockpit.step_features.estimators.deflated_probes`).
+        #: number of probes, :func:`cockpit.step.features.estimators.deflated_probes`).
         self.residual_share: float | None = None
 
     def bind(self, history) -> None:
-        """Also let fused attention be differentiated twice (``cockpit.attention``)."""
+        """Fused attention, differentiable twice (``cockpit.curvature.attention``)."""
         super().bind(history)
         if not getattr(self, "_holds_attention", False):
             self._holds_attention = True
@@ -507,7 +507,7 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
     ) -> EigenResult:
         """Run this step's eigensolver now, for a caller that shares its products.
 
-        The step's trace estimate (:mod:`cockpit.trace_estimators`) reuses the
+        The step's trace estimate (:mod:`cockpit.curvature.hutchinson`) reuses the
         Lanczos basis (``keep_basis``); the tracked value is this result. A
         failure is kept and raised when the value is tracked.
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cockpit import attention, curvature_source
-from cockpit.curvature_source import HESSIAN_ONLY
+from cockpit.curvature import attention
+from cockpit.curvature import source as curvature_source
+from cockpit.curvature.source import HESSIAN_ONLY
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import SingleStepQuantity, TrackContext
@@ -22,7 +23,7 @@ class HessTrace(SingleStepQuantity):
     summed as soon as BackPACK produced it and freed right away.
 
     Where BackPACK cannot form the diagonal (a model it cannot backpropagate
-    through), the trace is estimated (:mod:`cockpit.curvature_source`), with its
+    through), the trace is estimated (:mod:`cockpit.curvature.source`), with its
     standard errors under ``<key>_estimate``: the GGN choices by the GGN of the
     cross-entropy (exact where rows times classes are few, else Monte-Carlo);
     ``"diag_h"`` by the same GGN, for the whole run, whenever the loss is a
@@ -60,7 +61,7 @@ class HessTrace(SingleStepQuantity):
     _curvature = Alias102("curvature")  # 1.0.2's name
 
     def bind(self, history) -> None:
-        """Also let fused attention be differentiated twice (:mod:`cockpit.attention`).
+        """Fused attention, differentiable twice (:mod:`cockpit.curvature.attention`).
 
         The Hessian's estimate differentiates the gradient again; the exact
         diagonals of BackPACK and the GGN choices need no such pass.

@@ -19,7 +19,7 @@ diagonal is requested as a need, so it is computed once per step for every quant
 that reads it (e.g. one ``DiagHessian`` run feeds HessTrace, TICDiag and TICTrace).
 
 Where BackPACK has no exact curvature for the model (residuals, attention, raw
-parameters, tied weights), the curvature comes from :mod:`cockpit.curvature_source`:
+parameters, tied weights), the curvature comes from :mod:`cockpit.curvature.source`:
 the GGN of the cross-entropy (for the GGN choices, and for ``"diag_h"`` in place of
 the Hessian whenever the loss is a cross-entropy), else Hutchinson's estimate of the
 Hessian (``curvature="hutchinson"``, or a loss that is not a cross-entropy).
@@ -39,8 +39,9 @@ from typing import Callable
 
 import torch
 
-from cockpit import attention, curvature_source
-from cockpit.curvature_source import EXACT_MAX_PRODUCTS, HESSIAN_ONLY
+from cockpit.curvature import attention
+from cockpit.curvature import source as curvature_source
+from cockpit.curvature.source import EXACT_MAX_PRODUCTS, HESSIAN_ONLY
 from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
@@ -180,7 +181,7 @@ class TICDiag(_TIC):
     a Monte-Carlo GGN's by the spread of its draws) is often near zero or of either
     sign, so ``M_d / h_d`` would be dominated by such entries, biased and without a
     usable error. Where the loss is a cross-entropy with few rows times classes
-    (:data:`cockpit.curvature_source.EXACT_MAX_PRODUCTS`: a classifier on a small
+    (:data:`cockpit.curvature.source.EXACT_MAX_PRODUCTS`: a classifier on a small
     batch), the GGN diagonal is formed exactly (one backward pass per row and
     class), in place of the Hessian for ``"diag_h"``, and TICDiag has a value
     (its ``<key>_estimate`` says ``"curvature": "ggn"``, standard error 0);
@@ -199,7 +200,7 @@ class TICDiag(_TIC):
         "or track TICTrace, which is estimated on such models (GGN or Hessian "
         "trace, with its standard error)",
     )
-    #: The GGN stands in only where exact (see :mod:`cockpit.curvature_source`).
+    #: The GGN stands in only where exact (see :mod:`cockpit.curvature.source`).
     estimable = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
     exact_curvature_only = True
 
@@ -266,7 +267,7 @@ class TICTrace(_TIC):
     ``sum_d M_d`` stays exact, ``T = sum_d h_d`` is the step's estimate of the
     curvature trace (shared with HessTrace; the GGN of the cross-entropy, also in
     place of the Hessian for ``"diag_h"``, else Hutchinson's estimate of the
-    Hessian, :mod:`cockpit.curvature_source`), and ``<key>_estimate`` holds the
+    Hessian, :mod:`cockpit.curvature.source`), and ``<key>_estimate`` holds the
     standard error (delta method, :func:`tic_trace_estimate`) and the curvature
     used. A step whose estimated ``T + epsilon`` is not clearly positive (below
     ``MIN_RELATIVE`` standard errors) is recorded missing; the GGN is positive
@@ -309,12 +310,12 @@ class TICTrace(_TIC):
     ):
         super().__init__(track_schedule, verbose, curvature, epsilon, key)
         #: Every curvature is estimable (the GGN of the cross-entropy, or the
-        #: Hessian by Hutchinson; :mod:`cockpit.curvature_source`).
+        #: Hessian by Hutchinson; :mod:`cockpit.curvature.source`).
         self.estimable = frozenset({Need.DIAG_H, Need.DIAG_GGN_EXACT, Need.DIAG_GGN_MC})
         self._errors: dict[int, float] = {}
 
     def bind(self, history) -> None:
-        """Also let fused attention be differentiated twice (``cockpit.attention``)."""
+        """Fused attention, differentiable twice (``cockpit.curvature.attention``)."""
         super().bind(history)
         if self.estimable and not getattr(self, "_holds_attention", False):
             self._holds_attention = True

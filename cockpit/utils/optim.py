@@ -42,7 +42,7 @@ class ComputeStep:
     @staticmethod
     def update_sgd_default_kwargs(optimizer, parameter_ids):
         """``{id(p): -lr * (sum of p's per-sample gradients)}`` for the given ids."""
-        from cockpit.engines.backpack import stored_per_sample
+        from cockpit.engines.backpack.api import stored_per_sample
 
         wanted = set(parameter_ids)
         updates = {}

@@ -78,7 +78,7 @@ def writer(logpath: str, report: str, seed: int) -> None:
 
     from cockpit import Cockpit
     from cockpit import quantities as Q
-    from cockpit.log_lock import LogInUseError
+    from cockpit.log.lock import LogInUseError
     from cockpit.utils.schedules import linear
     from tests.utils.problems import make_problem
 

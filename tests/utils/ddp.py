@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from backpack import extend
 
-from cockpit import Cockpit, curvature_source, quantities
+from cockpit import Cockpit, quantities
+from cockpit.curvature import source as curvature_source
 from cockpit.quantities.bin_adaptation import GradAbsMax
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear

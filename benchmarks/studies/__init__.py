@@ -1,0 +1,1 @@
+"""Design studies: one-off measurements behind design decisions (see ../README.md)."""

@@ -1,0 +1,1 @@
+"""One tracked step: its plan, run, routing, ledger, recorder and step features."""

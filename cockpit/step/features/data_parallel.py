@@ -1,0 +1,254 @@
+"""The data-parallel part of a tracked step (a step feature; see ``distributed.py``).
+
+Every process tracks its own shard; this feature sends the step's header (step,
+shard size, plan) while the backward pass runs, catches each shard's gradient where
+``.grad`` is not the joined one, and, after the backward pass, joins the shards:
+the joined batch's gradient, ``info`` and the quantities' partial sums, so that
+every process computes the values of the joined batch.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from cockpit import distributed
+from cockpit.context import StepInfo
+from cockpit.engines import autograd as autograd_engine
+from cockpit.quantities.base import TrackContext
+from cockpit.quantities.utils_params import gradients
+from cockpit.step.features.base import StepFeature, register_feature
+
+
+def _missing_batch_size(step: int) -> str:
+    return (
+        f"In a data-parallel run cockpit needs info['batch_size'] (the "
+        f"number of samples of this process) at step {step} to weight the "
+        f"processes' shards. Fix: pass it as cockpit({step}, "
+        "info={'batch_size': x.shape[0], ...}), or "
+        "Cockpit(..., process_group=None) for rank-local values."
+    )
+
+
+def _unsynchronised(step: int, low: float, high: float) -> str:
+    return (
+        f"cockpit at step {step}: the gradients differ across "
+        f"processes (checksums from {low:.6g} to {high:.6g}), so the "
+        "parameters are not trained data-parallel. Fix: wrap the model in "
+        "torch.nn.parallel.DistributedDataParallel (a step tracked inside "
+        "its no_sync() needs `with cockpit(step, info=..., no_sync=True)`), "
+        "or pass Cockpit(..., process_group=None) for values of each "
+        "process's own shard."
+    )
+
+
+@register_feature
+class DataParallel(StepFeature):
+    """Join the processes' shards (only in a run with a communicator)."""
+
+    order = 60
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.comm = run.communicator
+        #: Whether the step is tracked (else the feature only checks the others).
+        self.tracked = bool(run.plan.active)
+        #: ``.grad`` is this process's own gradient (inside DDP's ``no_sync()``).
+        self.no_sync = bool(run.no_sync and not self.comm.local)
+        self._captured: dict[int, Tensor] = {}
+        self._hooks: list = []
+        #: Whether this process did its share of the step's collectives.
+        self.done = not self.tracked
+        if not self.tracked:  # did another process track this step?
+            self.comm.untracked(run.step)
+            return
+        try:
+            run.shared = self._exchange_header()
+        except BaseException as error:  # e.g. no batch_size: the others must know
+            self.comm.left(run.step, error)
+            raise
+
+    @classmethod
+    def applies(cls, run) -> bool:
+        """Whether the feature has work at this step.
+
+        Every step of a data-parallel run (an untracked one checks that no other
+        process tracks it); the tracked steps of a rank-local one.
+        """
+        if run.communicator is None:
+            return False
+        return bool(run.plan.active) or not run.communicator.local
+
+    def _exchange_header(self) -> distributed.StepComm:
+        """Send the step, this shard's size and the plan to the other processes."""
+        run = self.run
+        info, step = run.info, run.step
+        if info.has("batch_size"):
+            n_local = int(info.get("batch_size"))
+        elif isinstance(info.get("individual_losses"), Tensor):
+            n_local = int(info.get("individual_losses").shape[0])
+        else:
+            raise KeyError(_missing_batch_size(step))
+        plan_text = ";".join(
+            f"{q.key}:{sorted(n.name for n in run.plan.needs_of(q))}"
+            for q in run.plan.active
+        )
+        plan_text += f";no_sync={self.no_sync}"  # the joined gradient's collective
+        return distributed.start_header(self.comm, step, n_local, plan_text)
+
+    def before_backward(self) -> None:
+        """Hessian-vector products from this shard's graph; catch local gradients.
+
+        (Nothing at an untracked step.)
+
+        DDP cannot run ``backward(create_graph=True)``, and the user's backward
+        pass frees the forward graph: the quantities tracked after the cleanup
+        (HessMaxEV) are computed here, from this shard's gradient with its graph.
+        With shards of different sizes, or inside ``no_sync()``, each parameter's
+        local gradient is caught on its way to DDP, to be joined afterwards.
+        """
+        if not self.tracked or self.comm.stopping:  # (stops after the backward)
+            return
+        run = self.run
+        shared, step = run.shared, run.step
+        last = [q for q in run.plan.last if not run.ledger.out(q)]
+        if run.plan.create_graph and last:
+            loss = run.info.require("loss", "cockpit (Hessian-vector products)")
+            ctx = TrackContext(step, run.params, run.info, comm=shared)
+            with run.quiet():
+                grads = torch.autograd.grad(
+                    loss, run.params, create_graph=True, allow_unused=True
+                )
+                shared.graph_gradients = [
+                    g if g is not None else torch.zeros_like(p)
+                    for g, p in zip(grads, run.params, strict=True)
+                ]
+                for quantity in last:
+                    try:
+                        run.early[id(quantity)] = (quantity.track_step(step, ctx), None)
+                    except Exception as error:  # handled where it is recorded
+                        run.early[id(quantity)] = (None, error)
+            shared.graph_gradients = None  # frees the double-backward graph
+        if self.comm.local or self.no_sync or not shared.settled or shared.uneven:
+            for index, param in enumerate(run.params):
+                self._hooks.append(param.register_hook(self._catcher(index)))
+
+    def _catcher(self, index: int):
+        """A hook that keeps parameter ``index``'s local gradient where needed.
+
+        Until the header has arrived with equal shard sizes, gradients are kept
+        (the backward pass goes on while it travels); they are dropped if the
+        shards turn out even.
+        """
+        shared = self.run.shared
+        always = self.comm.local or self.no_sync
+
+        def catch(grad):
+            if always or not shared.known_even():
+                self._captured[index] = grad.detach().clone()
+
+        return catch
+
+    def after_backward(self) -> None:
+        """Combine the processes: the joined batch's gradient, info and sums."""
+        run = self.run
+        shared, info, step, params = run.shared, run.info, run.step, run.params
+        self._unhook()
+        self.comm.after_backward()  # a conflict found at the start stops here
+        shared.settle()
+        if shared.uneven:
+            run.diagnostics.warn_once(
+                "uneven-shards", distributed.uneven_message(shared.counts, step)
+            )
+        if self.comm.local:  # .grad is DDP's average: the shard's own
+            shared.gradients = [
+                self._captured.get(i, torch.zeros_like(p)) for i, p in enumerate(params)
+            ]
+        elif shared.uneven or self.no_sync:  # .grad is not the joined gradient
+            local = [self._captured.get(i) for i in range(len(params))]
+            shared.gradients = distributed.joined_gradients(shared, local, params)
+        else:
+            shared.gradients = gradients(params)
+        self._captured.clear()
+        if not (self.comm.local or self.no_sync) and not getattr(
+            self.comm, "checked_gradients", False
+        ):  # inside no_sync() the processes' .grad differ by design
+            self._check_synchronised(shared)
+        ctx = TrackContext(step, params, info, comm=shared, grads=shared.gradients)
+        bucket = distributed.Bucket(shared)
+        joined = dict(info.values)
+        if info.has("loss"):
+            loss = info.get("loss")
+            loss = loss.detach() if isinstance(loss, Tensor) else torch.tensor(loss)
+            n = shared.n_global
+            bucket.sum(loss * shared.n_local, lambda v: joined.update(loss=v / n))
+        losses = info.get("individual_losses")
+        if isinstance(losses, Tensor) and losses.shape[:1] == (shared.n_local,):
+            per_sample = autograd_engine.sample_losses(losses.detach())
+            bucket.gather(per_sample, lambda v: joined.update(individual_losses=v))
+        joined["batch_size"] = shared.n_global
+        for quantity in run.plan.active:
+            if run.ledger.out(quantity):
+                continue
+            if quantity.share(step, ctx, bucket) is NotImplemented:
+                run.diagnostics.warn_once(
+                    ("rank-local", quantity.key),
+                    distributed.rank_local_message(quantity.key),
+                )
+        if run.probe_traces is not None:
+            for quantity in run.ledger.estimated():
+                bucket.sum(
+                    run.probe_traces * shared.weight,
+                    lambda total, q=quantity: self._errors(q, total),
+                )
+        bucket.reduce()
+        self.done = True  # this process's collectives of the step are over
+        run.ctx = replace(ctx, info=StepInfo(step, joined))
+
+    def _errors(self, quantity, total: Tensor) -> None:
+        """The standard errors of the joined batch's estimate."""
+        self.run.ledger.set_errors(
+            quantity,
+            (autograd_engine.trace_errors(total), autograd_engine.sum_error(total)),
+        )
+        quantity.probe_traces(total)
+
+    def _check_synchronised(self, shared: distributed.StepComm) -> None:
+        """At the first tracked step: are the gradients the same on every process?
+
+        Raises:
+            DistributedError: On every process, naming both fixes.
+        """
+        checksum = torch.stack(
+            [g.detach().to(torch.float64).sum() for g in shared.gradients]
+        ).sum()
+        pair = torch.stack([checksum, -checksum])
+        largest = self.comm.all_reduce(
+            pair, "comparing gradients", shared.global_step, op="max"
+        )
+        self.comm.checked_gradients = True
+        high, low = float(largest[0]), -float(largest[1])
+        if abs(high - low) > 1e-6 * max(1.0, abs(high), abs(low)):
+            raise distributed.DistributedError(
+                _unsynchronised(shared.global_step, low, high)
+            )
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def close(self) -> None:
+        """Remove what the feature hooked; say so if the step ends half-way.
+
+        A tracked step that ends before this process's collectives (an error in
+        the backward pass or in cockpit) leaves the others waiting: they are told
+        at once, with the error, instead of waiting for the timeout.
+        """
+        self._unhook()
+        if not self.done:
+            self.done = True
+            self.comm.left(self.run.step, sys.exc_info()[1])
