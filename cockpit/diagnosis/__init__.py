@@ -51,6 +51,7 @@ Where each part lives: :mod:`~cockpit.diagnosis.findings` (records, thresholds),
 The thresholds (:class:`Thresholds`) were chosen on one set of runs and validated
 on another (``python -m benchmarks.diagnosis_validation``; ``docs/diagnosis.md``).
 """
+
 from cockpit.diagnosis.detectors import DETECTORS
 from cockpit.diagnosis.findings import (
     CHECK_IDS,
