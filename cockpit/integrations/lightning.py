@@ -206,6 +206,54 @@ def _package_of(trainer) -> str | None:
     return None
 
 
+def check_package(callback, trainer) -> None:
+    """Fail on the other Lightning package's trainer, naming the right import.
+
+    A ``lightning.pytorch`` callback in a ``pytorch_lightning`` trainer (or the
+    other way round) would fail obscurely later (its strategy classes differ).
+
+    Args:
+        callback: The cockpit's callback.
+        trainer: The trainer it was given to.
+
+    Raises:
+        TypeError: If the trainer is the other package's.
+    """
+    mine, theirs = callback._package.__name__, _package_of(trainer)
+    if theirs is None or theirs == mine:
+        return
+    raise TypeError(
+        f"{type(callback).__module__}.CockpitCallback is a {mine} callback, but this "
+        f"Trainer is {theirs}'s ({type(trainer).__module__}."
+        f"{type(trainer).__qualname__}); lightning.pytorch and the standalone "
+        "pytorch_lightning are separate packages with separate classes, and "
+        "neither's Trainer can run the other's callbacks. Fix: from "
+        f"{CALLBACK_MODULES[theirs]} import CockpitCallback."
+    )
+
+
+def check_data_parallel(trainer: pl.Trainer) -> None:
+    """Several processes: a DDP-wrapped model and a process group of them all."""
+    if trainer.world_size <= 1:
+        return
+    model = trainer.strategy.model
+    if not isinstance(model, DistributedDataParallel):
+        raise RuntimeError(
+            _strategy_message(trainer.strategy, trainer.world_size)
+            + f" (its model is a {type(model).__name__}, not torch's "
+            "DistributedDataParallel)"
+        )
+    dist = torch.distributed
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        raise RuntimeError(
+            f"CockpitCallback in a run of {trainer.world_size} processes found no "
+            "torch.distributed process group of them when it created the "
+            "Cockpit, so each process would describe its own shard only. Fix: "
+            "let the DDP strategy initialise torch.distributed (Trainer("
+            "strategy='ddp', devices=N)) before fit starts."
+        )
+
+
 class _CockpitCallback:
     """Track cockpit quantities during ``Trainer.fit`` (automatic optimisation).
 
@@ -280,7 +328,7 @@ class _CockpitCallback:
     # --- set-up ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str):
         """Refuse the other Lightning package's trainer and sharded models."""
-        self._check_package(trainer)
+        check_package(self, trainer)
         if stage != "fit":
             return
         self._speaks = trainer.is_global_zero
@@ -291,46 +339,6 @@ class _CockpitCallback:
         ):
             raise RuntimeError(_strategy_message(strategy, trainer.world_size))
 
-    def _check_package(self, trainer) -> None:
-        """Fail on the other Lightning package's trainer, naming the right import.
-
-        A ``lightning.pytorch`` callback in a ``pytorch_lightning`` trainer (or the
-        other way round) would fail obscurely later (its strategy classes differ).
-        """
-        mine, theirs = self._package.__name__, _package_of(trainer)
-        if theirs is None or theirs == mine:
-            return
-        raise TypeError(
-            f"{type(self).__module__}.CockpitCallback is a {mine} callback, but this "
-            f"Trainer is {theirs}'s ({type(trainer).__module__}."
-            f"{type(trainer).__qualname__}); lightning.pytorch and the standalone "
-            "pytorch_lightning are separate packages with separate classes, and "
-            "neither's Trainer can run the other's callbacks. Fix: from "
-            f"{CALLBACK_MODULES[theirs]} import CockpitCallback."
-        )
-
-    @staticmethod
-    def _check_data_parallel(trainer: pl.Trainer) -> None:
-        """Several processes: a DDP-wrapped model and a process group of them all."""
-        if trainer.world_size <= 1:
-            return
-        model = trainer.strategy.model
-        if not isinstance(model, DistributedDataParallel):
-            raise RuntimeError(
-                _strategy_message(trainer.strategy, trainer.world_size)
-                + f" (its model is a {type(model).__name__}, not torch's "
-                "DistributedDataParallel)"
-            )
-        dist = torch.distributed
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            raise RuntimeError(
-                f"CockpitCallback in a run of {trainer.world_size} processes found no "
-                "torch.distributed process group of them when it created the "
-                "Cockpit, so each process would describe its own shard only. Fix: "
-                "let the DDP strategy initialise torch.distributed (Trainer("
-                "strategy='ddp', devices=N)) before fit starts."
-            )
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
         """Extend the model for BackPACK, create the cockpit, hook the loss.
 
@@ -340,7 +348,7 @@ class _CockpitCallback:
         ``LightningModule`` inside the wrapper are extended in place.
         """
         self._speaks = trainer.is_global_zero
-        self._check_data_parallel(trainer)  # before anything is created
+        check_data_parallel(trainer)  # before anything is created
         self._tracking = self._can_track(trainer, pl_module)
         self._tracked_step = None
         extend_for_backpack(pl_module)
