@@ -24,7 +24,10 @@ from tests.test_examples import assert_png
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What the extras of the docs' install line bring, by the import name.
-DOCUMENTED = ("lightning", "transformers", "accelerate", "tensorboard", "sklearn")
+DOCUMENTED = (
+    "lightning", "transformers", "accelerate", "tensorboard", "sklearn",
+    "mlflow", "wandb",
+)  # fmt: skip
 
 
 def test_the_documented_extras_are_installed():
@@ -34,7 +37,8 @@ def test_the_documented_extras_are_installed():
     assert not missing, (
         f"{missing} not installed: the tests run in the environment of README "
         "command 2, which installs the integrations as docs/integrations.md says: "
-        '.venv/bin/pip install -c constraints.txt -e ".[demo,lightning,transformers]" '
+        ".venv/bin/pip install -c constraints.txt -e "
+        '".[demo,lightning,transformers,mlflow,wandb]" '
         "&& .venv/bin/pip uninstall -y torchvision"
     )
 
