@@ -4,7 +4,7 @@ Run from the repository root (CPU, one thread; about a minute)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
         python -m benchmarks.centered_spread --rounds 15 \\
-        --out benchmarks/centered_spread_results.json
+        --out benchmarks/results/centered_spread.json
 
 The variances of MeanGSNR and EarlyStopping are now formed from the per-sample
 gradients with the mean subtracted first (two-pass, block by block:
@@ -39,7 +39,7 @@ import torch
 from benchmarks import record
 from benchmarks.measure import REPO
 
-DEFAULT_OUT = REPO / "benchmarks" / "centered_spread_results.json"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "centered_spread.json"
 VARIANTS = ("plain", "centred", "difference")
 
 

@@ -2,7 +2,7 @@
 
 Run from the repository root (a few minutes on two CPU cores)::
 
-    python -m benchmarks.serve --out benchmarks/serve_results.md
+    python -m benchmarks.serve --out benchmarks/results/serve.md
     python -m benchmarks.serve --runs 5 --steps 2000 --out /tmp/serve.md   # quick
 
 ``--runs`` streamed logs of ``--steps`` steps each are written in a folder tree
@@ -43,7 +43,7 @@ import numpy as np
 from benchmarks.internals import open_stream
 from benchmarks.measure import CHILD_ENV, REPO
 
-DEFAULT_OUT = REPO / "benchmarks" / "serve_results.md"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "serve.md"
 MIB = 2**20
 
 WRITER = """
