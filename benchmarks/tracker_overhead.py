@@ -3,7 +3,7 @@
 Run from the repository root (about two minutes on two CPU cores; needs the
 ``wandb`` and ``mlflow`` extras)::
 
-    python -m benchmarks.tracker_overhead --out benchmarks/tracker_overhead_results.md
+    python -m benchmarks.tracker_overhead --out benchmarks/results/tracker_overhead.md
     python -m benchmarks.tracker_overhead --steps 40 --rounds 1 --out /tmp/t.md
 
 The economy digits run of :mod:`cockpit.demo` (64-32-10 MLP, batch 64, SGD,
@@ -47,9 +47,10 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import torch  # noqa: E402
 
+from benchmarks.driver import RESULTS  # noqa: E402
 from benchmarks.measure import REPO  # noqa: E402
 
-DEFAULT_OUT = REPO / "benchmarks" / "tracker_overhead_results.md"
+DEFAULT_OUT = RESULTS / "tracker_overhead.md"
 VARIANTS = ("none", "wandb", "mlflow")
 
 

@@ -250,8 +250,10 @@ def _timelapse_path(args: argparse.Namespace) -> str:
     """The GIF to write; a still image asked for gets one line naming ``plot``."""
     path = args.output or _default_output(args.log, ".gif")
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    if suffix and suffix != "gif":
-        raise _UserError(
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if suffix != "gif" and suffix in FigureCanvasBase.get_supported_filetypes():
+        raise _UserError(  # a still image: say what to run for one
             f"{path}: cockpit timelapse writes an animated GIF only, not .{suffix}. "
             f"Fix: give -o a file ending in .gif, or draw one still image with "
             f"cockpit plot {args.log} -o {path}."

@@ -184,6 +184,16 @@ def _tolerance(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
+def _layout_key(module: Module, call: Call) -> tuple:
+    """What a layout is remembered by: the module, its call's shapes, its modes."""
+    shapes = tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+        for t in (*call.leaves, *call.outputs)
+    )
+    modes = tuple(m.training for m in module.modules())
+    return (id(module), shapes, modes)
+
+
 class Replayer:
     """Per-sample gradients of parameters used inside watched modules.
 
@@ -448,17 +458,9 @@ class Replayer:
         cached = self._keys.get(id(module))
         if cached is not None and cached[0] is call:
             return cached[1]
-        key = self._make_key(module, call)
+        key = _layout_key(module, call)
         self._keys[id(module)] = (call, key)
         return key
-
-    def _make_key(self, module: Module, call: Call) -> tuple:
-        shapes = tuple(
-            (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
-            for t in (*call.leaves, *call.outputs)
-        )
-        modes = tuple(m.training for m in module.modules())
-        return (id(module), shapes, modes)
 
     def _refuse(self, module: Module, call: Call, why: str) -> None:
         self._layouts[self._key(module, call)] = None

@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from cockpit.errors import CockpitWarning
 from cockpit.serve.discover import MAX_RUNS, find_logs, inside, writers
 from cockpit.serve.live import LiveRun
 
@@ -102,7 +103,7 @@ class Registry:
                         self.full = True
                         warnings.warn(f"more than {MAX_RUNS} logs: the rest are "
                                       "not served. Fix: serve fewer folders.",
-                                      stacklevel=2)  # fmt: skip
+                                      CockpitWarning, stacklevel=2)  # fmt: skip
                     return
                 name = prefix + rel if os.path.isdir(given) else rel
                 while name in self.by_name:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from bisect import bisect_left, bisect_right
 from typing import Any, Sequence
@@ -94,7 +95,9 @@ def _whole_history(data: DashboardData, cache: dict) -> Any:
     if path is None:
         return data.history
     if "whole" not in cache:
-        cache["whole"] = open_log(path)
+        with warnings.catch_warnings():  # a torn last line: warned about once,
+            warnings.simplefilter("ignore")  # when the log was read for drawing
+            cache["whole"] = open_log(path)
     return cache["whole"]
 
 
