@@ -24,7 +24,9 @@ from cockpit.cockpit_args import (
     check_quantities,
     check_step_order,
     collect_params,
+    make_router,
     manual_missing,
+    sharded_layout,
 )
 from cockpit.cockpit_output import CockpitOutput
 from cockpit.curvature import hutchinson
@@ -159,7 +161,9 @@ class Cockpit(CockpitOutput):
         self.diagnosis = live_diagnosis(self.recorder) if diagnose and writer else None
         self._checks = StepChecks(self.params, self.param_names)
         self._loop = LoopChecks(self.params, self.recorder, self._checks)
-        self._router = Router(self.params)
+        # FSDP2's DTensors (or None); other layouts are refused here, on every rank
+        self._sharding = sharded_layout(self.params, self.param_names, self)
+        self._router = make_router(self.params, self._sharding)
         self._router.start()  # e.g. in-place modules off, replay watches on
         # dropped without close(): the hooks go with the cockpit (neither holds it)
         self._let_go = weakref.finalize(self, _let_go, self._loop, self._router)

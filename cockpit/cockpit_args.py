@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from torch import Tensor
 
+from cockpit.distributed import sharded
 from cockpit.errors import CockpitWarning
 from cockpit.quantities.base import Quantity
 
@@ -231,3 +232,75 @@ def _quantities_of(own: list[Quantity], quantities) -> list[Quantity]:
         if all(q is not quantity for q in chosen):
             chosen.append(quantity)
     return chosen
+
+
+def sharded_layout(params, names, cockpit):
+    """The FSDP2 layout of ``params`` (``None``: plain tensors); others refused.
+
+    The layout is handed to the cockpit's communicator (its set-up fingerprint
+    and the step's joining read it).
+
+    Raises:
+        ValueError: For a ``DTensor`` layout cockpit cannot serve, or sharded
+            parameters without a data-parallel group over the mesh's processes
+            (on every process: each makes its Cockpit from the same model).
+    """
+    from cockpit.step.checks import param_label
+
+    labels = [param_label(i, p, n) for i, (p, n) in enumerate(zip(params, names))]
+    comm = cockpit._communicator
+    group = comm.user_group if cockpit.data_parallel else None
+    layout = sharded.sharding(params, labels, group)
+    if comm is not None:
+        comm.sharding = layout
+    return layout
+
+
+def make_router(params, layout):
+    """The cockpit's router; with FSDP2, over the unsharded parameters."""
+    from cockpit.engines.base import engine_classes
+    from cockpit.engines.modules import ModuleMap, discover
+    from cockpit.engines.routing import Router
+
+    if layout is None:
+        return Router(params)
+    found = discover(params)  # the modules hold the sharded ones now
+    modules = ModuleMap(layout.remap(found.owners), found.parents)
+    engines = [cls for cls in engine_classes() if cls.__name__ in SHARDED_ENGINES]
+    _take_off_backpack(found)
+    return Router(layout.engine_params(), engines=engines, modules=modules)
+
+
+def _take_off_backpack(found) -> None:
+    """BackPACK's hooks off the sharded model (``extend`` left them; none serve).
+
+    Without them an extended model runs as it would unextended (BackPACK would
+    store each module's output as ``module.output``, a clash in Hugging Face
+    models, and keep inputs between the forward and the backward pass).
+    """
+    from cockpit.engines.backpack import hooks
+
+    owners = [m for found_ in found.owners.values() for m, _ in found_]
+    seen, stack, roots = set(), list(owners), []
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        above = found.parents.get(id(module), [])
+        stack.extend(above)
+        if not above:
+            roots.append(module)
+    modules = {id(m): m for root in roots for m in root.modules()}
+    reason = "fully_shard: cockpit serves FSDP2 models without BackPACK"
+    hooks.rewire(list(modules.values()), lambda module: (hooks.TAKEN_OFF, reason))
+
+
+#: The engines that serve FSDP2 parameters. The ghost engine forms per-sample
+#: results from a layer's input and output gradient inside FSDP's backward pass;
+#: the autograd engine differentiates the per-sample losses before it (FSDP
+#: unshards each unit for those passes too). BackPACK's hooks miss the last layer
+#: of a unit wrapped with the root (measured: no results for it), and the replay
+#: engine would run modules outside FSDP's forward, where their parameters are
+#: resharded.
+SHARDED_ENGINES = ("GhostEngine", "AutogradEngine")

@@ -237,6 +237,7 @@ def check_command(command: list[str], line: str, page: str) -> str:
     _script_options_exist(script, words[2:])
     runner = {
         "ddp.py": ("test_ddp_example.py", 'load_example("ddp").main('),
+        "fsdp.py": ("test_fsdp_example.py", 'EXAMPLES / "fsdp.py"'),
         "advanced.py": ("test_compat_102.py", '"advanced": '),
     }[script.name]
     assert runner[1] in (ROOT / "tests" / runner[0]).read_text(), command

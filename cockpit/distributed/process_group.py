@@ -118,6 +118,8 @@ class Communicator:
 
     #: Whether values describe the local shard only (:class:`LocalCommunicator`).
     local = False
+    #: The FSDP2 layout of the parameters (:mod:`cockpit.distributed.sharded`).
+    sharding = None
 
     def __init__(self, group: Any, timeout: float = DEFAULT_TIMEOUT):
         dist = _dist()
@@ -351,18 +353,21 @@ def local_communicator() -> LocalCommunicator | None:
     return None
 
 
-def setup_fingerprint(quantities, params, first_step: int) -> dict[str, int]:
+def setup_fingerprint(
+    quantities, params, first_step: int, layout: str = ""
+) -> dict[str, int]:
     """Hashes of what every process must agree on before tracking anything.
 
     The quantities (class and key), their schedules over the next
-    :data:`SCHEDULE_HORIZON` steps, and the parameters' shapes and dtypes.
+    :data:`SCHEDULE_HORIZON` steps, and the parameters' shapes and dtypes (full
+    shapes of sharded ones) with their sharding ``layout``, if any.
     """
     names = ";".join(f"{type(q).__qualname__}:{q.key}" for q in quantities)
     steps = range(first_step, first_step + SCHEDULE_HORIZON)
     schedules = ";".join(
         "".join("1" if q.should_compute(s) else "0" for s in steps) for q in quantities
     )
-    shapes = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    shapes = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params) + layout
     return {
         "quantities": _digest(names),
         "schedules": _digest(schedules),
@@ -380,7 +385,9 @@ def check_setup(comm: Communicator, quantities, params, first_step: int) -> None
         DistributedError: Naming what differs (quantities, schedules, parameters,
             first step) and between which ranks, or the ranks that did not come.
     """
-    mine = setup_fingerprint(quantities, params, first_step)
+    sharding = getattr(comm, "sharding", None)
+    layout = "" if sharding is None else sharding.layout()
+    mine = setup_fingerprint(quantities, params, first_step, layout)
     texts = comm.sync.exchange(
         "setup",
         json.dumps([first_step, *mine.values()]),

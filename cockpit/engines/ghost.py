@@ -73,6 +73,19 @@ def _first_tensor(args, kwargs, name: str) -> Tensor | None:
 
 
 # --- the layers -----------------------------------------------------------------------
+def exact_type(module: Module) -> type:
+    """``module``'s type; for FSDP2's ``FSDP<Class>`` (``fully_shard``), the class.
+
+    ``fully_shard`` swaps a module's class for ``(FSDPModule, Class)``, whose
+    forward is the class's own (FSDP's unshard and reshard run in hooks around it).
+    """
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1]
+    return cls
+
+
 #: Exact module types served, with their rules (:func:`register_layer`).
 LAYERS: dict[type, Layer] = {}
 #: ``(match, rule)`` for modules found by a test, asked in order after :data:`LAYERS`.
@@ -152,7 +165,7 @@ def _is_conv1d(module: Module) -> bool:
     """Hugging Face's ``Conv1D`` (looked up only where transformers is imported)."""
     pytorch_utils = sys.modules.get("transformers.pytorch_utils")
     conv1d = getattr(pytorch_utils, "Conv1D", None)
-    return conv1d is not None and type(module) is conv1d
+    return conv1d is not None and exact_type(module) is conv1d
 
 
 @register_layer(match=_is_conv1d)
@@ -226,7 +239,7 @@ class NormLayer(Layer):
 
 def _is_scale_norm(module: Module) -> bool:
     """A childless ``*RMSNorm`` / ``*LayerNorm`` with the one parameter ``weight``."""
-    if not type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+    if not exact_type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
         return False
     if module._modules:
         return False
@@ -279,7 +292,7 @@ class ScaleLayer(Layer):
 
 def layer_of(module: Module) -> Layer | None:
     """The rule of ``module`` (its exact type's, else the first that matches)."""
-    layer = LAYERS.get(type(module))
+    layer = LAYERS.get(exact_type(module))
     if layer is not None:
         return layer
     for match, rule in MATCHERS:

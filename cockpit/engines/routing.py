@@ -54,11 +54,14 @@ class Router:
     Args:
         params: The cockpit's parameters.
         engines: Engine classes to try, in order (default: the registered ones).
+        modules: The module map, where it cannot be discovered from ``params``
+            (FSDP2's unsharded parameters sit in their modules only inside a
+            unit's forward and backward pass; see ``cockpit.distributed.sharded``).
     """
 
-    def __init__(self, params: Sequence[Tensor], engines=None):
+    def __init__(self, params: Sequence[Tensor], engines=None, modules=None):
         self.params = params
-        self._map: ModuleMap | None = None
+        self._map: ModuleMap | None = modules
         self._engine_classes = list(engines or engine_classes())
         self._engines: list[Engine] | None = None
         #: Random source of estimates (seeded: runs are reproducible).

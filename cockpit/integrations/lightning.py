@@ -193,7 +193,9 @@ def _strategy_message(strategy, world_size: int) -> str:
         "cockpit cannot follow (it needs every parameter whole on every process, "
         "each process a shard of the batch). Fix: debug with Trainer(strategy="
         "'ddp') (or 'ddp_spawn', or devices=1), then train at scale without the "
-        "callback."
+        "callback; a model sharded with torch.distributed.fsdp.fully_shard is "
+        "served in a plain training loop with a Cockpit (docs/distributed.md, "
+        "'Sharded parameters')."
     )
 
 

@@ -149,6 +149,12 @@ class StepHealth:
         return found
 
 
+def _local(tensor: Tensor) -> Tensor:
+    """This process's part of a ``DTensor``; any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def _scalar(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         return value.detach().reshape(-1)[0]
@@ -167,7 +173,8 @@ def step_health(step_info: StepInfo, params: Sequence[Tensor]) -> StepHealth:
     Returns:
         The findings.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    # a sharded (DTensor) gradient: this process's rows (no collective here)
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     pieces: list[Tensor] = []
     with torch.no_grad():
         if step_info.has("loss"):

@@ -86,8 +86,10 @@ class StepRun:
         dispatcher = Dispatcher(list(guards), plan.global_step)
         engine_step = routing.engine_step
         params = cockpit.params
+        # the engines' tensor: FSDP2's unsharded parameter (else the same)
+        shown = cockpit._router.params
         engine_step.show = lambda index, results: dispatcher.show(
-            index, params[index], results
+            index, shown[index], results
         )
         routing.prepare(plan, dispatcher)
         # the batch size of unused parameters' zeros, from the first per-sample view

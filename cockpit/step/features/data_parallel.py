@@ -125,7 +125,7 @@ class DataParallel(StepFeature):
         shared, step, params = self.shared, state.step, state.params
         last = [q for q in state.plan.last if not state.ledger.out(q)]
         early: dict[int, tuple] = {}
-        if state.plan.create_graph and last:
+        if state.plan.create_graph and last and self.comm.sharding is None:
             loss = state.info.require("loss", "cockpit (Hessian-vector products)")
             ctx = TrackContext(step, params, state.info, comm=shared)
             with state.engine.quiet():
@@ -143,7 +143,11 @@ class DataParallel(StepFeature):
                         early[id(quantity)] = (None, error)
             shared.graph_gradients = None  # frees the double-backward graph
         if self.comm.local or self.no_sync or not shared.settled or shared.uneven:
-            for index, param in enumerate(params):
+            # FSDP2: the unsharded tensors carry the shard's gradient (the
+            # DTensors get only FSDP's reduce-scattered rows)
+            sharding = self.comm.sharding
+            hooked = params if sharding is None else sharding.engine_params()
+            for index, param in enumerate(hooked):
                 self._hooks.append(param.register_hook(self._catcher(index)))
         return Produced(early=tuple(early.items())) if early else None
 
@@ -174,7 +178,10 @@ class DataParallel(StepFeature):
             state.checks.warn_once(
                 "uneven-shards", distributed.uneven_message(shared.counts, step)
             )
-        if self.comm.local:  # .grad is DDP's average: the shard's own
+        sharding = self.comm.sharding
+        if sharding is not None:  # FSDP2: the full parameters and joined gradient
+            params, shared.gradients = self._sharded(sharding, shared, params)
+        elif self.comm.local:  # .grad is DDP's average: the shard's own
             shared.gradients = [
                 self._captured.get(i, torch.zeros_like(p)) for i, p in enumerate(params)
             ]
@@ -184,7 +191,7 @@ class DataParallel(StepFeature):
         else:
             shared.gradients = gradients(params)
         self._captured.clear()
-        if not (self.comm.local or self.no_sync) and not getattr(
+        if not (self.comm.local or self.no_sync or sharding) and not getattr(
             self.comm, "checked_gradients", False
         ):  # inside no_sync() the processes' .grad differ by design
             self._check_synchronised(shared)
@@ -201,6 +208,9 @@ class DataParallel(StepFeature):
             per_sample = sample_losses(losses.detach())
             bucket.gather(per_sample, lambda v: joined.update(individual_losses=v))
         joined["batch_size"] = shared.n_global
+        if sharding is not None and isinstance(info.get("optimizer"), torch.optim.SGD):
+            # plain SGD over the full parameters (learning rates by parameter)
+            joined["optimizer"] = sharding.full_sgd(info.get("optimizer"), params)
         for quantity in state.plan.active:
             if state.ledger.out(quantity):
                 continue
@@ -218,6 +228,26 @@ class DataParallel(StepFeature):
         bucket.reduce()
         self.done = True  # this process's collectives of the step are over
         return Produced(context=replace(ctx, info=StepInfo(step, joined)))
+
+    def _sharded(self, sharding, shared, params):
+        """FSDP2: each process's rows of the parameters and joined gradient, joined.
+
+        One all-reduce of ``2 D`` float64 (:meth:`Sharding.gather`). With shards
+        of different sizes (or inside ``no_sync``) the joined gradient is formed
+        from each process's own gradient, caught at the unsharded tensors.
+        """
+        step = shared.global_step
+        grads = [p.grad for p in params]
+        full = sharding.gather(
+            self.comm, [*params, *grads], "the parameters' and gradient's shards", step
+        )
+        full_params, full_grads = full[: len(params)], full[len(params) :]
+        for param, grad, given in zip(full_params, full_grads, grads, strict=True):
+            param.grad = None if given is None else grad  # what the optimizer sees
+        if shared.uneven or self.no_sync:
+            local = [self._captured.get(i) for i in range(len(params))]
+            full_grads = distributed.joined_gradients(shared, local, full_params)
+        return full_params, full_grads
 
     def _errors(self, quantity, total: Tensor) -> None:
         """The standard errors of the joined batch's estimate."""

@@ -1,0 +1,172 @@
+"""FSDP2 (``fully_shard``): a tracked step against a plain FSDP step, per rank.
+
+Run from the repository root::
+
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 python -m benchmarks.fsdp
+    python -m benchmarks.fsdp --quick            # smaller, for a busy machine
+
+For 2 and 4 processes (gloo, one torch thread each) an MLP of a few million
+float32 parameters (``--width``; per-``Linear`` units and the root wrapped with
+``fully_shard``) trains on ``--batch`` samples per process.
+
+* **Time**: each process holds both variants of a step and times them in
+  interleaved rounds (the order alternates): ``plain`` (zero_grad, forward,
+  backward, SGD step of the FSDP model, no cockpit) and ``tracked`` (the same
+  inside ``with cockpit(step, ...)`` with ``economy`` tracked every step). Medians
+  per rank and their ratio.
+* **Memory**: peak resident memory per rank (``ru_maxrss``) of a fresh set of
+  processes running only one variant, after building the model, minus what the
+  model and one plain warm-up step took (malloc keeps freed memory with the
+  settings above, so the peak is the high-water mark).
+
+Results go to ``benchmarks/fsdp_results.json`` (``--out``) with the commit and the
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _model(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.Tanh(),
+        torch.nn.Linear(width, width), torch.nn.Tanh(),
+        torch.nn.Linear(width, 10),
+    )  # fmt: skip
+
+
+def _worker(rank, world, rendezvous, args, mode, out):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from benchmarks import internals
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world
+    )
+    model = _model(args.width)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=generator)
+    y = torch.randint(0, 10, (args.batch,), generator=generator)
+
+    def step(cockpit=None, index=0):
+        optimizer.zero_grad()
+        outputs = model(x)
+        loss = F.cross_entropy(outputs, y)
+        if cockpit is None:
+            loss.backward()
+        else:
+            losses = F.cross_entropy(outputs, y, reduction="none")
+            info = {"batch_size": args.batch, "loss": loss, "optimizer": optimizer,
+                    "individual_losses": losses}  # fmt: skip
+            with cockpit(index, info=info):
+                loss.backward()
+        optimizer.step()
+
+    step()  # warm-up
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cockpit = None
+    if mode in ("time", "tracked"):
+        cockpit = internals.make_cockpit(
+            model.parameters(), internals.make_quantities("economy"), diagnose=False
+        )
+    result = {"rank": rank}
+    if mode == "time":
+        times = {"plain": [], "tracked": []}
+        for r in range(args.rounds):
+            order = ["plain", "tracked"] if r % 2 == 0 else ["tracked", "plain"]
+            for variant in order:
+                start = time.perf_counter()
+                step(cockpit if variant == "tracked" else None, r)
+                times[variant].append(time.perf_counter() - start)
+        result.update({k: statistics.median(v[1:]) for k, v in times.items()})
+    else:
+        for r in range(args.memory_steps):
+            step(cockpit, r)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result["peak_mb"] = (peak - base) / 1024
+    with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _run(world, args, mode):
+    out = tempfile.mkdtemp()
+    rendezvous = os.path.join(out, "rendezvous")
+    mp.spawn(_worker, args=(world, rendezvous, args, mode, out), nprocs=world)
+    rows = []
+    for rank in range(world):
+        with open(os.path.join(out, f"{mode}{rank}.json")) as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def main() -> None:
+    """Measure at 2 and 4 processes; write the results file and print a table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1200)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="benchmarks/fsdp_results.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.width, args.rounds, args.memory_steps = 600, 5, 2
+    params = sum(p.numel() for p in _model(args.width).parameters())
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    results = {"commit": commit, "machine": f"{platform.machine()}, "
+               f"{os.cpu_count()} cores", "parameters": params,
+               "settings": vars(args), "worlds": {}}  # fmt: skip
+    print(f"{params:,} parameters, {args.batch} samples per process")
+    print("| processes | plain step (ms) | tracked step (ms) | ratio | "
+          "peak MB plain | peak MB tracked |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for world in [int(w) for w in args.worlds.split(",")]:
+        timed = _run(world, args, "time")
+        plain_mem = _run(world, args, "plain")
+        tracked_mem = _run(world, args, "tracked")
+        plain = statistics.median(r["plain"] for r in timed)
+        tracked = statistics.median(r["tracked"] for r in timed)
+        row = {
+            "per_rank": timed,
+            "plain_ms": 1e3 * plain,
+            "tracked_ms": 1e3 * tracked,
+            "ratio": tracked / plain,
+            "peak_mb_plain": [r["peak_mb"] for r in plain_mem],
+            "peak_mb_tracked": [r["peak_mb"] for r in tracked_mem],
+        }
+        results["worlds"][str(world)] = row
+        print(f"| {world} | {row['plain_ms']:.1f} | {row['tracked_ms']:.1f} | "
+              f"{row['ratio']:.2f} | {max(row['peak_mb_plain']):.1f} | "
+              f"{max(row['peak_mb_tracked']):.1f} |")  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Sharded parameters (``DTensor``): FSDP2's ``fully_shard`` served, the rest refused.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces each parameter by a
+``DTensor`` sharded along its first dimension over a one-dimensional device mesh
+(each process owns a block of rows). Inside a unit's forward and backward pass the
+module holds the *unsharded* parameter instead, a plain tensor of the full shape
+that FSDP all-gathers (and frees again when it reshards); the gradient it
+accumulates there is reduce-scattered into the sharded parameter's ``.grad`` (a
+``DTensor`` with the process's rows of the joined gradient).
+
+:func:`sharding` finds that layout when the Cockpit is made. A :class:`Sharding`
+
+* gives the engines the unsharded parameters (the tensors the modules use in the
+  forward and backward pass, where per-sample results are formed on this process's
+  samples, as in DDP), found by unsharding each unit once when the Cockpit is made;
+* joins the shards after the backward pass (:meth:`Sharding.gather`): each process
+  puts its rows of the parameters and of the joined gradient into one float64
+  vector of the full size, summed over the processes in cockpit's own group;
+* names the layout for the set-up fingerprint (:meth:`Sharding.layout`).
+
+Every other ``DTensor`` layout (tensor parallel, a mesh of two or more dimensions
+such as HSDP, a shard on another dimension, parameters FSDP does not manage next to
+ones it does) is refused with a ``ValueError`` on every process when the Cockpit is
+made: no process reaches a step, so no process waits for another.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+#: What a refusal says to do.
+FIX = (
+    "Fix: wrap the model with torch.distributed.fsdp.fully_shard on a "
+    "one-dimensional mesh over the Cockpit's process group (the default "
+    "shard_placement_fn, Shard(0)), or give the Cockpit only plain parameters "
+    "(DDP, or one process); see docs/distributed.md."
+)
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """The process's own part of ``tensor`` (itself unless a ``DTensor``)."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def _fsdp_params() -> dict[int, Any]:
+    """``id(sharded parameter)`` -> FSDP2's record of it, for every FSDP2 module."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return {}
+    found: dict[int, Any] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), FSDPModule):
+            state = obj._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", None) or []:
+                for record in group.fsdp_params:
+                    found[id(record.sharded_param)] = (obj, record)
+    return found
+
+
+def _describe(param: Tensor) -> str:
+    placements = ", ".join(str(p) for p in param.placements)
+    mesh = tuple(param.device_mesh.shape)
+    return f"placements ({placements}) on a device mesh of shape {mesh}"
+
+
+def _refuse(label: str, what: str) -> ValueError:
+    return ValueError(
+        f"cockpit cannot serve {label}: {what}. It serves FSDP2's fully_shard "
+        f"layout (Shard(0) over a one-dimensional mesh). {FIX}"
+    )
+
+
+@dataclass
+class _Shard:
+    """One sharded parameter: its FSDP record and where its rows sit."""
+
+    module: Any
+    record: Any
+    offset: int  # first row this process owns
+    rows: int  # rows this process owns
+
+
+class Sharding:
+    """The FSDP2 layout of the cockpit's parameters (see the module).
+
+    Args:
+        params: The cockpit's parameters (``DTensor``).
+        shards: Their FSDP records and row ranges.
+        ranks: The mesh's global ranks, in mesh order.
+    """
+
+    def __init__(self, params: Sequence[Tensor], shards: list[_Shard], ranks):
+        self.params = list(params)
+        self.shards = shards
+        self.ranks = list(ranks)
+        self._engine_params: list[Tensor] | None = None
+
+    def layout(self) -> str:
+        """The layout for the set-up fingerprint: the same on every process.
+
+        Full shapes, placements, the mesh's shape and processes (each process's
+        rows follow from them).
+        """
+        rows = ";".join(f"{tuple(p.shape)}:{_describe(p)}" for p in self.params)
+        return f"{rows};mesh={self.ranks}"
+
+    def engine_params(self) -> list[Tensor]:
+        """The unsharded parameters the modules use in the forward/backward pass.
+
+        FSDP makes them at a unit's first all-gather and keeps the same tensors
+        (it frees and refills their storage); units not yet run are unsharded and
+        resharded once here (one all-gather of each such unit, on FSDP's group,
+        while every process makes its Cockpit).
+        """
+        if self._engine_params is None:
+            todo = {}
+            for shard in self.shards:
+                if not hasattr(shard.record, "_unsharded_param"):
+                    todo[id(shard.module)] = shard.module
+            for module in todo.values():
+                module.unshard()
+            for module in todo.values():
+                module.reshard()
+            self._engine_params = [s.record._unsharded_param for s in self.shards]
+        return self._engine_params
+
+    def remap(self, owners: dict[int, list]) -> dict[int, list]:
+        """The owners of the sharded parameters, keyed by the unsharded ones."""
+        out = dict(owners)
+        for param, unsharded in zip(self.params, self.engine_params(), strict=True):
+            out[id(unsharded)] = owners.get(id(param), [])
+        return out
+
+    def full_sgd(self, optimizer, full_params: Sequence[Tensor]):
+        """An SGD optimizer like ``optimizer`` over the full parameters.
+
+        For the quantities that read learning rates by parameter (Alpha's plain
+        SGD step, CABS); it never steps. Parameters it does not hold stay out.
+        """
+        by_id = {id(p): f for p, f in zip(self.params, full_params, strict=True)}
+        groups = []
+        for group in optimizer.param_groups:
+            held = [by_id[id(p)] for p in group["params"] if id(p) in by_id]
+            if held:
+                groups.append({**group, "params": held})
+        if not groups:
+            return optimizer
+        return type(optimizer)(groups, **optimizer.defaults)
+
+    def gather(self, communicator, tensors: Sequence[Tensor | None], what: str, step):
+        """The full tensors of ``tensors`` (each a ``DTensor`` like a parameter).
+
+        One SUM all-reduce of a float64 vector of all their elements: each process
+        fills its own rows (``None``: zeros).
+        """
+        sizes = [p.numel() for p in self.params]
+        groups = len(tensors) // len(self.params)
+        flat = torch.zeros(sum(sizes) * groups, dtype=torch.float64)
+        position = 0
+        for k, tensor in enumerate(tensors):
+            j = k % len(self.params)
+            param, shard = self.params[j], self.shards[j]
+            row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
+            if tensor is not None and shard.rows:
+                piece = local(tensor).detach().reshape(-1).to("cpu", torch.float64)
+                start = position + shard.offset * row
+                flat[start : start + piece.numel()] = piece
+            position += sizes[j]
+        total = communicator.all_reduce(flat, what, step)
+        out, position = [], 0
+        for k in range(len(tensors)):
+            param = self.params[k % len(self.params)]
+            piece = total[position : position + param.numel()].reshape(param.shape)
+            out.append(piece.to(local(param).device, param.dtype))
+            position += param.numel()
+        return out
+
+
+def sharding(params: Sequence[Tensor], labels: Sequence[str], group) -> Sharding | None:
+    """The layout of ``params``, or ``None`` if none is a ``DTensor``.
+
+    Args:
+        params: The cockpit's parameters.
+        labels: How to name each in a message.
+        group: The data-parallel group the Cockpit reduces over (``None``: none).
+
+    Raises:
+        ValueError: For a layout cockpit cannot serve (named, with the fix).
+    """
+    sharded = [i for i, p in enumerate(params) if is_dtensor(p)]
+    if not sharded:
+        return None
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    records = _fsdp_params()
+    plain = [i for i, p in enumerate(params) if not is_dtensor(p)]
+    if plain:
+        raise _refuse(
+            labels[plain[0]],
+            f"it is a plain tensor while {labels[sharded[0]]} is sharded "
+            f"({_describe(params[sharded[0]])}); its gradient is not joined "
+            "across the processes like the others'",
+        )
+    shards, mesh_ranks = [], None
+    for i, param in enumerate(params):
+        mesh = param.device_mesh
+        if mesh.ndim != 1:
+            raise _refuse(
+                labels[i],
+                f"{_describe(param)}: a mesh of {mesh.ndim} dimensions (e.g. HSDP "
+                "or FSDP with tensor parallelism) is not built",
+            )
+        if id(param) not in records:
+            raise _refuse(
+                labels[i],
+                f"a DTensor with {_describe(param)} that fully_shard does not "
+                "manage (tensor parallelism or distribute_tensor): its forward "
+                "pass computes on shards",
+            )
+        if tuple(param.placements) != (Shard(0),):
+            raise _refuse(
+                labels[i],
+                f"{_describe(param)}: only shards along dimension 0 are built",
+            )
+        ranks = mesh.mesh.reshape(-1).tolist()
+        if mesh_ranks is None:
+            mesh_ranks = ranks
+        elif ranks != mesh_ranks:
+            raise _refuse(labels[i], "its mesh differs from the other parameters'")
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, mesh, param.placements
+        )
+        module, record = records[id(param)]
+        rows = shape[0] if param.dim() else 0
+        shards.append(_Shard(module, record, offset[0] if param.dim() else 0, rows))
+    import torch.distributed as dist
+
+    if group is None:
+        raise _refuse(
+            "the sharded parameters",
+            "the Cockpit has no data-parallel group to join their shards over (it "
+            "was made before torch.distributed.init_process_group(), or with "
+            "process_group=None); a sharded parameter has no rank-local value",
+        )
+    group_ranks = dist.get_process_group_ranks(group)
+    if group_ranks != mesh_ranks:
+        raise _refuse(
+            "the sharded parameters",
+            f"their mesh holds the processes {mesh_ranks}, but the Cockpit joins "
+            f"the processes {group_ranks} (process_group=...); they must be the "
+            "same processes in the same order",
+        )
+    return Sharding(params, shards, mesh_ranks)

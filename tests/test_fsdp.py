@@ -1,0 +1,163 @@
+"""FSDP2 (``fully_shard``) runs: the numbers of one process, or a refusal.
+
+Real ``torch.distributed`` processes (gloo, CPU, float64) train models wrapped with
+``torch.distributed.fsdp.fully_shard`` (per unit and on the root, or the root
+only; ``reshard_after_forward`` on and off), each on its shard of the joined
+batches; one process trains the plain model on the joined batches with the same
+engines. Every value the sharded run records equals the single process's to 1e-8
+relative on every rank; what it cannot compute (second derivatives) is missing
+with the reason, and layouts cockpit does not serve are refused on every rank when
+the Cockpit is made.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from tests.utils import fsdp
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or sys.platform == "win32",
+    reason="needs torch.distributed with gloo",
+)
+
+#: Values that are not functions of the data (wall-clock time).
+_NOT_COMPARED = ("Time", "missing")
+#: What FSDP2 runs record as missing: second derivatives (HVPs, estimates) and
+#: the curvature diagonal no engine of theirs forms (TICDiag).
+_SECOND_ORDER = {"HessMaxEV", "HessTrace", "TICDiag"}
+
+
+def _compare(want, got, path, problems):
+    """Where ``got`` differs from ``want`` (numbers: 1e-8 relative)."""
+    if isinstance(want, dict):
+        for key in set(want) | set(got):
+            if key in _NOT_COMPARED:
+                continue
+            if key not in want or key not in got:
+                problems.append(
+                    f"{path}/{key}: only in {'got' if key in got else 'want'}"
+                )
+                continue
+            _compare(want[key], got[key], f"{path}/{key}", problems)
+    elif isinstance(want, list) and path.endswith("GradHist1d/hist") and want != got:
+        _compare_counts(want, got, path, problems)
+    elif isinstance(want, list):
+        if len(want) != len(got):
+            problems.append(f"{path}: length {len(want)} != {len(got)}")
+            return
+        for i, (a, b) in enumerate(zip(want, got)):
+            _compare(a, b, f"{path}[{i}]", problems)
+    elif isinstance(want, bool) or not isinstance(want, (int, float)):
+        if want != got:
+            problems.append(f"{path}: {want!r} != {got!r}")
+    elif not math.isclose(want, got, rel_tol=1e-8, abs_tol=1e-13):
+        problems.append(f"{path}: {want!r} != {got!r}")
+
+
+def _compare_counts(want, got, path, problems):
+    """Histogram counts: equal, except across the edge at zero after a step.
+
+    After the first update the parameters differ by rounding (FSDP's
+    reduce-scatter averages the shards' gradients, one process sums the batch),
+    so per-sample gradient elements that are zero in exact arithmetic (about
+    1e-18 in float64) may fall on either side of the edge at zero: the two middle
+    bins (the range is symmetric) may trade counts, the total may not change.
+    """
+    if len(want) != len(got) or sum(want) != sum(got):
+        problems.append(f"{path}: {want!r} != {got!r}")
+        return
+    middle = {len(want) // 2 - 1, len(want) // 2}
+    odd = [i for i, (a, b) in enumerate(zip(want, got)) if a != b and i not in middle]
+    if odd:
+        problems.append(f"{path}: counts differ in bins {odd}")
+
+
+def _as_json(history):
+    import json
+
+    return json.loads(json.dumps(history))
+
+
+CASES = [
+    {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full"},
+    {"model": "mlp", "wrap": "root", "reshard": False, "configuration": "full"},
+    {"model": "transformer", "wrap": "units", "reshard": False},
+    {"model": "transformer", "wrap": "root", "reshard": True},
+    {"model": "bert", "wrap": "units", "reshard": True, "steps": 1},
+    # Adam's state is sharded: Alpha (a replay of the update) is missing
+    {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "adam"},
+]
+
+
+def _check(cases, results, world):
+    for k, case in enumerate(cases):
+        want = _as_json(fsdp.train(case, None, world).history.to_dict())
+        keys = {key for step in want.values() for key in step} - {"missing"}
+        expected = {"GradNorm", "Variance", "InnerTest", "GradHist1d", "MeanGSNR"}
+        if case.get("steps", 2) > 1:  # two-step quantities
+            expected |= {"Alpha", "UpdateSize"}
+        assert expected <= keys, expected - keys
+        for result in results:
+            assert "error" not in result, result.get("traceback", result["error"])
+            got = result["cases"][k]
+            assert "error" not in got, got.get("traceback", got["error"])
+            print(f"{case} rank {result['rank']}: {result['seconds']:.1f} s")
+            got = got["history"]
+            left_out = set(_SECOND_ORDER)
+            if case.get("optimizer") == "adam":
+                left_out.add("Alpha")
+            problems: list[str] = []
+            _compare(
+                {s: {q: v for q, v in w.items()
+                     if q.removesuffix("_estimate") not in left_out}
+                 for s, w in want.items()},
+                got, f"{case} rank {result['rank']}", problems,
+            )  # fmt: skip
+            assert not problems, problems[:10]
+            missing = {q for step in got.values() for q in step.get("missing", {})}
+            assert missing == (keys & left_out), (case, missing)
+            for step in got.values():
+                for key, reason in step.get("missing", {}).items():
+                    if key != "TICDiag":  # (no engine forms curvature diagonals)
+                        assert "fully_shard" in str(reason), reason
+
+
+def test_every_value_equals_one_process_on_the_joined_batch(tmp_path):
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=CASES)
+    _check(CASES, results, 2)
+
+
+def test_four_processes(tmp_path):
+    cases = [{"model": "mlp", "wrap": "units", "reshard": True, "batch": 2}]
+    results = fsdp.launch(fsdp.histories, 4, tmp_path, cases=cases)
+    _check(cases, results, 4)
+
+
+LAYOUTS = {
+    "tensor-parallel": "that fully_shard does not manage (tensor parallelism",
+    "shard-dim-1": "placements (S(1)) on a device mesh of shape (2,): only shards "
+    "along dimension 0",
+    "hsdp": "placements (R, S(0)) on a device mesh of shape (1, 2): a mesh of 2 "
+    "dimensions",
+    "mixed": "it is a plain tensor while '0.weight'",
+    "no-group": "no data-parallel group to join their shards over",
+}
+
+
+def test_layouts_cockpit_cannot_serve_are_refused_on_every_rank(tmp_path):
+    layouts = list(LAYOUTS)
+    results = fsdp.launch(fsdp.refusals, 2, tmp_path, limit=120, layouts=layouts)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        for layout, raised in zip(layouts, result["raised"]):
+            assert raised is not None, layout
+            assert raised.startswith("ValueError: cockpit cannot serve"), raised
+            assert LAYOUTS[layout] in raised, raised
+            assert (
+                "Fix: wrap the model with torch.distributed.fsdp.fully_shard" in raised
+            )

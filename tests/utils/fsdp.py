@@ -1,0 +1,242 @@
+"""FSDP2 test runs: real ``torch.distributed`` processes with ``fully_shard`` models.
+
+Each rank wraps the model with ``torch.distributed.fsdp.fully_shard`` (per unit and
+on the root, or on the root only; ``reshard_after_forward`` as the case says) and
+trains on its shard of the joined batches; :func:`train` without a rank trains the
+plain model in one process on the joined batches (the reference). The processes
+come from :func:`tests.utils.ddp.launch`; one launch runs several cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from typing import Any
+
+import torch
+from backpack import extend
+
+from cockpit import Cockpit, quantities
+from cockpit.cockpit_args import SHARDED_ENGINES
+from cockpit.engines import base as engine_base
+from cockpit.utils.configuration import configuration
+from cockpit.utils.schedules import linear
+from tests.utils import ddp, hf_models
+
+DTYPE = torch.float64
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: causal attention of Linear projections, an MLP."""
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.norm2 = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        n, t, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        q, k, v = (z.view(n, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(n, t, width))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class Transformer(torch.nn.Module):
+    """Token embedding, two :class:`Block` s, a mean-pooled classifier head."""
+
+    def __init__(self, width: int = 8, classes: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(hf_models.VOCAB, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(1))
+
+
+def make(kind: str):
+    """``(model, units, batch(step, n) -> (kwargs, targets), logits)`` of a kind.
+
+    ``units`` are the modules wrapped one by one before the root (per-unit
+    wrapping).
+    """
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = torch.nn.Sequential(
+            torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+        ).to(DTYPE)
+
+        def batch(step, n):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(n, 5, generator=g, dtype=DTYPE)
+            return {"input": x}, torch.randint(0, 3, (n,), generator=g)
+
+        return model, [model[0], model[2]], batch, lambda out: out
+    if kind == "transformer":
+        model = Transformer().to(DTYPE)
+        return (
+            model,
+            list(model.blocks),
+            lambda step, n: hf_models._tokens(n, step, classes=3),
+            lambda out: out,
+        )
+    if kind == "bert":
+        case = hf_models.build("bert")
+        model = case.model
+        return (
+            model,
+            list(model.bert.encoder.layer),
+            lambda step, n: case.inputs(n, step),
+            case.logits,
+        )
+    raise ValueError(kind)
+
+
+def make_quantities(label: str):
+    """A configuration's quantities, tracked every step, plus Variance and MeanGSNR."""
+    every = linear(1)
+    chosen = configuration(label, every)
+    keys = {q.key for q in chosen}
+    for extra in (quantities.Variance, quantities.MeanGSNR):
+        if extra.__name__ not in keys:
+            chosen.append(extra(every))
+    return chosen
+
+
+@contextlib.contextmanager
+def sharded_engines():
+    """Cockpits made inside use only the engines that serve FSDP2 models.
+
+    The reference process computes with the same engines as the sharded run, so
+    that a comparison tests the joining of the shards (the engines are checked
+    against brute force elsewhere: a per-sample gradient element that is 0 in one
+    engine can be 1e-18 in another and move a histogram count across the edge at
+    zero).
+    """
+    saved = list(engine_base._REGISTRY)
+    engine_base._REGISTRY[:] = [e for e in saved if e[1].__name__ in SHARDED_ENGINES]
+    try:
+        yield
+    finally:
+        engine_base._REGISTRY[:] = saved
+
+
+def train(case: dict[str, Any], rank: int | None = None, world: int = 2) -> Cockpit:
+    """Train a case: one FSDP2 rank of ``world``, or (``rank=None``) one process on
+    the joined batches of ``world`` processes."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, units, batch, logits_of = make(case["model"])
+    if rank is not None:
+        model = extend(model)  # as the user's loop does (cockpit takes it off)
+        reshard = case.get("reshard", True)
+        if case.get("wrap", "units") == "units":
+            for unit in units:
+                fully_shard(unit, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+    if case.get("optimizer") == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with contextlib.nullcontext() if rank is not None else sharded_engines():
+        cockpit = Cockpit(
+            model.named_parameters(),
+            quantities=make_quantities(case.get("configuration", "economy")),
+            diagnose=False,
+            timeout=60,
+        )
+    n = case.get("batch", 4)  # samples per process; one process: all of them
+    for step in range(case.get("steps", 2)):
+        kwargs, y = batch(step, n * world)
+        if rank is not None:
+            kwargs = {k: v[rank * n : rank * n + n] for k, v in kwargs.items()}
+            y = y[rank * n : rank * n + n]
+        optimizer.zero_grad()
+        out = logits_of(model(**kwargs))
+        loss = torch.nn.functional.cross_entropy(out, y)
+        losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
+        info = {"batch_size": y.shape[0], "loss": loss, "individual_losses": losses,
+                "optimizer": optimizer}  # fmt: skip
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Worker: train every case with FSDP2; each case's history (or its error)."""
+    out = []
+    for case in cases:
+        try:
+            cockpit = train(case, rank, world)
+            out.append({"history": cockpit.history.to_dict()})
+        except Exception as error:  # reported per case
+            out.append({"error": f"{type(error).__name__}: {error}",
+                        "traceback": traceback.format_exc()})  # fmt: skip
+    return {"cases": out}
+
+
+def refused(rank: int, world: int, layout: str) -> dict[str, Any]:
+    """Worker: make a Cockpit over a layout cockpit cannot serve; what it raised.
+
+    * ``tensor-parallel``: ``distribute_tensor`` rows (a DTensor FSDP does not
+      manage);
+    * ``shard-dim-1``: ``fully_shard`` with ``shard_placement_fn`` -> ``Shard(1)``;
+    * ``hsdp``: ``fully_shard`` on a ``(1, world)`` mesh (HSDP's 2-D layout);
+    * ``mixed``: one layer sharded, the other plain;
+    * ``no-group``: ``process_group=None`` over sharded parameters.
+
+    Then one training step without the Cockpit (FSDP itself works there).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, units, batch, logits_of = make("mlp")
+    mesh = init_device_mesh("cpu", (world,))
+    if layout == "tensor-parallel":
+        for unit in units:
+            unit.weight = torch.nn.Parameter(
+                distribute_tensor(unit.weight.data, mesh, [Shard(0)])
+            )
+            unit.bias = torch.nn.Parameter(
+                distribute_tensor(unit.bias.data, mesh, [Shard(0)])
+            )
+    elif layout == "shard-dim-1":
+
+        def columns(param):  # dimension 1 where it splits evenly (FSDP's rule)
+            even = param.dim() == 2 and param.shape[1] % world == 0
+            return Shard(1) if even else Shard(0)
+
+        fully_shard(model, shard_placement_fn=columns)
+    elif layout == "hsdp":
+        hybrid = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "shard"))
+        fully_shard(model, mesh=hybrid)
+    elif layout == "mixed":
+        fully_shard(units[0])
+    else:
+        fully_shard(model)
+    kwargs = {"process_group": None} if layout == "no-group" else {}
+    try:
+        Cockpit(model.named_parameters(), make_quantities("economy"), **kwargs)
+    except ValueError as error:
+        return {"raised": f"{type(error).__name__}: {error}"}
+    return {"raised": None}
+
+
+def refusals(rank: int, world: int, layouts: list[str]) -> dict[str, Any]:
+    """Worker: :func:`refused` for each layout, in one process."""
+    return {"raised": [refused(rank, world, layout)["raised"] for layout in layouts]}
+
+
+launch = ddp.launch
