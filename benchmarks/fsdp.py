@@ -19,7 +19,7 @@ float32 parameters (``--width``; per-``Linear`` units and the root wrapped with
   model and one plain warm-up step took (malloc keeps freed memory with the
   settings above, so the peak is the high-water mark).
 
-Results go to ``benchmarks/fsdp_results.json`` (``--out``) with the commit and the
+Results go to ``benchmarks/results/fsdp.json`` (``--out``) with the commit and the
 machine.
 """
 
@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="benchmarks/fsdp_results.json")
+    parser.add_argument("--out", default="benchmarks/results/fsdp.json")
     args = parser.parse_args()
     if args.quick:
         args.width, args.rounds, args.memory_steps = 600, 5, 2

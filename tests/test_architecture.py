@@ -333,3 +333,24 @@ def test_the_architecture_page_names_every_module():
     assert not sorted(paths - set(rows)), "modules missing from docs/architecture.md"
     assert not sorted(set(rows) - paths), "rows for modules that no longer exist"
     assert all(rows.values()), "a row says nothing about its module"
+
+
+#: At most this many lines in a module, and in a class.
+MODULE_LINES_AT_MOST, CLASS_LINES_AT_MOST = 800, 400
+
+
+def test_no_module_or_class_too_big_to_read():
+    too_big = []
+    for name, path in MODULES.items():
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > MODULE_LINES_AT_MOST:
+            too_big.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > CLASS_LINES_AT_MOST:
+                    too_big.append(f"{name}.{node.name}: {lines} lines")
+    assert not too_big, (
+        f"over {MODULE_LINES_AT_MOST} lines a module or {CLASS_LINES_AT_MOST} a "
+        f"class: {too_big}. Fix: split it along its sections."
+    )

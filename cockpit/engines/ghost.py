@@ -35,7 +35,6 @@ goes to the next engine.
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -52,6 +51,12 @@ from cockpit.engines.base import (
     register_engine,
 )
 from cockpit.engines.calls import watch
+from cockpit.engines.ghost_layers import (  # noqa: F401  (ghost.register_layer)
+    LAYERS,
+    Layer,
+    layer_of,
+    register_layer,
+)
 from cockpit.engines.modules import batch_mixing, batchnorms, describe, roots_of
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults
@@ -70,235 +75,6 @@ MAX_CALLS = 64
 def _first_tensor(args, kwargs, name: str) -> Tensor | None:
     value = args[0] if args else kwargs.get(name)
     return value if isinstance(value, Tensor) else None
-
-
-# --- the layers -----------------------------------------------------------------------
-def exact_type(module: Module) -> type:
-    """``module``'s type; for FSDP2's ``FSDP<Class>`` (``fully_shard``), the class.
-
-    ``fully_shard`` swaps a module's class for ``(FSDPModule, Class)``, whose
-    forward is the class's own (FSDP's unshard and reshard run in hooks around it).
-    """
-    cls = type(module)
-    bases = cls.__bases__
-    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
-        return bases[1]
-    return cls
-
-
-#: Exact module types served, with their rules (:func:`register_layer`).
-LAYERS: dict[type, Layer] = {}
-#: ``(match, rule)`` for modules found by a test, asked in order after :data:`LAYERS`.
-MATCHERS: list[tuple[Callable[[Module], bool], Layer]] = []
-
-
-def register_layer(*types: type, match: Callable[[Module], bool] | None = None):
-    """Class decorator: serve these module types with this :class:`Layer` rule.
-
-    Like opacus' ``register_grad_sampler``: each rule registers itself, a new
-    layer type is a new rule, not a branch in the engine.
-
-    Args:
-        types: Module classes served (their exact type, not subclasses).
-        match: For modules no type names (e.g. another library's), a test on the
-            module; asked after the types, in the order rules registered.
-    """
-
-    def add(cls):
-        layer = cls()
-        for kind in types:
-            LAYERS[kind] = layer
-        if match is not None:
-            MATCHERS.append((match, layer))
-        return cls
-
-    return add
-
-
-class Layer:
-    """How one layer type's per-sample gradients follow from input and ``delta``.
-
-    Subclasses name the parameters they serve and the input argument, check the
-    module's settings (:meth:`problem`) and build each parameter's term
-    (:meth:`term`): an :class:`~cockpit.per_sample.OuterTerm` for a weight, or a
-    dense ``[N, *shape]`` tensor, both in units of the mean loss (``g_i / N``).
-    """
-
-    params: tuple[str, ...] = ()
-    input_name = "input"
-    #: Whether each call is checked against the rule's formula (:meth:`fits`).
-    checked = False
-
-    def problem(self, module: Module) -> str | None:
-        """Why the formulas do not cover this module's settings (``None``: they do)."""
-        return None
-
-    def fits(self, module: Module, x: Tensor, output: Tensor) -> bool:
-        """Whether this call's output is what the formula assumes (``checked``)."""
-        return True
-
-    def term(self, module: Module, attribute: str, x: Tensor, delta: Tensor):
-        """The parameter's per-sample term of one call (see the class)."""
-        raise NotImplementedError
-
-
-def _sequences(tensor: Tensor, width: int | None = None) -> Tensor:
-    """``[N, *, width]`` as ``[N, T, width]`` (``width``: the last axis by default)."""
-    n = tensor.shape[0]
-    return tensor.reshape(n, -1, tensor.shape[-1] if width is None else width)
-
-
-@register_layer(torch.nn.Linear)
-class LinearLayer(Layer):
-    """``nn.Linear``: ``y = x W^T + b``, weight ``[out, in]``."""
-
-    params = ("weight", "bias")
-
-    def term(self, module, attribute, x, delta):
-        """Weight: rows ``delta``, columns ``x``; bias: ``sum_t delta``."""
-        if attribute == "bias":
-            return _sequences(delta).sum(1)
-        return OuterTerm(_sequences(delta), _sequences(x))
-
-
-def _is_conv1d(module: Module) -> bool:
-    """Hugging Face's ``Conv1D`` (looked up only where transformers is imported)."""
-    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
-    conv1d = getattr(pytorch_utils, "Conv1D", None)
-    return conv1d is not None and exact_type(module) is conv1d
-
-
-@register_layer(match=_is_conv1d)
-class Conv1DLayer(Layer):
-    """Hugging Face's ``Conv1D``: ``y = x W + b``, weight ``[in, out]``."""
-
-    params = ("weight", "bias")
-    input_name = "x"
-
-    def term(self, module, attribute, x, delta):
-        """Weight: rows ``x``, columns ``delta``; bias: ``sum_t delta``."""
-        if attribute == "bias":
-            return _sequences(delta).sum(1)
-        return OuterTerm(_sequences(x), _sequences(delta))
-
-
-@register_layer(torch.nn.Embedding)
-class EmbeddingLayer(Layer):
-    """``nn.Embedding``: rows of the table picked by the indices."""
-
-    params = ("weight",)
-
-    def problem(self, module):
-        """Settings whose gradient is not the one-hot sum (or changes the table)."""
-        if module.max_norm is not None:
-            return "max_norm renormalises the table in the forward pass"
-        if module.scale_grad_by_freq:
-            return "scale_grad_by_freq scales by counts over the whole batch"
-        if module.sparse:
-            return "sparse gradients"
-        return None
-
-    def term(self, module, attribute, x, delta):
-        """One-hot rows (the indices), columns ``delta``; the padding row gets none."""
-        n = delta.shape[0]
-        indices = x.reshape(n, -1)
-        cols = _sequences(delta)
-        if module.padding_idx is not None:
-            cols = cols * (indices != module.padding_idx).unsqueeze(-1).to(cols.dtype)
-        return OuterTerm(indices, cols, num_rows=module.num_embeddings)
-
-
-@register_layer(torch.nn.LayerNorm, *filter(None, [getattr(torch.nn, "RMSNorm", None)]))
-class NormLayer(Layer):
-    """``nn.LayerNorm`` and ``nn.RMSNorm``: ``y = x_hat * w (+ b)`` elementwise."""
-
-    params = ("weight", "bias")
-
-    def problem(self, module):
-        """Only with elementwise affine parameters (else there is nothing to serve)."""
-        if not getattr(module, "elementwise_affine", True):
-            return "no elementwise affine parameters"
-        return None
-
-    @staticmethod
-    def normalised(module: Module, x: Tensor) -> Tensor:
-        """``x_hat``, recomputed as the layer computes it."""
-        shape = tuple(module.normalized_shape)
-        if isinstance(module, torch.nn.LayerNorm):
-            return torch.nn.functional.layer_norm(x, shape, None, None, module.eps)
-        return torch.nn.functional.rms_norm(x, shape, None, module.eps)
-
-    def term(self, module, attribute, x, delta):
-        """``sum_t delta * x_hat`` (weight) or ``sum_t delta`` (bias), per sample."""
-        if attribute == "weight":
-            delta = delta * self.normalised(module, x.detach())
-        kept = len(tuple(module.normalized_shape))
-        axes = tuple(range(1, delta.dim() - kept))
-        return delta.sum(dim=axes) if axes else delta
-
-
-def _is_scale_norm(module: Module) -> bool:
-    """A childless ``*RMSNorm`` / ``*LayerNorm`` with the one parameter ``weight``."""
-    if not exact_type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
-        return False
-    if module._modules:
-        return False
-    own = list(module._parameters.items())
-    return [n for n, _ in own] == ["weight"] and own[0][1] is not None
-
-
-@register_layer(match=_is_scale_norm)
-class ScaleLayer(Layer):
-    """Another library's normalisation layer: ``y = w * f(x)`` elementwise.
-
-    Hugging Face's ``LlamaRMSNorm`` and ``T5LayerNorm``, for example: a module
-    whose class name ends in ``RMSNorm`` or ``LayerNorm``, with the one parameter
-    ``weight`` and no children. ``f(x)`` is the module's own ``forward`` with the
-    weight set to ones (no hooks run); the engine serves it only after checking,
-    for each module and input shape, that its output equals ``w * f(x)`` to
-    rounding (:meth:`GhostEngine.record`), so ``(1 + w) * f(x)`` and the like go
-    to the other engines.
-    """
-
-    params = ("weight",)
-    checked = True
-
-    @staticmethod
-    def base(module: Module, x: Tensor) -> Tensor:
-        """``f(x)``: the module's forward with its weight set to ones."""
-        weight = module._parameters["weight"]
-        module._parameters["weight"] = torch.ones_like(weight.detach())
-        try:
-            with torch.no_grad():
-                return module.forward(x)
-        finally:
-            module._parameters["weight"] = weight
-
-    def fits(self, module: Module, x: Tensor, output: Tensor) -> bool:
-        """Whether ``output == weight * f(x)`` to rounding."""
-        with torch.no_grad():
-            want = module.weight * self.base(module, x)
-            if want.shape != output.shape or want.dtype != output.dtype:
-                return False
-            eps = torch.finfo(output.dtype).eps
-            return bool(torch.allclose(output, want, rtol=8 * eps, atol=0.0))
-
-    def term(self, module, attribute, x, delta):
-        """``sum_t delta * f(x)``, per sample."""
-        delta = delta * self.base(module, x)
-        axes = tuple(range(1, delta.dim() - module.weight.dim()))
-        return delta.sum(dim=axes) if axes else delta
-
-
-def layer_of(module: Module) -> Layer | None:
-    """The rule of ``module`` (its exact type's, else the first that matches)."""
-    layer = LAYERS.get(exact_type(module))
-    if layer is not None:
-        return layer
-    for match, rule in MATCHERS:
-        if match(module):
-            return rule
-    return None
 
 
 # --- calls ----------------------------------------------------------------------------
@@ -724,29 +500,11 @@ class GhostEngine(Engine):
                 call.release()
 
     def _results(self, index: int, calls: list[Call], grad: Tensor) -> ParamResults:
-        param = self.params[index]
-        attribute = {id(m): (a, layer) for m, a, layer in self._owners[index]}
-        n = calls[0].delta.shape[0]
-        terms, dense = [], None
-        for call in calls:
-            name, layer = attribute[id(call.module)]
-            term = layer.term(call.module, name, call.inputs(n), call.delta)
-            if isinstance(term, OuterTerm):
-                terms.append(term)
-            else:
-                term = upcast(term).reshape(n, *param.shape)
-                dense = term if dense is None else dense + term
-        if dense is not None and not terms:
-            return ParamResults(DenseGradients(dense, scale=n))
-        if dense is not None:  # a weight used both ways: form the sum
-            individual = OuterProductGradients(terms, param.shape, n, grad)
-            dense = dense + individual.materialize() / n
-            return ParamResults(DenseGradients(dense, scale=n))
-        individual = OuterProductGradients(terms, param.shape, n, grad)
         budget = self._step.options.get("max_elements", 1 << 26)
-        if self._dense and n * param.numel() <= budget:
-            individual.densify()
-        return ParamResults(individual)
+        dense_up_to = budget if self._dense else -1
+        return layer_results(
+            self.params[index], self._owners[index], calls, grad, dense_up_to
+        )
 
     def after_backward(self, step: EngineStep) -> None:
         """Fail if a served parameter's results could not be formed (a bug)."""
@@ -784,6 +542,46 @@ class GhostEngine(Engine):
             handle.remove()
         self._handles = []
         self._release_all()
+
+
+def layer_results(param, owners, calls, grad, dense_up_to: int) -> ParamResults:
+    """A parameter's per-sample results from the calls of the layers that use it.
+
+    Args:
+        param: The parameter.
+        owners: ``(module, attribute, layer rule)`` of each module that holds it.
+        calls: The module calls of the step that used it (inputs and output
+            gradients at hand).
+        grad: Its gradient (the mean over the batch).
+        dense_up_to: Outer-product results are formed densely when ``N x D`` is
+            at most this (``-1``: never).
+
+    Returns:
+        Dense per-sample gradients where a layer rule gave dense terms (summed
+        with the outer-product terms of other calls, if any), else the
+        outer-product form.
+    """
+    attribute = {id(m): (a, layer) for m, a, layer in owners}
+    n = calls[0].delta.shape[0]
+    terms, dense = [], None
+    for call in calls:
+        name, layer = attribute[id(call.module)]
+        term = layer.term(call.module, name, call.inputs(n), call.delta)
+        if isinstance(term, OuterTerm):
+            terms.append(term)
+        else:
+            term = upcast(term).reshape(n, *param.shape)
+            dense = term if dense is None else dense + term
+    if dense is not None and not terms:
+        return ParamResults(DenseGradients(dense, scale=n))
+    if dense is not None:  # a weight used both ways: form the sum
+        individual = OuterProductGradients(terms, param.shape, n, grad)
+        dense = dense + individual.materialize() / n
+        return ParamResults(DenseGradients(dense, scale=n))
+    individual = OuterProductGradients(terms, param.shape, n, grad)
+    if n * param.numel() <= dense_up_to:
+        individual.densify()
+    return ParamResults(individual)
 
 
 def _own(module: Module) -> list[Tensor]:

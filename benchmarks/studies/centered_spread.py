@@ -3,7 +3,7 @@
 Run from the repository root (CPU, one thread; about a minute)::
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1099511627776 \\
-        python -m benchmarks.centered_spread --rounds 15 \\
+        python -m benchmarks.studies.centered_spread --rounds 15 \\
         --out benchmarks/results/centered_spread.json
 
 The variances of MeanGSNR and EarlyStopping are now formed from the per-sample
@@ -153,7 +153,7 @@ def _markdown(saved: dict) -> str:
         f"Commit {machine['commit']}, {machine['cpu']} ({machine['cores']} cores, "
         f"load {machine['load']}), torch {machine['torch']}; "
         f"one thread; {saved['settings']['rounds']} interleaved rounds, CPU time "
-        "medians per step (`python -m benchmarks.centered_spread`).",
+        "medians per step (`python -m benchmarks.studies.centered_spread`).",
         "",
         "| model | plain ms | centred ms | difference ms | centred / difference "
         "| centred / plain |",
