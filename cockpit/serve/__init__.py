@@ -19,11 +19,25 @@ answers, and why it is safe to leave running.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from cockpit.serve.server import Server
+if TYPE_CHECKING:  # the server (and the dashboard page's plotting) load on use
+    from cockpit.serve.server import Server
 
 __all__ = ["Server", "start"]
+
+
+def __getattr__(name: str) -> Any:
+    """``cockpit.serve.Server``, imported when first used.
+
+    So ``cockpit --help`` and the other commands load neither the server nor
+    plotting.
+    """
+    if name == "Server":
+        from cockpit.serve.server import Server
+
+        return Server
+    raise AttributeError(f"module 'cockpit.serve' has no attribute {name!r}")
 
 
 def start(
@@ -42,6 +56,8 @@ def start(
     Raises:
         OSError: If the port is in use.
     """
+    from cockpit.serve.server import Server
+
     paths = [paths] if isinstance(paths, str) else list(paths)
     server = Server(paths, port=port, host=host).start()
     print(f"cockpit serve: the dashboard is at {server.url}", flush=True)
