@@ -9,6 +9,7 @@ coverage report, and runs the engines around the user's backward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -105,6 +106,14 @@ def _strict_message(step: int, problems: list[str]) -> str:
     )
 
 
+def quiet_engines(engines) -> contextlib.AbstractContextManager:
+    """A context in which ``engines`` keep still for an extra backward pass."""
+    stack = contextlib.ExitStack()
+    for engine in engines:
+        stack.enter_context(engine.quiet())
+    return stack
+
+
 class StepRouting:
     """The engines' part of one step (see the module's docstring).
 
@@ -138,7 +147,9 @@ class StepRouting:
             needs=plan.needs,
             plan=plan,
             user=user,
-            quiet=self.quiet,
+            # not a bound method: the engine step must not hold the routing (a
+            # cycle through the ledger would keep a dropped cockpit's parts alive)
+            quiet=functools.partial(quiet_engines, tuple(self.router.engines)),
             label=checks.module_label,
         )
         self.routes = None
@@ -337,10 +348,7 @@ class StepRouting:
 
     def quiet(self) -> contextlib.AbstractContextManager:
         """A context for extra backward passes before the user's (hooks keep still)."""
-        stack = contextlib.ExitStack()
-        for engine in self.engines:
-            stack.enter_context(engine.quiet())
-        return stack
+        return quiet_engines(self.engines)
 
     def idle(self) -> contextlib.AbstractContextManager:
         """A context in which the engines' hooks do nothing (extra backward passes)."""
