@@ -57,7 +57,7 @@ def test_an_example_shows_its_bar_on_a_terminal(tmp_path, monkeypatch):
 
 #: Every example that runs longer than a few seconds at its defaults, and how it
 #: shows progress (the others run in a few seconds: custom_quantity,
-#: loss_is_not_enough, misscaled_data, vanishing_gradients).
+#: loss_is_not_enough, misscaled_data, vanishing_gradients, fsdp: 10 steps).
 LONG = {
     "quickstart": "tqdm",
     "resnet_digits": "tqdm",
@@ -94,5 +94,5 @@ def test_every_long_example_shows_progress_on_a_terminal_only(name):
 
 def test_the_long_examples_are_all_the_examples_but_the_short_ones():
     short = {"custom_quantity", "loss_is_not_enough", "misscaled_data",
-             "vanishing_gradients"}  # fmt: skip
+             "vanishing_gradients", "fsdp"}  # fmt: skip
     assert {path.stem for path in EXAMPLES.glob("*.py")} == set(LONG) | short

@@ -76,9 +76,11 @@ def test_gpt2_head_and_token_embedding_keep_no_logits():
 
     case = build("gpt2")
     model = extend(case.model)
-    Cockpit(model.parameters(), [Q.Variance(linear(1))])
+    # kept: a dropped cockpit gives the model back as it was (BackPACK's hooks too)
+    cockpit = Cockpit(model.parameters(), [Q.Variance(linear(1))])
     kwargs, _ = case.batch(4, 0)
     model(**kwargs)
     assert _stored(model.lm_head) == []
     assert _stored(model.transformer.wte) == []
     assert "output" in _stored(model.transformer.ln_f)
+    cockpit.close()

@@ -328,6 +328,8 @@ class _CockpitCallback:
         self._speaks = True  # rank 0 of a DDP run (the callback's own warnings)
 
     # --- set-up ----------------------------------------------------------------------
+    _check_data_parallel = staticmethod(check_data_parallel)  # as before (tests)
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str):
         """Refuse the other Lightning package's trainer and sharded models."""
         check_package(self, trainer)
