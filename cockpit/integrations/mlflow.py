@@ -36,13 +36,17 @@ What the run receives (names as the TensorBoard export's,
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
 
 from cockpit.integrations.series import Scalar
-from cockpit.integrations.trackers import TrackerLog, attach, missing_extra
+from cockpit.integrations.trackers import (
+    TrackerLog,
+    attach,
+    export_source,
+    missing_extra,
+)
 
 __all__ = ["MlflowSink", "export_mlflow", "log_to", "metric_name"]
 
@@ -212,12 +216,7 @@ def export_mlflow(
         What was sent (``.steps``, ``.series.skipped``, ``.outputs``, the run id
         as ``.sink.run_id``).
     """
-    from cockpit.history import History
-    from cockpit.log.files import open_log
-
-    history = log if isinstance(log, History) else open_log(log)
-    if run_name is None and not isinstance(log, History):
-        run_name = os.path.splitext(os.path.basename(os.fspath(log)))[0]
+    history, run_name = export_source(log, run_name)
     client = _mlflow().MlflowClient(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     experiment_id = (

@@ -298,6 +298,27 @@ class Fanout:
                 close()
 
 
+def export_source(log, name: str | None) -> tuple[History, str | None]:
+    """What an export of a log sends: its history, and the run's name.
+
+    Args:
+        log: A log file (read with :func:`~cockpit.log.files.open_log`) or a
+            :class:`~cockpit.history.History`.
+        name: The run's name, or ``None`` for the log file's name (a history
+            has none).
+
+    Returns:
+        ``(history, name)``.
+    """
+    from cockpit.log.files import open_log
+
+    if isinstance(log, History):
+        return log, name
+    if name is None:
+        name = os.path.splitext(os.path.basename(os.fspath(log)))[0]
+    return open_log(log), name
+
+
 def attach(cockpit, sink, prefix: str = "cockpit", **options: Any) -> TrackerLog:
     """Subscribe a :class:`TrackerLog` of ``sink`` to ``cockpit``'s recorder.
 

@@ -42,7 +42,12 @@ import os
 from typing import Any
 
 from cockpit.integrations.series import Histogram, Samples, Scalar
-from cockpit.integrations.trackers import TrackerLog, attach, missing_extra
+from cockpit.integrations.trackers import (
+    TrackerLog,
+    attach,
+    export_source,
+    missing_extra,
+)
 
 __all__ = ["WandbSink", "export_wandb", "log_to"]
 
@@ -233,12 +238,7 @@ def export_wandb(
         What was sent (``.steps``, ``.series.skipped``, ``.outputs``, and the run
         as ``.sink.run``).
     """
-    from cockpit.history import History
-    from cockpit.log.files import open_log
-
-    history = log if isinstance(log, History) else open_log(log)
-    if name is None and not isinstance(log, History):
-        name = os.path.splitext(os.path.basename(os.fspath(log)))[0]
+    history, name = export_source(log, name)
     wandb = _wandb()
     run = wandb.init(project=project, name=name, reinit="create_new", **init)
     sink = WandbSink(run, prefix, owns=True)
