@@ -123,7 +123,8 @@ class CallRecorder:
     def __init__(self):
         self.calls: dict[int, Call] = {}
         self._handles: dict[int, list] = {}
-        self._starts: dict[int, tuple[int, bool]] = {}
+        #: Watched modules whose forward began and has not returned yet.
+        self.starts: dict[int, tuple[int, bool]] = {}
         #: While set, calls are not recorded: a forward that code run inside the
         #: replayer's own backward passes (a hand-written recomputation in a custom
         #: autograd function) must not replace the step's call.
@@ -140,12 +141,12 @@ class CallRecorder:
     def started(self, module: Module) -> None:
         """A watched module's forward begins (called by its pre-hook)."""
         if torch.is_grad_enabled() and not self.paused and not in_transform():
-            self._starts[id(module)] = (_now(), autocast_on())
+            self.starts[id(module)] = (_now(), autocast_on())
 
     def returned(self, module: Module, args, kwargs, output) -> None:
         """A watched module's forward returned (called by its hook)."""
         key = id(module)
-        start = self._starts.pop(key, None)
+        start = self.starts.pop(key, None)
         if start is None:
             return
         leaves, spec = tree_flatten((args, kwargs))
@@ -158,7 +159,7 @@ class CallRecorder:
     def clear(self) -> None:
         """Forget the recorded calls."""
         self.calls.clear()
-        self._starts.clear()
+        self.starts.clear()
 
     def close(self) -> None:
         """Remove the hooks."""

@@ -763,8 +763,10 @@ class ReplayEngine(Engine):
         return served
 
     def forget(self) -> None:
-        """Drop the step's recorded module calls."""
-        self.replayer.forget()
+        """Drop the step's recorded module calls (if it recorded any)."""
+        recorder = self.replayer.recorder
+        if recorder.calls or recorder.starts:
+            self.replayer.forget()
 
     def close(self) -> None:
         """Remove the watch hooks."""

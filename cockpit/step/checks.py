@@ -177,9 +177,10 @@ def step_health(step_info: StepInfo, params: Sequence[Tensor]) -> StepHealth:
     grads = [_local(p.grad) for p in params if p.grad is not None]
     pieces: list[Tensor] = []
     with torch.no_grad():
-        if step_info.has("loss"):
+        has_loss = step_info.has("loss")
+        if has_loss:
             pieces.append(_scalar(step_info.get("loss")))
-        has_both = step_info.has("loss") and step_info.has("individual_losses")
+        has_both = has_loss and step_info.has("individual_losses")
         rtol = _RTOL
         if has_both:
             losses = step_info.get("individual_losses").detach()
@@ -197,7 +198,7 @@ def step_health(step_info: StepInfo, params: Sequence[Tensor]) -> StepHealth:
         device = pieces[-1].device
         values = torch.stack([t.to(device=device, dtype=torch.float32) for t in pieces])
         values = values.tolist()
-    loss = values.pop(0) if step_info.has("loss") else None
+    loss = values.pop(0) if has_loss else None
     mean = values.pop(0) if has_both else None
     grads_finite = math.isfinite(values.pop(0)) if grads else None
     return StepHealth(loss, mean, grads_finite, rtol if has_both else _RTOL)

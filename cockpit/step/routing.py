@@ -133,16 +133,14 @@ class StepRouting:
         self.params = router.params
         self.probes, self.parallel = settings["probes"], settings["parallel"]
         self.strict = settings["strict"]
-        losses = (
-            info.get("individual_losses") if info.has("individual_losses") else None
-        )
+        losses = info.get("individual_losses")
         losses = losses if isinstance(losses, Tensor) and losses.grad_fn else None
         user = tuple(settings["user"])
         self.engine_step = EngineStep(
             plan.global_step,
             self.params,
             losses=losses,
-            loss=info.get("loss") if info.has("loss") else None,
+            loss=info.get("loss"),
             options=settings["options"],
             needs=plan.needs,
             plan=plan,
@@ -255,7 +253,6 @@ class StepRouting:
         if self.routes is None:
             return None
         step, ledger = plan.global_step, self.ledger
-        labels = [self.checks.param_label(i) for i in range(len(self.params))]
         decline = self.curvature
         problem = with_fix(decline.message, decline.fix) if decline else None
         entries = [(q, ledger.entries[id(q)]) for q in ledger.planned.active]
@@ -263,12 +260,13 @@ class StepRouting:
             tuple(self.routes),
             tuple((q.key, e.status, e.reason, plan.needs_of(q)) for q, e in entries),
             problem,
-            tuple(labels),
+            tuple([p.shape for p in self.params]),  # the labels' shapes
         )
         cached = self.router.coverage_cache
         if cached is not None and cached[0] == key:
             coverage = Coverage(step, cached[1].params)
         else:
+            labels = [self.checks.param_label(i) for i in range(len(self.params))]
             rows = []
             for index, route in enumerate(self.routes):
                 statuses = {}

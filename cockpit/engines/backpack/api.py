@@ -32,6 +32,7 @@ from torch.nn import Module
 
 from cockpit.engines.backpack.rules import (
     PerSampleGradients,
+    RULE_WRAPPERS,
     SkipModules,
     lean_batch_l2,
     lean_diag_ggn_exact,
@@ -329,6 +330,8 @@ def rule_problem(module: Module, extension: BackpropExtension) -> str | None:
     name = type(extension).__name__
     if rule is None:
         return f"BackPACK's {name} has no rule for {type(module).__name__}"
+    while isinstance(rule, RULE_WRAPPERS):  # ask the rule itself
+        rule = rule.wrapped
     supports = getattr(rule, "supports", None)  # cockpit's own rules
     if supports is not None:
         problem = supports(module)

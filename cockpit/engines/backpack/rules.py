@@ -114,6 +114,10 @@ class SkipModules:
         return getattr(self.wrapped, name)
 
 
+#: What cockpit wraps BackPACK's rules in (each keeps the rule as ``wrapped``).
+RULE_WRAPPERS = (_NoGraph, SkipModules)
+
+
 def module_extension_table(extension: BackpropExtension) -> dict:
     """Return BackPACK's private module-type -> rule table of ``extension``.
 
@@ -121,6 +125,33 @@ def module_extension_table(extension: BackpropExtension) -> dict:
     which :func:`without_graph` needs; this is the one place that reads the table.
     """
     return extension._BackpropExtension__module_extensions
+
+
+_SHARED_TABLES: dict[str, dict] = {}
+
+
+def shared_rules(
+    extension: BackpropExtension, name: str, customise
+) -> BackpropExtension:
+    """Give ``extension`` the rule table ``name``, built by ``customise`` only once.
+
+    The first instance is customised (``customise(extension)``, then
+    :func:`without_graph`) and its table kept; later instances copy that table.
+    BackPACK's module extensions and cockpit's keep no state between calls, so
+    instances may share them; each instance keeps its own table (``dict``), whose
+    entries :func:`~cockpit.engines.backpack.api.leave_to_autograd` may replace.
+    Returns the same object.
+    """
+    table = module_extension_table(extension)
+    shared = _SHARED_TABLES.get(name)
+    if shared is None:
+        customise(extension)
+        without_graph(extension)
+        _SHARED_TABLES[name] = dict(table)
+    else:
+        table.clear()
+        table.update(shared)
+    return extension
 
 
 def without_graph(extension: BackpropExtension) -> BackpropExtension:
@@ -131,7 +162,7 @@ def without_graph(extension: BackpropExtension) -> BackpropExtension:
     """
     table = module_extension_table(extension)
     for module_type, rule in list(table.items()):
-        if not isinstance(rule, (_NoGraph, SkipModules)):
+        if not isinstance(rule, RULE_WRAPPERS):
             table[module_type] = _NoGraph(rule)
     return extension
 
@@ -361,20 +392,24 @@ def _with_norm_rules(extension: BackpropExtension, reduce: str) -> None:
 
 def lean_batch_l2() -> BatchL2Grad:
     """Return BackPACK's ``BatchL2Grad`` with cockpit's Embedding and norm rules."""
-    extension = BatchL2Grad()
+    return shared_rules(BatchL2Grad(), "batch_l2", _lean_batch_l2_rules)
+
+
+def _lean_batch_l2_rules(extension: BatchL2Grad) -> None:
     extension.set_module_extension(Embedding, _EmbeddingBatchL2(), overwrite=True)
     _with_norm_rules(extension, "l2")
-    return without_graph(extension)
 
 
 def lean_sum_grad_squared() -> SumGradSquared:
     """Return BackPACK's ``SumGradSquared`` with cockpit's Embedding and norm rules."""
-    extension = SumGradSquared()
+    return shared_rules(SumGradSquared(), "sum_grad_squared", _lean_sgs_rules)
+
+
+def _lean_sgs_rules(extension: SumGradSquared) -> None:
     extension.set_module_extension(
         Embedding, _EmbeddingSumGradSquared(), overwrite=True
     )
     _with_norm_rules(extension, "sgs")
-    return without_graph(extension)
 
 
 class PerSampleGradients(BatchGrad):
@@ -391,11 +426,14 @@ class PerSampleGradients(BatchGrad):
 
     def __init__(self):
         super().__init__()
-        self.set_module_extension(Linear, _FactoredLinear(), overwrite=True)
-        self.set_module_extension(Conv2d, _UnfoldConv2d(), overwrite=True)
-        self.set_module_extension(Embedding, _EmbeddingBatchGrad(), overwrite=True)
-        _with_norm_rules(self, "batch")
-        without_graph(self)
+        shared_rules(self, "per_sample", PerSampleGradients._rules)
+
+    @staticmethod
+    def _rules(extension: BatchGrad) -> None:
+        extension.set_module_extension(Linear, _FactoredLinear(), overwrite=True)
+        extension.set_module_extension(Conv2d, _UnfoldConv2d(), overwrite=True)
+        extension.set_module_extension(Embedding, _EmbeddingBatchGrad(), overwrite=True)
+        _with_norm_rules(extension, "batch")
 
     @staticmethod
     def served_by(other: BackpropExtension) -> bool:
@@ -462,22 +500,27 @@ class _LeanDiagGGNConv2d(DiagGGNConv2d):
         return conv2d_weight_diagonal(module, backproped)
 
 
+def _lean_conv(rule: type):
+    """A customisation that gives an extension the lean ``Conv2d`` rule ``rule``."""
+
+    def customise(extension: BackpropExtension) -> None:
+        extension.set_module_extension(Conv2d, rule(), overwrite=True)
+
+    return customise
+
+
 def lean_diag_hessian() -> DiagHessian:
     """Return BackPACK's ``DiagHessian`` with the memory-lean ``Conv2d`` weight rule.
 
     The object is a plain ``DiagHessian`` (type and settings unchanged), so it merges
     with one the user passes.
     """
-    extension = DiagHessian()
-    extension.set_module_extension(Conv2d, _LeanDiagHConv2d(), overwrite=True)
-    return without_graph(extension)
+    return shared_rules(DiagHessian(), "diag_hessian", _lean_conv(_LeanDiagHConv2d))
 
 
 def lean_diag_ggn_exact() -> DiagGGNExact:
     """Return BackPACK's ``DiagGGNExact`` with the memory-lean ``Conv2d`` rule."""
-    extension = DiagGGNExact()
-    extension.set_module_extension(Conv2d, _LeanDiagGGNConv2d(), overwrite=True)
-    return without_graph(extension)
+    return shared_rules(DiagGGNExact(), "diag_ggn", _lean_conv(_LeanDiagGGNConv2d))
 
 
 def lean_diag_ggn_mc(mc_samples: int = 1) -> DiagGGNMC:
@@ -487,5 +530,4 @@ def lean_diag_ggn_mc(mc_samples: int = 1) -> DiagGGNMC:
         mc_samples: Monte-Carlo samples of the loss Hessian.
     """
     extension = DiagGGNMC(mc_samples=mc_samples)
-    extension.set_module_extension(Conv2d, _LeanDiagGGNConv2d(), overwrite=True)
-    return without_graph(extension)
+    return shared_rules(extension, "diag_ggn_mc", _lean_conv(_LeanDiagGGNConv2d))

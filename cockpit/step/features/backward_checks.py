@@ -117,7 +117,7 @@ class LossScale(StepFeature):
     def before_backward(self) -> None:
         """Work before the user's backward pass (see the module)."""
         state = self.state
-        loss = state.info.get("loss") if state.info.has("loss") else None
+        loss = state.info.get("loss")
         if isinstance(loss, Tensor) and loss.requires_grad and state.plan.active:
             self._handle = loss.register_hook(self._seen)
 
