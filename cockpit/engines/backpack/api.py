@@ -31,8 +31,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from cockpit.engines.backpack.rules import (
-    PerSampleGradients,
     RULE_WRAPPERS,
+    PerSampleGradients,
     SkipModules,
     lean_batch_l2,
     lean_diag_ggn_exact,
