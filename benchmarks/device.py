@@ -49,10 +49,10 @@ from benchmarks.measure import REPO, Interpreter, spawn
 
 #: The test files with device cases (``pytest -m cuda`` selects those cases).
 TESTS = (
-    "tests/test_core_quantities.py",
-    "tests/test_curvature_instruments.py",
-    "tests/test_histograms.py",
-    "tests/test_first_order_instruments.py",
+    "tests/quantities/test_core_quantities.py",
+    "tests/quantities/test_curvature_instruments.py",
+    "tests/quantities/test_histograms.py",
+    "tests/quantities/test_first_order_instruments.py",
     "tests/test_mixed_precision.py",
     "tests/test_devices.py",
 )

@@ -13,7 +13,7 @@ import pytest
 from cockpit.cli import build_parser, load_log, main
 from cockpit.errors import LogFileError
 from cockpit.history import History
-from tests.test_plotting import reference_log, synthetic_history
+from tests.plotting.test_plotting import reference_log, synthetic_history
 
 
 @pytest.fixture

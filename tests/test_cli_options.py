@@ -16,7 +16,7 @@ from cockpit import __version__
 from cockpit.cli import CONFIGURATIONS, DEMO_FOLDER, build_parser, main
 from cockpit.diagnosis import CHECK_IDS
 from cockpit.errors import CockpitWarning
-from tests.test_plotting import synthetic_history
+from tests.plotting.test_plotting import synthetic_history
 
 
 @pytest.fixture

@@ -1,14 +1,15 @@
 """On the GPU: the engines, checkpoint/resume, the dashboard, fp16 with a GradScaler.
 
-Their CPU cases are the existing tests of each (``tests/test_ghost_engine.py``,
-``tests/test_replay_engine.py``, ``tests/test_resume.py``, ``tests/test_plotting.py``,
+Their CPU cases are the existing tests of each
+(``tests/engines/test_ghost_engine.py``, ``tests/engines/test_replay_engine.py``,
+``tests/log/test_resume.py``, ``tests/plotting/test_plotting.py``,
 ``tests/test_mixed_precision.py``); here the same checks run on the CUDA device,
 against the float64 brute force on the CPU (tolerance: that of the CPU tests,
 ``RTOL``/``ATOL``; float64 on either device differs by rounding only). Without a GPU
 they skip with the reason; ``COCKPIT_DEVICE_TESTS_ON_CPU=1`` runs them on the CPU
 as well (to check the tests themselves).
 
-The host-synchronisation and device-following tests (``tests/test_host_syncs.py``)
+The host-synchronisation and device-following tests (``tests/step/test_host_syncs.py``)
 run on the CPU.
 """
 

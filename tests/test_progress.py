@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from cockpit.cli import main
+from tests.plotting.test_plotting import synthetic_history
 from tests.test_examples import EXAMPLES, load_example
-from tests.test_plotting import synthetic_history
 
 
 class Terminal(io.StringIO):

@@ -83,7 +83,8 @@ def run_command(words: list[str]) -> str:
     """Run one README command; return its program (``cockpit <command>``)."""
     if words[0] == "torchrun":
         # Two processes starting torch take ~30 s on a 2-core machine, so this one
-        # is run by tests/test_ddp_example.py (the same options, with --steps 3).
+        # is run by tests/distributed/test_ddp_example.py (the same options, with
+        # --steps 3).
         *options, script = words[1:]
         assert (ROOT / script).is_file(), script
         ddp_test = (ROOT / "tests" / "test_ddp_example.py").read_text()

@@ -241,7 +241,8 @@ def test_layer_without_backpack_rule_goes_to_autograd_and_is_named():
 
 
 def test_curvature_without_backpack_rule_is_missing_or_strict_error():
-    # (the Hessian trace is estimated instead: tests/test_any_model_curvature.py)
+    # (the Hessian trace is estimated instead:
+    # tests/engines/test_any_model_curvature.py)
     def ggn():
         return [Q.HessTrace(EVERY, curvature="diag_ggn_exact")]
 

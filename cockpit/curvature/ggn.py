@@ -26,9 +26,9 @@ unbiased trace; their spread is the standard error.
 
 Where rows times classes are few, :meth:`Head.exact` forms the diagonal exactly
 instead, one product per row and class. Both are tested against the dense float64
-GGN (``tests/test_ggn_estimate.py``); :mod:`cockpit.curvature.source` chooses them
-as the curvature of HessTrace and the TIC quantities where BackPACK cannot form it
-(:mod:`cockpit.step.features.curvature` forms them at the step).
+GGN (``tests/curvature/test_ggn_estimate.py``); :mod:`cockpit.curvature.source`
+chooses them as the curvature of HessTrace and the TIC quantities where BackPACK
+cannot form it (:mod:`cockpit.step.features.curvature` forms them at the step).
 """
 
 from __future__ import annotations

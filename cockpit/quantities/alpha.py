@@ -105,7 +105,7 @@ class Alpha(TwoStepQuantity):
     ``2 D + N (P + 1)`` numbers (``P`` parameter tensors), on both paths. Replaying
     adds, for the duration of one parameter's hook, a copy of that parameter, its
     gradient and its optimizer state. Per-sample gradients are never kept beyond
-    their module's hook. Measured (``tests/test_per_sample_memory.py``, and a
+    their module's hook. Measured (``tests/engines/test_per_sample_memory.py``, and a
     784-256-10 MLP, ``N = 128``, float32, SGD and Adam): ``D = 203,530``, between
     steps exactly ``D`` numbers (0.8 MiB), at most ``2 D + N (P + 1) = 407,700``
     (1.6 MiB); cockpit-for-pytorch cached ``N D`` numbers for each of the two steps

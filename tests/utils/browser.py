@@ -3,7 +3,7 @@
 Chromium is started with ``--remote-debugging-pipe``: commands go to its file
 descriptor 3 and answers come from 4, as JSON messages ended by a NUL byte, so no
 port is opened and no websocket library is needed. Used by the tests of the HTML
-dashboard (``tests/test_html_dashboard.py``).
+dashboard (``tests/plotting/test_html_dashboard.py``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,12 @@ def test_lightning_csv_logger_holds_every_series(tmp_path):
 
     from cockpit.integrations.lightning import CockpitCallback
     from cockpit.utils.configuration import configuration
-    from tests.test_integrations_lightning import Classifier, _loader, _net, _trainer
+    from tests.integrations.test_integrations_lightning import (
+        Classifier,
+        _loader,
+        _net,
+        _trainer,
+    )
 
     logger = CSVLogger(str(tmp_path), name="csv")
     callback = CockpitCallback(quantities=configuration("economy"))
@@ -62,7 +67,12 @@ def test_loggers_false_sends_nothing(tmp_path):
 
     from cockpit.integrations.lightning import CockpitCallback
     from cockpit.utils.configuration import configuration
-    from tests.test_integrations_lightning import Classifier, _loader, _net, _trainer
+    from tests.integrations.test_integrations_lightning import (
+        Classifier,
+        _loader,
+        _net,
+        _trainer,
+    )
 
     logger = CSVLogger(str(tmp_path), name="csv")
     callback = CockpitCallback(quantities=configuration("economy"), loggers=False)

@@ -39,7 +39,7 @@ try:
 except (ImportError, RuntimeError) as error:  # RuntimeError: a broken torchvision
     pytest.skip(f"lightning cannot be imported: {error}", allow_module_level=True)
 from cockpit.integrations.lightning import CockpitCallback  # noqa: E402
-from tests.test_integrations_lightning import (  # noqa: E402
+from tests.integrations.test_integrations_lightning import (  # noqa: E402
     Classifier,
     Recording,
     _accumulation_quantities,

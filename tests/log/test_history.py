@@ -291,7 +291,7 @@ def test_logs_are_read_and_written_without_torch_or_backpack(tmp_path):
     h.add(0, "GradHist1d", {"hist": list(range(20)), "edges": list(range(21))})
     h.add(2, "Loss", 0.25)
     written = h.write_json(tmp_path / "log.json")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(
         [sys.executable, "-c", _NO_TORCH, str(tmp_path / "stream"), written,
          str(tmp_path / "legacy")],
@@ -355,7 +355,7 @@ def test_package_attributes_load_on_first_use():
         "else:\n"
         "    raise SystemExit('no AttributeError')\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True, text=True, timeout=120, cwd=root,

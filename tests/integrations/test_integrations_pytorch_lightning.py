@@ -18,7 +18,7 @@ from cockpit.utils.configuration import configuration
 
 pytorch_lightning = pytest.importorskip("pytorch_lightning")
 from cockpit.integrations.pytorch_lightning import CockpitCallback  # noqa: E402
-from tests.test_integrations_lightning import (  # noqa: E402  (needs lightning too)
+from tests.integrations.test_integrations_lightning import (  # noqa: E402  (needs lightning too)
     BATCHES,
     Classifier,
     ClassifierSteps,

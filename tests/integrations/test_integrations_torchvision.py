@@ -21,7 +21,7 @@ import pytest
 
 from cockpit.integrations._common import check_torchvision
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BROKEN = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 FIX = "-m pip uninstall -y torchvision"
 

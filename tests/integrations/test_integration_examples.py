@@ -22,7 +22,7 @@ from cockpit.cli import main as cockpit_main
 from cockpit.history import History
 from tests.test_examples import assert_png
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: What the extras of the docs' install line bring, by the import name.
 DOCUMENTED = (
     "lightning", "transformers", "accelerate", "tensorboard", "sklearn",

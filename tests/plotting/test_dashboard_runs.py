@@ -29,7 +29,7 @@ from cockpit.plotting.drawers.common import CLIPPED_GID
 from cockpit.plotting.drawers.findings import FittedText
 from cockpit.plotting.runs import RUN_COLORS, default_labels
 from cockpit.plotting.style import format_number
-from tests.test_plotting import synthetic_history
+from tests.plotting.test_plotting import synthetic_history
 
 LAYERS = 3
 

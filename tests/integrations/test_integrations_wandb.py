@@ -131,7 +131,12 @@ def test_lightning_wandb_logger_gets_every_series(tmp_path):
 
     from cockpit.integrations.lightning import CockpitCallback
     from cockpit.utils.configuration import configuration
-    from tests.test_integrations_lightning import Classifier, _loader, _net, _trainer
+    from tests.integrations.test_integrations_lightning import (
+        Classifier,
+        _loader,
+        _net,
+        _trainer,
+    )
 
     logger = WandbLogger(project="cockpit-tests", save_dir=str(tmp_path), offline=True)
     callback = CockpitCallback(quantities=configuration("economy"))
@@ -154,7 +159,7 @@ def test_lightning_wandb_logger_gets_every_series(tmp_path):
 def test_huggingface_report_to_wandb_gets_every_series(tmp_path):
     pytest.importorskip("transformers")
     from cockpit.utils.configuration import configuration
-    from tests.test_integrations_transformers import _fit
+    from tests.integrations.test_integrations_transformers import _fit
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CockpitWarning)

@@ -19,7 +19,7 @@ from cockpit.log.stream import LogStream, read_stream
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY = linear(1)
 #: A process that holds a log's lock (the lock module alone: no torch to import).
 HOLDER = """

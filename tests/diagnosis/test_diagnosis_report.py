@@ -143,7 +143,7 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
 
 
 def test_a_reference_log_is_reported(tmp_path, capsys):
-    from tests.test_plotting import reference_log
+    from tests.plotting.test_plotting import reference_log
 
     path = tmp_path / "log.json"
     path.write_text(json.dumps(reference_log(), indent=4, sort_keys=True))

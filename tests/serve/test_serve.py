@@ -40,7 +40,7 @@ from cockpit.plotting.data import DashboardData
 from cockpit.serve.live import LiveRun, Points
 from tests.utils.browser import Browser, find_chromium
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
 
 needs_chromium = pytest.mark.skipif(

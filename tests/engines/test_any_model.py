@@ -491,7 +491,7 @@ def test_in_place_activations_are_turned_off_once_and_curvature_is_exact():
     """An extended CNN with ``ReLU(inplace=True)`` would stop in its forward pass
     (BackPACK's hooks); the cockpit turns ``inplace`` off with one warning, and
     the curvature quantities match the dense float64 Hessian."""
-    from tests.test_curvature_instruments import max_ev_twin, tic_twin
+    from tests.quantities.test_curvature_instruments import max_ev_twin, tic_twin
     from tests.utils import brute_force as bf
 
     problem = make_any_problem("cnn-inplace-relu")

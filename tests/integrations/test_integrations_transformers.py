@@ -15,7 +15,7 @@ from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
-from tests.test_integrations_lightning import assert_same_history
+from tests.integrations.test_integrations_lightning import assert_same_history
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402

@@ -81,7 +81,7 @@ def test_estimates_are_errors_under_strict_and_ggn_is_estimated():
     hutchinson = Q.HessTrace(linear(1), curvature="hutchinson")
     with pytest.raises(CoverageError, match=r"HessTrace.*estimated \(Hutchinson"):
         run(problem, [hutchinson], steps=1, **strict)
-    # the GGN of the cross-entropy (tests/test_ggn_curvature.py checks its value)
+    # the GGN of the cross-entropy (its value: tests/curvature/test_ggn_curvature.py)
     ggn = Q.HessTrace(linear(1), curvature="diag_ggn_exact")
     result = run(make_any_problem("rmsnorm-mlp"), [ggn], steps=1)
     assert result.output[0]["HessTrace_estimate"]["curvature"] == "ggn"

@@ -23,7 +23,7 @@ from cockpit.plotting import CockpitPlotter, instruments
 from cockpit.plotting.data import trend
 from cockpit.plotting.drawers import extra_axes
 from cockpit.plotting.runs import RUN_GID, default_labels
-from tests.test_plotting import reference_log, synthetic_history
+from tests.plotting.test_plotting import reference_log, synthetic_history
 
 CURVATURE = {"HessMaxEV", "HessTrace", "TICDiag", "GradHist2d"}
 
@@ -214,7 +214,7 @@ def test_legends_never_cover_data_at_any_size(three_runs):
                         assert not inside.any(), (ax.get_title(), figsize)
                 checked += 1
         assert checked >= 8
-    # (the 16 x 9 dashboard of one run: tests/test_plotting.py draws it)
+    # (the 16 x 9 dashboard of one run: tests/plotting/test_plotting.py draws it)
 
 
 def _drawn_points(axes):

@@ -20,7 +20,7 @@ from cockpit.log.stream import is_stream_file, read_stream, stream_path
 from cockpit.utils.schedules import linear
 from tests.utils.problems import make_problem
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY = linear(1)
 
 
@@ -83,7 +83,7 @@ KILL_AFTER = 15
 def test_sigkill_mid_run_keeps_every_completed_step(tmp_path):
     logpath = str(tmp_path / "run" / "log")
     code = (
-        "from tests.test_crash_safe_log import train\n"
+        "from tests.log.test_crash_safe_log import train\n"
         f"train({logpath!r}, 10**9, report=lambda s: print('done', s, flush=True))\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

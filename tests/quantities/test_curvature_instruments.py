@@ -26,7 +26,11 @@ from cockpit.quantities.hess_max_ev import (
     power_max_ev,
 )
 from cockpit.utils.schedules import linear
-from tests.test_histograms import np_hist_1d, np_hist_2d, per_sample_gradients
+from tests.quantities.test_histograms import (
+    np_hist_1d,
+    np_hist_2d,
+    per_sample_gradients,
+)
 from tests.utils import brute_force as bf
 from tests.utils.harness import run
 from tests.utils.problems import (

@@ -92,7 +92,12 @@ def test_lightning_mlflow_logger_gets_every_series(server, tmp_path):
 
     from cockpit.integrations.lightning import CockpitCallback
     from cockpit.utils.configuration import configuration
-    from tests.test_integrations_lightning import Classifier, _loader, _net, _trainer
+    from tests.integrations.test_integrations_lightning import (
+        Classifier,
+        _loader,
+        _net,
+        _trainer,
+    )
 
     logger = MLFlowLogger(experiment_name="lightning", tracking_uri=server)
     callback = CockpitCallback(quantities=configuration("economy"))
@@ -113,7 +118,7 @@ def test_lightning_mlflow_logger_gets_every_series(server, tmp_path):
 def test_huggingface_report_to_mlflow_gets_every_series(server, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from cockpit.utils.configuration import configuration
-    from tests.test_integrations_transformers import _fit
+    from tests.integrations.test_integrations_transformers import _fit
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "huggingface")

@@ -49,7 +49,8 @@ def _optimizer(params):
 
 class ClassifierSteps:
     """A LightningModule written without cockpit in mind, less its base class (so
-    tests/test_integrations_pytorch_lightning.py puts pytorch_lightning's under it)."""
+    tests/integrations/test_integrations_pytorch_lightning.py puts pytorch_lightning's
+    under it)."""
 
     def __init__(self, net):
         super().__init__()
@@ -611,7 +612,7 @@ def test_an_override_of_backward_with_kwargs_gets_create_graph(tmp_path):
 
 
 def test_ddp_strategies_are_accepted(tmp_path):
-    """(Trained under DDP in tests/test_integrations_lightning_ddp.py.)"""
+    """(Trained under DDP in tests/integrations/test_integrations_lightning_ddp.py.)"""
     for strategy in ("ddp", "ddp_spawn"):
         callback = CockpitCallback()
         trainer = _trainer(tmp_path, callback, strategy=strategy, devices=2)

@@ -141,7 +141,8 @@ def test_reported_standard_error_matches_repeated_draws():
 def test_tic_diag_of_the_hessian_stays_missing_and_strict_refuses():
     """TICDiag of the Hessian cannot be estimated honestly (elementwise division by
     noisy diagonal entries): missing, saying why and pointing to TICTrace. GGN
-    curvatures are the GGN's (tests/test_ggn_curvature.py checks their values).
+    curvatures are the GGN's (tests/curvature/test_ggn_curvature.py checks their
+    values).
     Under strict=True an estimated TICTrace is an error."""
     problem = make_any_problem("tied-custom")
     quantities = [
