@@ -550,11 +550,44 @@ def run_one(spec: Spec, seed: int, cache: str | None) -> dict[str, Any]:
     start = time.process_time()
     cockpit, live = train(spec.make(seed), spec.steps, seed)
     seconds = time.process_time() - start
+    record = _record(spec, seed, live, reported(diagnose(cockpit.history)), seconds)
     if cache:
         cockpit.write(os.path.join(cache, _file(spec, seed)))
         with open(os.path.join(cache, _file(spec, seed) + ".live"), "w") as handle:
             json.dump(live, handle)
-    return _record(spec, seed, live, reported(diagnose(cockpit.history)), seconds)
+        record["panel"] = panel_disagreement(
+            os.path.join(cache, _file(spec, seed) + ".json")
+        )
+    return record
+
+
+def panel_disagreement(path: str) -> list[str]:
+    """How the dashboards' Diagnosis panel differs from ``cockpit report`` on a log.
+
+    The report is :func:`cockpit.diagnosis.diagnose` of the file; the panel is what
+    ``cockpit plot`` draws (the log read for plotting) and what the CLI's live view
+    draws (the log opened as it grows). Each finding is compared by id, severity
+    and steps. Returns one line per reader that differs (empty: they agree).
+    """
+    from cockpit.plotting.data import read_log
+    from cockpit.plotting.drawers import diagnosis_findings
+
+    def described(findings) -> list:
+        return [(f.id, f.severity, tuple(f.steps)) for f in findings or []]
+
+    report = described(diagnose(path))
+    differs = []
+    for name, read in (("plot", read_log), ("live view", _latest)):
+        panel = described(diagnosis_findings(read(path)))
+        if panel != report:
+            differs.append(f"{name}: panel {panel} != report {report}")
+    return differs
+
+
+def _latest(path: str):
+    from cockpit.log.files import open_log
+
+    return open_log(path, latest=True)
 
 
 def _file(spec: Spec, seed: int) -> str:
@@ -584,7 +617,9 @@ def replay_one(spec: Spec, seed: int, cache: str) -> dict[str, Any] | None:
     if not os.path.exists(path):
         return None
     history = open_log(path)
-    return _record(spec, seed, replay_live(history), reported(diagnose(history)))
+    record = _record(spec, seed, replay_live(history), reported(diagnose(history)))
+    record["panel"] = panel_disagreement(path)
+    return record
 
 
 # --- tables --------------------------------------------------------------------------
@@ -691,8 +726,27 @@ def render(
         "announced an id the final report does not hold. The checks were chosen "
         "on the **tuning** runs only; the **held-out** runs (other networks, "
         "optimizers, schedules, batch sizes and bugs, other seeds) were run "
-        "afterwards, once.\n\n" + table(records) + "\n"
+        "afterwards, once.\n\n" + table(records) + "\n" + panel_summary(records)
     )
+
+
+def panel_summary(records: list[dict[str, Any]]) -> str:
+    """The dashboards' Diagnosis panel against the report, on the logs compared."""
+    checked = [r for r in records if "panel" in r]
+    if not checked:
+        return ""
+    differ = [r for r in checked if r["panel"]]
+    lines = [
+        f"\n**The dashboards' Diagnosis panel equals `cockpit report`** (ids, "
+        f"severities, steps; `cockpit plot`'s reading of the log and the live "
+        f"view's) on {len(checked) - len(differ)} of {len(checked)} logs.\n"
+    ]
+    for r in differ:
+        lines.append(
+            f"- {r['family']} {r['scenario']} seed {r['seed']}: "
+            + "; ".join(r["panel"])
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -217,7 +217,7 @@ def check_command(command: list[str], line: str, page: str) -> str:
         return "pip"
     if program == "torchrun":
         script = next(w for w in words if w.endswith(".py"))
-        ddp_test = (ROOT / "tests" / "test_ddp_example.py").read_text()
+        ddp_test = (ROOT / "tests" / "distributed" / "test_ddp_example.py").read_text()
         assert f'EXAMPLES / "{Path(script).name}"' in ddp_test, command
         assert "--nproc_per_node=2" in words and '"--nproc_per_node=2"' in ddp_test
         _script_options_exist(ROOT / script, words[words.index(script) + 1 :])
@@ -236,8 +236,8 @@ def check_command(command: list[str], line: str, page: str) -> str:
     assert script.is_file(), command
     _script_options_exist(script, words[2:])
     runner = {
-        "ddp.py": ("test_ddp_example.py", 'load_example("ddp").main('),
-        "fsdp.py": ("test_fsdp_example.py", 'EXAMPLES / "fsdp.py"'),
+        "ddp.py": ("distributed/test_ddp_example.py", 'load_example("ddp").main('),
+        "fsdp.py": ("distributed/test_fsdp_example.py", 'EXAMPLES / "fsdp.py"'),
         "advanced.py": ("test_compat_102.py", '"advanced": '),
     }[script.name]
     assert runner[1] in (ROOT / "tests" / runner[0]).read_text(), command

@@ -87,7 +87,7 @@ def run_command(words: list[str]) -> str:
         # --steps 3).
         *options, script = words[1:]
         assert (ROOT / script).is_file(), script
-        ddp_test = (ROOT / "tests" / "test_ddp_example.py").read_text()
+        ddp_test = (ROOT / "tests" / "distributed" / "test_ddp_example.py").read_text()
         assert all(option in ddp_test for option in options), words
         assert f'EXAMPLES / "{Path(script).name}"' in ddp_test, words
         return "torchrun"
