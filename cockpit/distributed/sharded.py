@@ -27,6 +27,7 @@ made: no process reaches a step, so no process waits for another.
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -43,12 +44,14 @@ FIX = (
 
 
 def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(tensor, DTensor)
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``.
+
+    Without that module imported no tensor can be one; importing it (with sympy)
+    takes over a second, which a process that never shards must not pay.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local(tensor: Tensor) -> Tensor:
