@@ -96,7 +96,7 @@ def main(steps: int = 1, out: str = "misscaled_data.png") -> dict[str, float]:
         grid = fig.add_gridspec(2, 2, height_ratios=[1.0, 1.6])
         for column, (name, scale) in enumerate(runs.items()):
             image_ax = fig.add_subplot(grid[0, column])
-            image = image_ax.imshow(load_images(scale)[0][0, 0], cmap="gray_r")
+            image = image_ax.imshow(load_images(scale)[0][0, 0].numpy(), cmap="gray_r")
             fig.colorbar(image, ax=image_ax, shrink=0.8)
             image_ax.set_title(f"A training image, {name}")
             image_ax.set_axis_off()

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import measure, record, report, retry, run
+from tests.utils import expected_warnings as expected
+
+pytestmark = [expected.JIT_SCRIPT_DEPRECATED]
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"

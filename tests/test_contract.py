@@ -14,8 +14,11 @@ from cockpit.history import History
 from cockpit.needs import in_backward
 from cockpit.quantities.base import Quantity
 from cockpit.utils.schedules import linear
+from tests.utils import expected_warnings as expected
 from tests.utils.harness import run
 from tests.utils.problems import make_problem
+
+pytestmark = [expected.TIC_HESSIAN_NOT_POSITIVE]
 
 STEPS = 6
 BACKPACK_ATTRIBUTES = {

@@ -36,6 +36,9 @@ from cockpit.cli import main as cockpit_main
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 from tests.test_readme import free_names as names_read
+from tests.utils import expected_warnings as expected
+
+pytestmark = [expected.ALPHA_ACCUMULATION]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -43,9 +43,12 @@ from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
 
 transformers = pytest.importorskip("transformers")
+from tests.utils import expected_warnings as expected  # noqa: E402
 from tests.utils import hf_models  # noqa: E402
 from tests.utils.dense_ggn import dense_ggn  # noqa: E402
 from tests.utils.hand_written import tiny_gpt  # noqa: E402
+
+pytestmark = [expected.HF_ROOT_BACKWARD_HOOK]
 
 CURVATURE = ("HessMaxEV", "HessTrace", "TICTrace")
 

@@ -20,11 +20,18 @@ import torch.distributed as dist
 
 from cockpit.engines.routing import PER_SAMPLE_BACKWARD
 from tests.utils import ddp
+from tests.utils import expected_warnings as expected
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or sys.platform == "win32",
     reason="needs torch.distributed with gloo",
 )
+pytestmark = [
+    pytestmark,
+    expected.TIC_HESSIAN_NOT_POSITIVE,
+    expected.TIC_WITHOUT_CURVATURE_RULE,
+    expected.ALPHA_GRAD_CHANGED,
+]
 
 #: Values that are not functions of the data (wall-clock time).
 _NOT_COMPARED = ("Time",)

@@ -18,12 +18,14 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from tests.utils import expected_warnings as expected
 from tests.utils import fsdp
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or sys.platform == "win32",
     reason="needs torch.distributed with gloo",
 )
+pytestmark = [pytestmark, expected.GGN_FOR_HESSIAN]
 
 #: Values that are not functions of the data (wall-clock time).
 _NOT_COMPARED = ("Time", "missing")

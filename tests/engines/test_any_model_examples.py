@@ -8,6 +8,9 @@ import pytest
 
 from cockpit.history import History
 from tests.test_examples import assert_png, load_example
+from tests.utils import expected_warnings as expected
+
+pytestmark = [expected.GGN_FOR_HESSIAN]
 
 CASES = {
     "char_transformer": (

@@ -20,6 +20,14 @@ try:
 except (ImportError, RuntimeError) as error:  # RuntimeError: a broken torchvision
     pytest.skip(f"lightning cannot be imported: {error}", allow_module_level=True)
 from cockpit.integrations.lightning import CockpitCallback  # noqa: E402
+from tests.utils import expected_warnings as expected
+
+pytestmark = [
+    expected.TIC_HESSIAN_NOT_POSITIVE,
+    expected.GGN_FOR_HESSIAN,
+    expected.ALPHA_ACCUMULATION,
+    expected.LIGHTNING_NO_VAL,
+]
 
 BATCH, BATCHES = 8, 4
 

@@ -49,11 +49,13 @@ from tests.integrations.test_integrations_lightning import (  # noqa: E402
     _net64,
     _norms_between,
 )
+from tests.utils import expected_warnings as expected
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or sys.platform == "win32",
     reason="needs torch.distributed with gloo",
 )
+pytestmark = [pytestmark, expected.TIC_HESSIAN_NOT_POSITIVE, expected.LIGHTNING_NO_VAL]
 
 WORLD = 2
 PER_RANK, STEPS = 4, 4  # samples per process and step; optimizer steps (one epoch)

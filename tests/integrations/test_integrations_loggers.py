@@ -17,7 +17,10 @@ import warnings
 import pytest
 
 from cockpit.errors import CockpitWarning
+from tests.utils import expected_warnings as expected
 from tests.utils.trackers import assert_same_series, expected_scalars, small_run
+
+pytestmark = [expected.LIGHTNING_NO_VAL]
 
 
 def _csv_series(path) -> dict[str, dict[int, float]]:

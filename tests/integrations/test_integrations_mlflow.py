@@ -24,7 +24,13 @@ from tests.utils.trackers import assert_same_series, expected_scalars, small_run
 mlflow = pytest.importorskip(
     "mlflow", reason="mlflow is not installed (cockpit's extra: .[mlflow])"
 )
+from tests.utils import expected_warnings as expected  # noqa: E402
 from tests.utils.mlflow_server import mlflow_server  # noqa: E402
+
+pytestmark = [
+    expected.MISSCALED_LOOKALIKE,
+    expected.LIGHTNING_NO_VAL,
+]
 
 ARTIFACTS = {"dashboard.png", "dashboard.html", "cockpit_log.json", "diagnosis.json"}
 

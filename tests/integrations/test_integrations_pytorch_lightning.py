@@ -27,6 +27,9 @@ from tests.integrations.test_integrations_lightning import (  # noqa: E402  (nee
     _trainer,
     check_fit_logs_what_the_plain_loop_logs,
 )
+from tests.utils import expected_warnings as expected  # noqa: E402
+
+pytestmark = [expected.TIC_HESSIAN_NOT_POSITIVE, expected.LIGHTNING_NO_VAL]
 
 
 class PLClassifier(ClassifierSteps, pytorch_lightning.LightningModule):

@@ -20,6 +20,9 @@ from cockpit.integrations.tensorboard import (
     histogram_raw_arguments,
 )
 from cockpit.utils.schedules import linear
+from tests.utils import expected_warnings as expected
+
+pytestmark = [expected.MISSCALED_LOOKALIKE]
 
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator"

@@ -25,6 +25,12 @@ from transformers import (  # noqa: E402
 )
 
 from cockpit.integrations.transformers import CockpitTrainer  # noqa: E402
+from tests.utils import expected_warnings as expected  # noqa: E402
+
+pytestmark = [
+    expected.ALPHA_GRAD_CHANGED,
+    expected.ALPHA_ACCUMULATION,
+]
 
 SAMPLES, BATCH, LENGTH, VOCAB = 24, 6, 5, 40
 

@@ -19,8 +19,14 @@ import pytest
 from cockpit.diagnosis import Finding, diagnose, worst
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
+from tests.utils import expected_warnings as expected
 from tests.utils import wandb_records
 from tests.utils.trackers import assert_same_series, expected_scalars, small_run
+
+pytestmark = [
+    expected.MISSCALED_LOOKALIKE,
+    expected.LIGHTNING_NO_VAL,
+]
 
 wandb = pytest.importorskip(
     "wandb", reason="wandb is not installed (cockpit's extra: .[wandb])"

@@ -28,6 +28,9 @@ from cockpit.log.files import open_log
 from cockpit.log.reader import LogHistory, read_log_history
 from cockpit.log.stream import _HEADER, record_line
 from cockpit.plotting.data import REDUCERS, DashboardData
+from tests.utils import expected_warnings as expected
+
+pytestmark = [expected.DAMAGED_LOG]
 
 
 def same(a, b, path="value"):

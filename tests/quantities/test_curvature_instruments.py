@@ -32,6 +32,7 @@ from tests.quantities.test_histograms import (
     per_sample_gradients,
 )
 from tests.utils import brute_force as bf
+from tests.utils import expected_warnings as expected
 from tests.utils.harness import run
 from tests.utils.problems import (
     PROBLEM_IDS,
@@ -39,6 +40,8 @@ from tests.utils.problems import (
     make_problem,
     tracked_steps,
 )
+
+pytestmark = [expected.TIC_HESSIAN_NOT_POSITIVE]
 
 STEPS = 5
 EPS = 1e-7

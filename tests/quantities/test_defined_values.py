@@ -198,7 +198,7 @@ def test_1_0_2_toy_problem_has_every_value(seed):
             individual,
             y,
         )
-        want = _definitions(per_sample, float(loss))
+        want = _definitions(per_sample, float(loss.detach()))
         values = cockpit.get_output()[step]
         for key in ["MeanGSNR", "EarlyStopping"]:
             assert key in values, (step, values.get("missing"))

@@ -19,8 +19,11 @@ from cockpit.quantities import functional as F
 from cockpit.quantities.base import Quantity
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
+from tests.utils import expected_warnings as expected
 from tests.utils.harness import run
 from tests.utils.problems import PROBLEM_IDS, PROBLEMS, make_problem
+
+pytestmark = [expected.TIC_HESSIAN_NOT_POSITIVE]
 
 STEPS = 4
 RTOL, ATOL = 1e-6, 1e-10

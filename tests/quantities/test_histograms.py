@@ -28,11 +28,14 @@ from cockpit.quantities.histogram_kernels import (
 )
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
+from tests.utils import expected_warnings as expected
 from tests.utils.harness import run
 from tests.utils.problems import (
     make_problem,
     tracked_steps,
 )
+
+pytestmark = [expected.MISSCALED_LOOKALIKE]
 
 STEPS = 5
 

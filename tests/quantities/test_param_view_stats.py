@@ -23,8 +23,11 @@ from cockpit.quantities import PerParameter
 from cockpit.quantities.base import Quantity
 from cockpit.utils.schedules import linear
 from tests.utils import brute_force as bf
+from tests.utils import expected_warnings as expected
 from tests.utils.harness import run
 from tests.utils.problems import PROBLEM_IDS, PROBLEMS, Problem, make_problem
+
+pytestmark = [expected.CREATE_GRAPH_CYCLE]
 
 RTOL, ATOL = 1e-6, 1e-10
 STEPS = 2

@@ -80,7 +80,7 @@ def _step(dtype, n=6, target_scale=None, sample_scale=None, zero=False):
     ours = [str(w.message) for w in caught if issubclass(w.category, CockpitWarning)]
     per_sample = [capture.seen[i] for i in sorted(capture.seen)]
     grads = [p.grad.double() for p in model.parameters()]
-    return cockpit.get_output()[0], per_sample, grads, float(loss), ours
+    return cockpit.get_output()[0], per_sample, grads, float(loss.detach()), ours
 
 
 def _definitions(per_sample, loss):

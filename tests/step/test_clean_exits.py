@@ -29,7 +29,10 @@ from torch.optim import optimizer as torch_optimizer
 from cockpit import Cockpit
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
+from tests.utils import expected_warnings as expected
 from tests.utils import hf_models
+
+pytestmark = [expected.GGN_FOR_HESSIAN]
 
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                 "_backward_pre_hooks", "_forward_hooks_with_kwargs",

@@ -11,7 +11,10 @@ import torch
 from cockpit import Cockpit
 from cockpit import quantities as Q
 from cockpit.utils.schedules import linear
+from tests.utils import expected_warnings as expected
 from tests.utils.problems import make_problem
+
+pytestmark = [expected.ALPHA_GRAD_CHANGED]
 
 EVERY = linear(1)
 
