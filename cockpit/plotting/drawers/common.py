@@ -214,6 +214,40 @@ def clip_outlying_runs(ax: Axes, items: Sequence[tuple[Run, Any, Any]]) -> list:
         other runs (and the clipped runs' values below their top), and a marker
         at the top of the data shows where each clipped run leaves them.
     """
+    return clipped_handles([clip_runs(ax, items)])
+
+
+def clipped_handles(sides: Sequence[list[tuple[Run, float, float]]]) -> list:
+    """One legend handle per clipped run, over the axes it was clipped on.
+
+    ``sides``: what :func:`clip_runs` returned for each axes of a gauge (a twin
+    axes is a second side); a run clipped on both is listed once, with the
+    step it first leaves any of them and its largest value on each
+    (``up to a / b``, as the legend's ``last a / b``).
+    """
+    runs: dict[int, list] = {}
+    for side in sides:
+        for run, first, largest in side:
+            runs.setdefault(run.index, [run, first, []])
+            runs[run.index][1] = min(runs[run.index][1], first)
+            runs[run.index][2].append(format_number(largest))
+    handles = []
+    for run, first, largest in runs.values():
+        label = (f"{run.label}: above the axes from step {first:g} "
+                 f"(up to {' / '.join(largest)})")  # fmt: skip
+        handles.append(Line2D([], [], marker="^", color=run.color or COLORS["dark"],
+                              linestyle="none", label=label))  # fmt: skip
+    return handles
+
+
+def clip_runs(
+    ax: Axes, items: Sequence[tuple[Run, Any, Any]]
+) -> list[tuple[Run, float, float]]:
+    """Clip the outlying runs on ``ax`` (see :func:`clip_outlying_runs`).
+
+    Returns:
+        ``(run, first step above the axes, largest value)`` of each clipped run.
+    """
     log = ax.get_yscale() == "log"
     spans: dict[int, list] = {}
     for run, steps, values in items:
@@ -245,22 +279,18 @@ def clip_outlying_runs(ax: Axes, items: Sequence[tuple[Run, Any, Any]]) -> list:
     bottom = low - margin
     unscale = (lambda v: 10.0**v) if log else (lambda v: v)
     ax.set_ylim(unscale(bottom), unscale(top))
-    handles = []
+    found = []
     for k in clipped:
         run = spans[k][0][0]
         over = [(s[scale(v) > top], v.max()) for _, s, v in spans[k]]
         first = min(float(s.min()) for s, _ in over if s.size)
         largest = max(float(m) for _, m in over)
-        color = run.color or COLORS["dark"]
-        (mark,) = ax.plot([first], [unscale(top)], marker="^", color=color,
-                          markersize=6, linestyle="none", clip_on=False,
-                          zorder=6)  # fmt: skip
+        (mark,) = ax.plot([first], [unscale(top)], marker="^",
+                          color=run.color or COLORS["dark"], markersize=6,
+                          linestyle="none", clip_on=False, zorder=6)  # fmt: skip
         mark.set_gid(CLIPPED_GID)
-        label = (f"{run.label}: above the axes from step {first:g} "
-                 f"(up to {format_number(largest)})")  # fmt: skip
-        handles.append(Line2D([], [], marker="^", color=color, linestyle="none",
-                              label=label))  # fmt: skip
-    return handles
+        found.append((run, first, largest))
+    return found
 
 
 def _points_with_trend(

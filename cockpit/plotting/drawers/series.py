@@ -22,7 +22,8 @@ from cockpit.plotting.drawers.common import (
     _style_handle,
     _twinx,
     _value_axis,
-    clip_outlying_runs,
+    clip_runs,
+    clipped_handles,
     legend_on_top,
     nonfinite_spans,
 )
@@ -117,8 +118,8 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
             drawn.add(run.index)
         _value_axis(target, np.concatenate([item[2][1] for item in side]),
                     side[0][1].log)  # fmt: skip
-        clipped += clip_outlying_runs(
-            target, [(run, view[0], view[1]) for run, _, view, _ in side]
+        clipped.append(
+            clip_runs(target, [(run, view[0], view[1]) for run, _, view, _ in side])
         )
         color = side[0][1].color if has_twin and not several else None
         target.set_ylabel(ylabel, **({"color": color} if color else {}))
@@ -128,7 +129,8 @@ def draw_series(ax, runs: Sequence[Run], gauge, keys, options) -> Drawn:
         handles = _run_legend(runs, drawn, pending, gauge)
     if gauge.reference is not None:
         ax.axhline(gauge.reference, color=COLORS["red"], lw=0.8, linestyle="--")
-    handles += clipped + _mark_nonfinite(ax, runs, options) + _notes(options)
+    handles += clipped_handles(clipped)
+    handles += _mark_nonfinite(ax, runs, options) + _notes(options)
     legend_on_top(top, handles, data_axes, loc=gauge.legend_loc)
     return drawn
 
