@@ -241,3 +241,23 @@ def test_fp16_autocast_with_a_grad_scaler_on_the_device(device):
     got = bf16.history.to_dict()[1]["GradNorm"]
     for value, grad in zip(got, grads):
         assert abs(value - float(grad.norm())) <= 0.05 * float(grad.norm())  # bf16
+
+
+def test_random_draws_are_made_on_the_device(device):
+    """Probes, Monte-Carlo labels and Lanczos starts come from generators on the
+    parameters' device: no draw on the CPU copied over on a device step."""
+    from cockpit.curvature.ggn import Head
+    from cockpit.curvature.hutchinson import rademacher
+
+    model = torch.nn.Linear(3, 2).to(device)
+    cockpit = Cockpit(model.parameters(), [Q.HessMaxEV(linear(1))])
+    generator = cockpit._router.generator
+    assert generator.device.type == device.type
+    assert rademacher(7, generator, torch.float32, device).device.type == device.type
+    x, y = torch.randn(4, 3, device=device), torch.tensor([0, 1, 1, 0], device=device)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    labels = Head(loss, list(model.parameters())).labels(5, generator)
+    assert labels.device.type == device.type and labels.shape == (5, 4)
+    start = Q.HessMaxEV(linear(1))._start_vector(0, 11, device)
+    assert start.device.type == device.type and start.dtype == torch.float64
+    cockpit.close()

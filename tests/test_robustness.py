@@ -737,7 +737,9 @@ def test_a_two_step_value_the_bad_step_was_to_finish_is_missing_at_its_step():
         _steps_with_nan_at_step_2(cockpit, problem, opt, steps=4)
     messages = [str(w.message) for w in said]
     assert any("_EndsOnFiniteValues has no value" in m for m in messages), messages
-    assert any("Step 2: the loss and the gradients are not finite" in m for m in messages)
+    assert any(
+        "Step 2: the loss and the gradients are not finite" in m for m in messages
+    )
     output = cockpit.get_output()
     assert isinstance(output[0]["_EndsOnFiniteValues"], float)
     for step in (1, 2):  # 1: finished by the bad step; 2: started there

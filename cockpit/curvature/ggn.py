@@ -186,14 +186,14 @@ class Head:
         """``count`` labels per row drawn from ``p`` (``[count, rows]``).
 
         By the inverse of the cumulative distribution, on the loss's device, from
-        uniform numbers of ``generator`` (CPU): reproducible on any device, and no
-        copy of ``p`` leaves the device.
+        uniform numbers of ``generator`` (drawn on its device, the parameters'):
+        no copy of ``p`` leaves the device.
         """
         if self._cdf is None:
             self._cdf = self.probabilities().cumsum(-1)
         cdf = self._cdf
         uniform = torch.rand(count, cdf.shape[0], generator=generator,
-                             dtype=torch.float64)  # fmt: skip
+                             dtype=torch.float64, device=generator.device)  # fmt: skip
         uniform = uniform.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]
         found = torch.searchsorted(cdf, uniform.T.contiguous(), right=True)
         return found.clamp(max=self.classes - 1).T

@@ -50,9 +50,22 @@ class TraceEstimate:
     method: str
 
 
+def seeded_generator(device, seed: int) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``.
+
+    The CPU's where the device has none of its own (e.g. ``meta``).
+    """
+    try:
+        return torch.Generator(device=device or "cpu").manual_seed(seed)
+    except RuntimeError:
+        return torch.Generator().manual_seed(seed)
+
+
 def rademacher(dim: int, generator, dtype, device) -> Tensor:
-    """A flat vector of +-1 (drawn on the CPU from ``generator``: reproducible)."""
-    signs = torch.randint(0, 2, (dim,), generator=generator, dtype=torch.int8)
+    """A flat vector of +-1 (drawn from ``generator``, on its device)."""
+    signs = torch.randint(
+        0, 2, (dim,), generator=generator, dtype=torch.int8, device=generator.device
+    )
     return (signs * 2 - 1).to(device=device, dtype=dtype)
 
 

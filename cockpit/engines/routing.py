@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import Tensor
 from torch.nn import Module
 
+from cockpit.curvature.hutchinson import seeded_generator
 from cockpit.engines.base import (
     AUTOGRAD,
     BACKPACK,
@@ -64,8 +64,9 @@ class Router:
         self._map: ModuleMap | None = modules
         self._engine_classes = list(engines or engine_classes())
         self._engines: list[Engine] | None = None
-        #: Random source of estimates (seeded: runs are reproducible).
-        self.generator = torch.Generator().manual_seed(0)
+        #: Random source of estimates (seeded: runs are reproducible), on the
+        #: parameters' device: probes and labels are drawn where they are used.
+        self.generator = seeded_generator(params[0].device if params else None, 0)
         #: ``(key, report)`` of the latest step's coverage (rebuilt when it changes).
         self.coverage_cache: tuple | None = None
 

@@ -128,7 +128,7 @@ def load_cockpit_state(cockpit, state: Mapping[str, Any], strict: bool = True) -
     generator = state.get(GENERATOR_KEY)
     if generator is not None:
         try:
-            restored = torch.Generator().set_state(generator)
+            restored = _generator_with(generator, cockpit._router.generator.device)
         except (TypeError, RuntimeError) as error:
             raise ValueError(
                 f"The cockpit state's {GENERATOR_KEY!r} is not a state of "
@@ -217,3 +217,15 @@ def check_quantity_types(cockpit, saved: Mapping[str, str], strict: bool) -> set
             )
         other.add(quantity.key)
     return other
+
+
+def _generator_with(state, device) -> torch.Generator:
+    """A generator in ``state``, on ``device`` if the state is of one there.
+
+    Else on the CPU (a state saved on another device): the draws go on from it
+    there, and are moved where they are used.
+    """
+    try:
+        return torch.Generator(device=device).set_state(state)
+    except (TypeError, RuntimeError):
+        return torch.Generator().set_state(state)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from cockpit.curvature import attention
+from cockpit.curvature.hutchinson import seeded_generator
 from cockpit.curvature.lanczos import (  # noqa: F401  (re-exported)
     HVP,
     EigenResult,
@@ -174,7 +175,7 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         dtype: torch.dtype,
         device,
     ) -> EigenResult:
-        v0 = self._start_vector(global_step, dim).to(device=device, dtype=dtype)
+        v0 = self._start_vector(global_step, dim, device).to(device=device, dtype=dtype)
         options = {"rtol": self.rtol, "atol": self.atol, "max_iter": self.max_iter}
         if self.use_power:
             result = power_max_ev(hvp, v0, **options)
@@ -223,16 +224,17 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self._largest.pop(global_step, None)
         super().abort_step(global_step)
 
-    def _start_vector(self, global_step: int, dim: int) -> Tensor:
-        generator = torch.Generator().manual_seed(self.seed + global_step)
-        # drawn in float32 (3-6 times faster than float64 on the CPU), on the CPU
-        # (the same start on every device); summed in float64
-        noise = torch.randn(dim, generator=generator).double()
+    def _start_vector(self, global_step: int, dim: int, device=None) -> Tensor:
+        generator = seeded_generator(device, self.seed + global_step)
+        # drawn in float32 (3-6 times faster than float64 on the CPU), on the
+        # parameters' device; summed in float64
+        noise = torch.randn(dim, generator=generator, device=generator.device)
+        noise = noise.double()
         noise /= noise.norm()
         previous = self._previous
         if previous is None or previous.numel() != dim:
             return noise
-        previous = previous.detach().to(device="cpu", dtype=torch.float64)
+        previous = previous.detach().to(device=noise.device, dtype=torch.float64)
         norm = previous.norm()
         if not torch.isfinite(norm) or float(norm) == 0.0:
             return noise

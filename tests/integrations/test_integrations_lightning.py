@@ -27,6 +27,7 @@ pytestmark = [
     expected.GGN_FOR_HESSIAN,
     expected.ALPHA_ACCUMULATION,
     expected.LIGHTNING_NO_VAL,
+    *expected.LIGHTNING_SHORT_RUNS,
 ]
 
 BATCH, BATCHES = 8, 4

@@ -29,7 +29,11 @@ from tests.integrations.test_integrations_lightning import (  # noqa: E402  (nee
 )
 from tests.utils import expected_warnings as expected  # noqa: E402
 
-pytestmark = [expected.TIC_HESSIAN_NOT_POSITIVE, expected.LIGHTNING_NO_VAL]
+pytestmark = [
+    expected.TIC_HESSIAN_NOT_POSITIVE,
+    expected.LIGHTNING_NO_VAL,
+    *expected.LIGHTNING_SHORT_RUNS,
+]
 
 
 class PLClassifier(ClassifierSteps, pytorch_lightning.LightningModule):

@@ -143,7 +143,7 @@ def _track(model, forward, loss_fn, targets, individual):
             loss.backward()
     ours = [str(w.message) for w in caught if issubclass(w.category, CockpitWarning)]
     cockpit.close()
-    return cockpit.get_output()[0], float(loss), ours
+    return cockpit.get_output()[0], float(loss.detach()), ours
 
 
 def _mlp_step(dtype, x, y, mse=False):

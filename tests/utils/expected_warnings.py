@@ -61,7 +61,9 @@ MISSCALED_LOOKALIKE = _ignore(r"cockpit diagnosis \[inputs_misscaled")
 
 #: Logs damaged on purpose: the reader skips the bad lines and says so (asserted by
 #: tests/log/test_crash_safe_log.py).
-DAMAGED_LOG = _ignore(r"Skipped (the torn last record|line \d+) of the cockpit log")
+DAMAGED_LOG = _ignore(
+    r"Skipped (the torn last record \(line \d+\)|line \d+) of the cockpit log"
+)
 
 #: A step with a NaN loss on purpose (asserted by tests/test_robustness.py).
 NONFINITE_STEP = _ignore(r"Step \d+. the loss and the gradients are not finite")
@@ -92,3 +94,11 @@ JIT_SCRIPT_DEPRECATED = _ignore(
 LIGHTNING_NO_VAL = _ignore(
     "You defined a `validation_step` but have no `val_dataloader`", "UserWarning"
 )
+
+#: Lightning's notices about the tests' short runs: resuming from ``ckpt_path``
+#: (the callbacks are passed again, as it asks) and fewer batches than its
+#: logging interval (the cockpit logs every tracked step whatever that is).
+LIGHTNING_SHORT_RUNS = [
+    _ignore("Be aware that when using `ckpt_path`, callbacks", "UserWarning"),
+    _ignore("The number of training batches", "UserWarning"),
+]
