@@ -344,15 +344,19 @@ def _small_message(median: float, lr: str, th: Thresholds, where: str) -> str:
 
 
 class _EdgeDetector(_Detector):
-    """Gradient elements at the histogram's edges in each first tracked histogram.
+    """Gradient elements at the histogram's edges from the first tracked histogram.
 
     Inputs (or initial weights) on the wrong scale make per-sample gradients too
     large from the first step on, before any update; steps that are too large make
     them grow only with the updates. So the finding needs the fraction at or above
-    the threshold in every one of the first ``edge_steps`` histograms: one below it
-    (a fraction that rises later, as in a run whose learning rate blows it up) is
-    the updates' doing, which ``step_size_too_large`` and ``exploding_gradients``
-    read, and rules the inputs out.
+    the threshold in the first histogram, and no more than doubled in the next of
+    the first ``edge_steps``: a fraction that starts below it or grows with the
+    updates (as in a run whose learning rate blows it up) is the updates' doing,
+    which ``step_size_too_large`` and ``exploding_gradients`` read, and rules the
+    inputs out. A fraction that shrinks while the optimizer adapts (a ResNet on raw
+    pixels: 1.1 %, 0.9 %, 0.5 %) does not. (Chosen on the validation's tuning
+    runs; an earlier rule, every one of the first histograms above the threshold,
+    missed the shrinking ones.)
     """
 
     check_id = "inputs_misscaled"
@@ -370,7 +374,8 @@ class _EdgeDetector(_Detector):
         if edge is None or self.ruled_out or len(self.seen) >= self.th.edge_steps:
             return None
         self.seen.append((step, edge))
-        if edge < self.th.edge_fraction:
+        first = self.seen[0][1]
+        if first < self.th.edge_fraction or edge > 2 * first:
             self.ruled_out = True  # not the inputs: see the class docstring
             return None
         if len(self.seen) < self.th.edge_steps:
@@ -382,13 +387,14 @@ class _EdgeDetector(_Detector):
         }
         if self.first_loss is not None:
             evidence["first_loss"] = _round(self.first_loss)
+        later = ", ".join(f"{v:.1%}" for _, v in self.seen[1:])
         message = (
-            f"From the start of the run {min(v for _, v in self.seen):.1%} or more of "
-            "the individual gradient elements lie beyond the gradient histogram's "
-            f"range in each of the first {len(self.seen)} tracked steps (threshold "
-            f"{self.th.edge_fraction:.0%}): per-sample gradients far larger than "
-            "usual, the signature of inputs on a raw scale (e.g. pixels in [0, 255]) "
-            "or, less often, of too large initial weights."
+            f"From the start of the run {self.seen[0][1]:.1%} of the individual "
+            "gradient elements lie beyond the gradient histogram's range (threshold "
+            f"{self.th.edge_fraction:.0%}; then {later}, not grown by the first "
+            "updates): per-sample gradients far larger than usual, the signature of "
+            "inputs on a raw scale (e.g. pixels in [0, 255]) or, less often, of too "
+            "large initial weights."
         )
         return Finding(
             self.check_id, "warning", (self.seen[0][0], step), message, evidence,
