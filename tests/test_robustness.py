@@ -720,10 +720,10 @@ class _EndsOnFiniteValues(TwoStepQuantity):
     needs = frozenset()
 
     def _compute_start(self, global_step, ctx):
-        return float(ctx.info.get("loss"))
+        return float(ctx.info.get("loss").detach())
 
     def _compute_end(self, global_step, ctx, state):
-        loss = float(ctx.info.get("loss"))
+        loss = float(ctx.info.get("loss").detach())
         if not math.isfinite(loss):
             raise ValueError("cannot finish on a non-finite loss")
         return loss - state
