@@ -95,7 +95,7 @@ def hutchinson(
         hvp: ``v -> H v`` on flat vectors.
         shapes: The parameters' shapes, in the order of the flat vectors.
         probes: Number of products.
-        generator: The probes' random source (CPU).
+        generator: The probes' random source (on the parameters' device).
         dtype: Dtype of the vectors (the promoted parameters' dtype).
         device: Their device.
 
@@ -143,7 +143,7 @@ def hessian_diagonal(
         individual_losses: The per-sample losses with their autograd graph.
         params: The parameters.
         probes: Number of Hessian-vector products (at least 2).
-        generator: Random source of the probes (CPU), for reproducible runs.
+        generator: Random source of the probes (seeded: reproducible runs).
 
     Raises:
         RuntimeError: PyTorch's, where an operation of the model has no double
