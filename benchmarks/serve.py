@@ -38,8 +38,7 @@ import tempfile
 import time
 import urllib.request
 
-import numpy as np
-
+from benchmarks.html_dashboard import economy_steps
 from benchmarks.internals import open_stream
 from benchmarks.measure import CHILD_ENV, REPO
 
@@ -68,33 +67,10 @@ print(t - start)
 
 def write_stream(path: str, steps: int, seed: int) -> None:
     """A streamed log with ``economy``-shaped values at every step."""
-    rng = np.random.default_rng(seed)
-    edges = np.linspace(-2, 2, 101).tolist()
-    norms = np.abs(rng.normal(1, 0.1, 4))
-    distance = np.zeros(4)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     stream = open_stream(path)
     batch = {}
-    for step in range(steps):
-        norms = np.abs(norms + rng.normal(0, 0.01, 4))
-        distance = distance + np.abs(rng.normal(0, 0.01, 4))
-        values = {
-            "Loss": float(2 * np.exp(-step / (steps / 5)) + 0.1 * rng.random()),
-            "GradNorm": norms.tolist(),
-            "Distance": distance.tolist(),
-            "UpdateSize": np.abs(rng.normal(0, 0.01, 4)).tolist(),
-            "Alpha": float(rng.normal(-0.2, 0.4)),
-            "NormTest": float(1 + 0.2 * rng.random()),
-            "InnerTest": float(0.3 + 0.1 * rng.random()),
-            "OrthoTest": float(1 + 0.2 * rng.random()),
-            "GradHist1d": {
-                "hist": np.histogram(rng.normal(0, 0.3, 2000), edges)[0].tolist(),
-                "edges": edges,
-            },
-            "learning_rates": [0.1],
-        }
-        if step % 10 == 0:
-            values.update(train_loss=values["Loss"], valid_loss=values["Loss"] + 0.1)
+    for step, values in economy_steps(steps, seed, accuracies=False):
         batch[step] = values
         if len(batch) == 500:
             stream.write(batch)

@@ -32,6 +32,17 @@ def inside(path: str, root: str) -> bool:
         return False
 
 
+def _is_log(name: str, path: str, siblings: set[str]) -> bool:
+    """A stream (``.jsonl``), or a JSON log with no stream of its name beside it."""
+    if name.endswith(".jsonl"):
+        return True
+    return (
+        name.endswith(".json")
+        and name[:-5] + ".jsonl" not in siblings
+        and _looks_like_json_log(path)
+    )
+
+
 def _looks_like_json_log(path: str) -> bool:
     try:
         with open(path, "rb") as handle:
@@ -58,12 +69,7 @@ def find_logs(root: str) -> list[tuple[str, str]]:
             if name.startswith("."):
                 continue
             path = os.path.join(folder, name)
-            if name.endswith(".jsonl"):
-                pass
-            elif name.endswith(".json"):
-                if name[:-5] + ".jsonl" in names or not _looks_like_json_log(path):
-                    continue
-            else:
+            if not _is_log(name, path, names):
                 continue
             real = os.path.realpath(path)
             if not inside(real, real_root) or not os.path.isfile(real):

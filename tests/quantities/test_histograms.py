@@ -246,7 +246,9 @@ def test_concentrated_values_take_the_comparison_path_and_stay_exact(
         ]
     )
     values = values.clamp(max=edges[first + span])
-    assert kernels._span(values, edges, (lo, hi), None) is not None
+    top = min(first + span, bins - 1)  # a value clamped onto the next edge: its bin
+    k_lo, k_hi = kernels._span(values, edges, (lo, hi), None)  # the comparison path
+    assert k_lo == first and first + span - 1 <= k_hi <= top, (k_lo, k_hi)
     counts = histogram_1d(values, edges, (lo, hi))
     expected, _ = np_hist_1d(values.numpy(), bins, lo, hi)
     assert counts.tolist() == expected
@@ -255,7 +257,8 @@ def test_concentrated_values_take_the_comparison_path_and_stay_exact(
     clamps = ((lo + 0.02, hi - 0.02), (-2.0 + 0.04, 2.0 - 0.04))
     x = values[: 4 * 1000].reshape(4, 1000)
     y = 3 * torch.randn(1000, generator=gen, dtype=dtype)
-    assert kernels._span(x, xedges, (lo, hi), clamps[0]) is not None
+    k_lo, k_hi = kernels._span(x, xedges, (lo, hi), clamps[0])
+    assert first <= k_lo <= k_hi <= top, (k_lo, k_hi)
     got = histogram_2d(x, y, xedges, yedges, ((lo, hi), (-2.0, 2.0)), clamps)
     want, _ = np_hist_2d([x.numpy()], [y.numpy()], (100, 50), ((lo, hi), (-2, 2)))
     assert got.tolist() == want
