@@ -83,13 +83,15 @@ def power_max_ev(
         for _ in range(max_iter):
             w = hvp(v)
             count += 1
-            theta = float(torch.dot(v, w))
-            residual = float((w - theta * v).norm())
+            theta_t = torch.dot(v, w)
+            norm = w.norm()
+            # one copy to the host per product: the Rayleigh quotient and both norms
+            numbers = torch.stack([theta_t, (w - theta_t * v).norm(), norm]).tolist()
+            theta, residual, length = numbers
             if residual <= _tolerance(theta, rtol, atol):
                 converged = True
                 break
-            norm = w.norm()
-            if float(norm) == 0.0:
+            if length == 0.0:
                 break
             v = w / norm
         v = v.detach()
@@ -118,9 +120,9 @@ class _Basis:
         self.blocks: list[Tensor] = []
         self._rows = 0  # rows written
         self._allocated = 0
-        self.append(first, float(first.norm()))
+        self.append(first, first.norm())  # (a tensor: no synchronisation)
 
-    def append(self, vector: Tensor, norm: float) -> None:
+    def append(self, vector: Tensor, norm: float | Tensor) -> None:
         """Add ``vector / norm`` as the next row."""
         if self._rows == self._allocated:
             rows = min(
@@ -165,7 +167,9 @@ class _Basis:
         return out
 
 
-def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
+def _orthogonalise(
+    w: Tensor, blocks: Sequence[Tensor], *scalars: Tensor
+) -> tuple[Tensor, float, list[float]]:
     """``w`` without its components along the orthonormal rows of ``blocks``.
 
     One classical Gram-Schmidt pass (two matrix-vector products with each block),
@@ -176,18 +180,28 @@ def _orthogonalise(w: Tensor, blocks: Sequence[Tensor]) -> tuple[Tensor, float]:
     which on a small model costs about as much as the Hessian-vector product
     itself (``benchmarks.studies.kernels --lanczos``).
 
+    The norms before and after the pass go to the host in one copy, with
+    ``scalars`` (the iteration's other numbers): one synchronisation, a second
+    only where the pass is repeated.
+
     Returns:
-        The orthogonalised vector and its norm.
+        The orthogonalised vector, its norm, and ``scalars`` as Python numbers.
     """
-    before = float(w.norm())
-    for _ in range(2):
-        coefficients = [block @ w for block in blocks]
-        for block, c in zip(blocks, coefficients, strict=True):
-            w = torch.addmv(w, block.T, c, alpha=-1)
+    before = w.norm()
+    w = _gram_schmidt(w, blocks)
+    before, after, *numbers = torch.stack([before, w.norm(), *scalars]).tolist()
+    if after < _REPEAT_BELOW * before:
+        w = _gram_schmidt(w, blocks)
         after = float(w.norm())
-        if after >= _REPEAT_BELOW * before:
-            break  # at most two passes
-    return w, after
+    return w, after, numbers
+
+
+def _gram_schmidt(w: Tensor, blocks: Sequence[Tensor]) -> Tensor:
+    """One classical Gram-Schmidt pass of ``w`` against the rows of ``blocks``."""
+    coefficients = [block @ w for block in blocks]
+    for block, c in zip(blocks, coefficients, strict=True):
+        w = torch.addmv(w, block.T, c, alpha=-1)
+    return w
 
 
 def lanczos_max_ev(
@@ -260,11 +274,13 @@ def lanczos_max_ev(
             q = basis.row(j)
             w = hvp(q)
             count += 1
-            alpha = float(torch.dot(q, w))
-            w = torch.add(w, q, alpha=-alpha)  # a new tensor: hvp's may alias
+            alpha_t = torch.dot(q, w)
+            # w - alpha q, rounded as torch.add(w, q, alpha=-alpha) would: a new
+            # tensor (hvp's may alias), alpha left on the device
+            w = torch.addcmul(w, q, alpha_t, value=-1)
             if j > 0:
                 w.sub_(basis.row(j - 1), alpha=betas[-1])
-            w, beta = _orthogonalise(w, basis.filled())
+            w, beta, (alpha,) = _orthogonalise(w, basis.filled(), alpha_t)
             if not (math.isfinite(alpha) and math.isfinite(beta)):
                 raise FloatingPointError(
                     f"Lanczos: Hessian-vector product {count} is not finite "

@@ -23,6 +23,7 @@ from cockpit.quantities.optim import (
     learning_rates,
     replay_update,
 )
+from cockpit.utils.host import Deferred
 
 
 @dataclass
@@ -107,7 +108,8 @@ class Alpha(TwoStepQuantity):
     gradient and its optimizer state. Per-sample gradients are never kept beyond
     their module's hook. Measured (``tests/engines/test_per_sample_memory.py``, and a
     784-256-10 MLP, ``N = 128``, float32, SGD and Adam): ``D = 203,530``, between
-    steps exactly ``D`` numbers (0.8 MiB), at most ``2 D + N (P + 1) = 407,700``
+    steps exactly ``D`` numbers (0.8 MiB; and 5 scalars: ``tau`` and the start's
+    observations, kept on the device), at most ``2 D + N (P + 1) = 407,700``
     (1.6 MiB); cockpit-for-pytorch cached ``N D`` numbers for each of the two steps
     with non-SGD optimizers (``2 N D``: 199 MiB).
 
@@ -213,8 +215,9 @@ class Alpha(TwoStepQuantity):
         if direction_and_dots is None:
             return None
         direction, dots = direction_and_dots
-        tau = float(torch.stack([(d**2).sum() for d in direction]).sum().sqrt())
-        value, value_var = self._loss_observation(ctx, dots.shape[0])
+        tau = torch.stack([(d**2).sum() for d in direction]).sum().sqrt()
+        tau = tau.to(torch.float64)  # a tensor: no synchronisation
+        value, value_var = self._loss_observation(ctx, dots.shape[0], dots.device)
         slope, slope_var = _slope_observation(dots, tau)
         return {
             "direction": direction,
@@ -248,16 +251,39 @@ class Alpha(TwoStepQuantity):
         return None
 
     def _compute_end(self, global_step: int, ctx: TrackContext, state: dict):
-        tau = state["tau"]
-        if tau == 0:
-            return -1.0
+        """The fit along the step, on the device; decided on the host.
+
+        Nothing is synchronised: ``alpha``, whether it is defined and whether a
+        variance was floored travel to the host with the step's values
+        (:class:`~cockpit.utils.host.Deferred`), where the warning is given and
+        a fit without a minimiser becomes :class:`Missing`.
+        """
         dots = self.acc.end_dots
-        value, value_var = self._loss_observation(ctx, dots.shape[0])
+        value, value_var = self._loss_observation(ctx, dots.shape[0], dots.device)
+        start = [
+            torch.as_tensor(state[k], dtype=torch.float64, device=dots.device)
+            for k in ("tau", "value", "value_var", "slope", "slope_var")
+        ]
+        tau, start_value, start_value_var, start_slope, start_slope_var = start
         slope, slope_var = _slope_observation(dots, tau)
-        variances, replaced = F.floor_variances(
-            (state["value_var"], value_var, state["slope_var"], slope_var)
+        variances = torch.stack(
+            [start_value_var, value_var, start_slope_var, slope_var]
         )
-        if replaced:
+        zero = variances <= 0
+        variances = torch.where(zero, F.VARIANCE_FLOOR, variances)
+        observed = torch.stack([start_value, value, start_slope, slope])
+        coefficients, solved = F.quadratic_fit(tau, observed, variances)
+        alpha, defined = F.alpha_of_fit(tau, coefficients, solved)
+        moved = tau != 0  # (a step that did not move is -1, whatever the fit)
+        flags = torch.stack(
+            [defined, zero.any() & moved, torch.isfinite(observed).all()]
+            + [torch.isfinite(variances).all()]
+        )
+        return Deferred((alpha, flags), lambda host: self._decided(global_step, *host))
+
+    def _decided(self, global_step: int, alpha: float, flags: list) -> float | Missing:
+        defined, floored, finite, finite_variances = flags
+        if floored:
             self._warn_once(
                 "zero-variance",
                 f"Alpha at step {global_step - 1}: a loss or slope observation has "
@@ -266,26 +292,23 @@ class Alpha(TwoStepQuantity):
                 "fit follow that observation almost exactly. Use mini-batches of "
                 "at least two distinct samples to avoid this. Shown once.",
             )
-        coefficients = F.fit_quadratic(
-            tau, (state["value"], value), (state["slope"], slope), variances
+        if defined:
+            return alpha
+        return Missing(
+            "the quadratic fit of the loss along the step has no minimiser to "
+            "report (a singular fit, or a zero slope at the start of the step). "
+            "Fix: none if rare; if it repeats, check that the updates and the "
+            "gradients are not zero"
+            if finite and finite_variances
+            else f"the loss or its slope at step {global_step - 1} or "
+            f"{global_step} is not finite, so the fit along the step is "
+            "undefined. Fix: see the warning about non-finite values"
         )
-        alpha = F.alpha_from_fit(tau, coefficients)
-        if alpha is None:
-            observed = (state["value"], value, state["slope"], slope, *variances)
-            finite = all(math.isfinite(v) for v in observed)
-            return Missing(
-                "the quadratic fit of the loss along the step has no minimiser to "
-                "report (a singular fit, or a zero slope at the start of the step). "
-                "Fix: none if rare; if it repeats, check that the updates and the "
-                "gradients are not zero"
-                if finite
-                else f"the loss or its slope at step {global_step - 1} or "
-                f"{global_step} is not finite, so the fit along the step is "
-                "undefined. Fix: see the warning about non-finite values"
-            )
-        return alpha
 
-    def _loss_observation(self, ctx: TrackContext, n: int) -> tuple[float, float]:
+    def _loss_observation(
+        self, ctx: TrackContext, n: int, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """The mini-batch loss and its per-sample variance (float64, on ``device``)."""
         loss = ctx.info.require("loss", self.key)
         losses = torch.as_tensor(ctx.info.require("individual_losses", self.key))
         losses = losses.detach()
@@ -298,8 +321,12 @@ class Alpha(TwoStepQuantity):
                 f"{tuple(losses.shape)}. Fix: pass the per-sample losses of the same "
                 "mini-batch, e.g. loss_fn(outputs, targets, reduction='none')."
             )
-        value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
-        return value, float(F.sample_variance(losses.to(torch.float64)))
+        if isinstance(loss, Tensor):
+            value = loss.detach().to(device=device, dtype=torch.float64)
+        else:
+            value = torch.tensor(float(loss), dtype=torch.float64, device=device)
+        losses = losses.to(device=device, dtype=torch.float64)
+        return value, F.sample_variance(losses)
 
     # --- helpers -------------------------------------------------------------------
     def _warn_once(self, kind: str, message: str) -> None:
@@ -308,12 +335,12 @@ class Alpha(TwoStepQuantity):
             warnings.warn(message, CockpitWarning, stacklevel=2)
 
 
-def _slope_observation(dots: Tensor, tau: float) -> tuple[float, float]:
-    """Return mean and unbiased variance of ``dots / tau`` (zeros if ``tau = 0``)."""
-    if tau == 0:
-        return 0.0, 0.0
-    projections = dots.detach().to(torch.float64) / tau
-    return float(projections.mean()), float(F.sample_variance(projections))
+def _slope_observation(dots: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased variance of ``dots / tau`` (zeros if ``tau = 0``; tensors)."""
+    projections = dots.detach().to(torch.float64) / torch.where(tau == 0, 1.0, tau)
+    moved = tau != 0
+    mean = torch.where(moved, projections.mean(), 0.0)
+    return mean, torch.where(moved, F.sample_variance(projections), 0.0)
 
 
 # --- 1.0.2's module-level helpers -----------------------------------------------------

@@ -106,21 +106,19 @@ def batch_size_of(entries) -> int:
 
 
 def total_spread(acc: PerParameter, grads) -> tuple:
-    """``sum_i ||g_i - g||^2``, ``||g||^2`` (float64), ``N`` and the sums' dtype.
+    """``sum_i ||g_i - g||^2``, ``||g||^2`` (float64), ``N``, the sums' dtype, checks.
 
-    Or :class:`Missing` in place of the first two where a sum is not finite.
+    The checks (:data:`defined.Condition`) say where a sum is not finite; they are
+    decided with the value on the host (:func:`defined.decided`).
     """
     entries = acc.ordered(len(grads))
     n = batch_size_of(entries)
     dtype = entries[0][0].dtype
-    undefined = defined.finite_sums(*(entry[0] for entry in entries))
-    if undefined is not None:
-        return undefined, undefined, n, dtype
+    conditions = defined.nonfinite(*(entry[0] for entry in entries))
     spreads, squares = parameter_spreads(acc, grads)
-    if not bool(torch.isfinite(spreads).all() & torch.isfinite(squares).all()):
-        undefined = Missing(defined.overflow(dtype))
-        return undefined, undefined, n, dtype
-    return spreads.sum(), squares.sum(), n, dtype
+    finite = torch.isfinite(spreads).all() & torch.isfinite(squares).all()
+    conditions.append((~finite, dtype))
+    return spreads.sum(), squares.sum(), n, dtype, conditions
 
 
 class GramQuantity(SingleStepQuantity):
@@ -207,12 +205,10 @@ class GramQuantity(SingleStepQuantity):
             raw = [norms, dots, sum((g**2).sum() for g in ctx.gradients())]
         present = raw if raw is not None else centred
         dtype = present[0].dtype
-        undefined = defined.first(
-            defined.samples(present[0].shape[0]),
-            defined.finite_sums(*(raw or []), *(centred or [])),
-        )
+        undefined = defined.samples(present[0].shape[0])
         if undefined is not None:
             return undefined
+        conditions = defined.nonfinite(*(raw or []), *(centred or []))
         norms = dots = squared = 0
         if centred is not None:
             norms, dots, squared = (defined.wide(part) for part in centred)
@@ -221,11 +217,8 @@ class GramQuantity(SingleStepQuantity):
             norms = norms + raw_norms - 2 * raw_dots + raw_squared
             dots = dots + raw_dots - raw_squared
             squared = squared + raw_squared
-        undefined = defined.divisor(squared)
-        if undefined is not None:
-            return undefined
         value = self._from_centered(norms, dots, squared)
-        return defined.finite(value, dtype)
+        return defined.decided(value, dtype, *conditions, *defined.divisor(squared))
 
     @abc.abstractmethod
     def _from_centered(
@@ -233,8 +226,9 @@ class GramQuantity(SingleStepQuantity):
     ) -> torch.Tensor:
         """The statistic from ``||g_i - g||^2``, ``(g_i - g) . g`` and ``||g||^2``.
 
-        All three are float64 on the CPU, finite, with at least 2 samples and
-        ``||g|| > 0``.
+        All three are float64 tensors on the parameters' device, with at least 2
+        samples; where a sum is not finite or ``||g|| = 0`` the result is not
+        recorded (the checks are decided with it on the host).
         """
 
 
@@ -252,13 +246,13 @@ def snr_entry(view: ParamView, epsilon: float, unbiased: bool) -> tuple:
     first (:meth:`ParamView.centered`, two-pass), so a coordinate on which the
     samples agree has variance 0, not the rounding error of ``sum_i g_i,d^2 -
     N g_d^2``; the sum is formed right away. ``flag`` says whether it is finite
-    (:func:`defined.snr_flag`).
+    (:func:`defined.snr_finite`).
     """
     n = view.batch_size
     mean = view.mean_gradient().detach()
     spread = view.centered(elementwise=True).elementwise_spread().detach()
     snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
-    return snr, view.param.numel(), n, defined.snr_flag(mean, spread)
+    return snr, view.param.numel(), n, defined.snr_finite(mean, spread)
 
 
 def snr_parts(view: ParamView, shared) -> tuple:
@@ -283,23 +277,26 @@ def share_snr(
             mean = grads[index]
             spread = (total - n * mean**2).clamp(min=0)
             snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
-            flag = defined.snr_flag(mean, total)
+            flag = defined.snr_finite(mean, total)
             acc.entries[index] = (snr, total.numel(), n, flag)
 
         bucket.sum(sum_grad_squared, then)
 
 
-def total_snr(acc: PerParameter, num_params: int) -> tuple[float | Missing, int, int]:
-    """Sum the entries of :func:`snr_entry`; return the sum, ``D`` and ``N``.
+def total_snr(acc: PerParameter, num_params: int) -> tuple:
+    """Sum the entries of :func:`snr_entry`: the sum, ``D``, ``N``, dtype, checks.
 
     Returns:
-        The sum as a float, or :class:`Missing` where it is not defined (fewer
-        than 2 samples, an overflow), ``D`` and ``N``.
+        The sum (a float64 tensor), or :class:`Missing` with fewer than 2
+        samples; ``D``; ``N``; the dtype of the entries; the deferred checks
+        (:data:`defined.Condition`: an overflow) for :func:`defined.decided`.
     """
     entries = acc.ordered(num_params)
     n, dim = batch_size_of(entries), sum(d for _, d, _, _ in entries)
-    snr = torch.stack([defined.wide(s) for s, _, _, _ in entries]).sum()
-    flag = int(torch.stack([f.cpu() for _, _, _, f in entries]).max())
     dtype = entries[0][0].dtype
-    undefined = defined.first(defined.samples(n), defined.snr_reason(flag, dtype))
-    return undefined or defined.finite(snr, dtype), dim, n
+    undefined = defined.samples(n)
+    if undefined is not None:
+        return undefined, dim, n, dtype, []
+    snr = torch.stack([defined.wide(s) for s, _, _, _ in entries]).sum()
+    finite = torch.stack([f.to(snr.device) for _, _, _, f in entries]).all()
+    return snr, dim, n, dtype, [(~finite, dtype)]

@@ -13,6 +13,7 @@ from cockpit.quantities.batch_statistics import (
     total_spread,
 )
 from cockpit.quantities.optim import require_plain_sgd
+from cockpit.utils.host import Deferred
 
 ZERO_LOSS = (
     "the loss is zero, and CABS divides by it. Fix: none needed (nothing left to "
@@ -73,15 +74,16 @@ class CABS(SingleStepQuantity):
         """Sum the per-sample squared norms over processes."""
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
+    def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         optimizer = ctx.info.require("optimizer", self.key)
         lr = require_plain_sgd(optimizer, self.key, single_lr=True)
         loss = ctx.info.require("loss", self.key)
-        spread, _, n, dtype = total_spread(self.acc, ctx.gradients())
+        spread, _, n, dtype, conditions = total_spread(self.acc, ctx.gradients())
+        undefined = defined.samples(n)
+        if undefined is not None:
+            return undefined
         loss = defined.wide(loss)
-        undefined = defined.first(defined.samples(n), defined.finite_sums(loss))
-        if undefined is None and float(loss) == 0:
-            undefined = Missing(ZERO_LOSS)
-        if undefined is not None or isinstance(spread, Missing):
-            return undefined or spread
-        return defined.finite(lr * (spread / n) / loss, dtype)
+        value = lr * (spread / n) / loss
+        return defined.decided(
+            value, dtype, *defined.nonfinite(loss), (loss == 0, ZERO_LOSS), *conditions
+        )

@@ -10,8 +10,13 @@ defined one. A quantity that divides by a norm asks this module first and return
   (:func:`divisor`);
 * **non-finite inputs**: per-sample results or sums that are infinite or NaN in
   the dtype they were handed over in (an overflow of a squared norm, a NaN in
-  the step: :func:`finite_sums`, :func:`finite`); nothing computed from them
+  the step: :func:`nonfinite`, :func:`decided`); nothing computed from them
   afterwards can recover the lost value.
+
+Only the batch size is known on the host when a statistic is computed; the other
+checks are tensors, decided with the value when the step's values are copied to
+the host (:func:`decided`, once per step for all of them), so checking costs no
+device synchronisation.
 
 The spreads that cancel (``sum_i ||g_i - g||^2``, a coordinate's variance,
 ``(g_i - g) . g``) are formed the stable way wherever the per-sample gradients are
@@ -42,10 +47,13 @@ largest value does not overflow.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from cockpit.quantities.base import Missing
+from cockpit.utils.host import Deferred
 
 #: The documented bound of a spread taken as a difference of two sums: within
 #: this many units of the dtype's precision (``eps``) of the larger sum (with
@@ -93,57 +101,76 @@ def first(*checks: Missing | None) -> Missing | None:
 
 
 def samples(n: int) -> Missing | None:
-    """Undefined with fewer than 2 samples."""
+    """Undefined with fewer than 2 samples (known on the host: no check deferred)."""
     return Missing(FEW_SAMPLES) if n < 2 else None
 
 
-def finite_sums(*sums: Tensor) -> Missing | None:
-    """Undefined if any of the sums (tensors) is not finite."""
-    values = [torch.as_tensor(value) for value in sums]
-    flags = [torch.isfinite(value).all() for value in values]
-    if len(flags) > 1 and flags[0].device == flags[-1].device:  # one sync, not one each
-        if bool(torch.stack(flags).all()):
-            return None
-    for value, flag in zip(values, flags, strict=True):
-        if not bool(flag):
-            return Missing(overflow(value.dtype))
-    return None
+#: A deferred check: a 0-dim boolean tensor, true where the value is undefined,
+#: and the reason recorded then (a dtype stands for :func:`overflow` in it, the
+#: text made only where it is recorded).
+Condition = tuple[Tensor, "str | torch.dtype"]
 
 
-def divisor(squared_norm: Tensor) -> Missing | None:
-    """Undefined if the squared norm a statistic divides by is zero or not finite."""
-    undefined = finite_sums(squared_norm)
-    if undefined is None and not bool(torch.as_tensor(squared_norm) > 0):
-        return Missing(ZERO_GRADIENT)
-    return undefined
+def nonfinite(*sums: Tensor) -> list[Condition]:
+    """Undefined if any of the sums is not finite (one condition per dtype)."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for value in sums:
+        value = torch.as_tensor(value)
+        by_dtype.setdefault(value.dtype, []).append(torch.isfinite(value).all())
+    return [
+        (~torch.stack(flags).all() if len(flags) > 1 else ~flags[0], dtype)
+        for dtype, flags in by_dtype.items()
+    ]
 
 
-def finite(value, dtype: torch.dtype = torch.float32):
-    """``float(value)``, or :class:`Missing` if it is not finite."""
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        return Missing(overflow(dtype))
-    return value
+def divisor(squared_norm: Tensor) -> list[Condition]:
+    """Undefined if the squared norm a statistic divides by is not finite, or zero."""
+    finite = torch.isfinite(squared_norm)
+    return [(~finite, squared_norm.dtype), (~(squared_norm > 0), ZERO_GRADIENT)]
 
 
-#: :func:`snr_flag`'s flags: defined, or a mean or spread not finite.
-SNR_DEFINED, SNR_OVERFLOW = 0, 2
+def decided(
+    value: Tensor, dtype: torch.dtype, *conditions: Condition, then=None
+) -> Deferred:
+    """``value``, unless a condition holds or it is not finite: decided on the host.
+
+    Nothing is synchronised here: the conditions travel to the host with the
+    step's values (:class:`~cockpit.utils.host.Deferred`), where the first that
+    holds gives the :class:`Missing` recorded instead (its reason), as does a
+    non-finite ``value`` (an overflow in ``dtype``).
+
+    Args:
+        value: The statistic (a 0-dim tensor, or one value per parameter).
+        dtype: The dtype its inputs were formed in (named in the overflow reason).
+        conditions: Deferred checks, in the order their reasons take precedence.
+        then: Applied to the host value when it is defined (default: none).
+    """
+    reasons = [reason for _, reason in conditions]
+    flags = [flag.reshape(()).to(value.device) for flag, _ in conditions]
+    stacked = torch.stack(flags) if flags else None
+
+    def finish(host):
+        number, undefined = host
+        for flag, reason in zip(undefined or (), reasons, strict=True):
+            if flag:
+                return Missing(reason if isinstance(reason, str) else overflow(reason))
+        numbers = number if isinstance(number, list) else [number]
+        while numbers and isinstance(numbers[0], list):  # (nested lists)
+            numbers = [v for row in numbers for v in row]
+        for v in numbers:
+            if not math.isfinite(v):
+                return Missing(overflow(dtype))
+        return number if then is None else then(number)
+
+    return Deferred([value, stacked], finish)
 
 
-def snr_flag(mean_grad: Tensor, spread: Tensor) -> Tensor:
+def snr_finite(mean_grad: Tensor, spread: Tensor) -> Tensor:
     """Whether ``sum_d g_d^2 / (var_d + epsilon)`` of one tensor has finite inputs.
 
     Computed without a device synchronisation (inside the backward pass).
 
     Returns:
-        A 0-dim integer tensor: :data:`SNR_DEFINED` or :data:`SNR_OVERFLOW`.
+        A 0-dim boolean tensor.
     """
-    finite = torch.isfinite(mean_grad).all() & torch.isfinite(spread).all()
-    return torch.where(finite, SNR_DEFINED, SNR_OVERFLOW)
-
-
-def snr_reason(flag: int, dtype: torch.dtype) -> Missing | None:
-    """The :class:`Missing` of an :func:`snr_flag` flag (``None``: defined)."""
-    if flag == SNR_OVERFLOW:
-        return Missing(overflow(dtype))
-    return None
+    return torch.isfinite(mean_grad).all() & torch.isfinite(spread).all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.quantities import defined
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
@@ -15,6 +16,7 @@ from cockpit.quantities.batch_statistics import (
 )
 from cockpit.quantities.compat import Alias102
 from cockpit.quantities.optim import require_plain_sgd
+from cockpit.utils.host import Deferred
 
 
 class EarlyStopping(SingleStepQuantity):
@@ -67,8 +69,10 @@ class EarlyStopping(SingleStepQuantity):
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=True)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
-        snr, dim, n = total_snr(self.acc, len(ctx.params))
+    def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
+        snr, dim, n, dtype, conditions = total_snr(self.acc, len(ctx.params))
         if isinstance(snr, Missing):
             return snr
-        return float(F.early_stopping(snr, n, dim))
+        return defined.decided(
+            snr, dtype, *conditions, then=lambda v: F.early_stopping(v, n, dim)
+        )

@@ -172,9 +172,8 @@ def fit_quadratic(
 ) -> Tensor | None:
     """Fit ``q(x) = w0 + w1 x + w2 x^2`` to noisy values and slopes at 0 and ``tau``.
 
-    Weighted least squares: the observations ``(f0, f1, f'0, f'1)`` have design rows
-    ``(1, 0, 0)``, ``(1, tau, tau^2)``, ``(0, 1, 0)``, ``(0, 1, 2 tau)`` and weights
-    ``1 / variance``; the estimate is ``(Phi^T W Phi)^{-1} Phi^T W y`` (float64).
+    Python numbers in, the fit or ``None`` out: :func:`quadratic_fit` decided on
+    the host.
 
     Args:
         tau: Distance between the two points.
@@ -185,18 +184,47 @@ def fit_quadratic(
     Returns:
         ``(w0, w1, w2)``, or ``None`` if the system is singular.
     """
-    phi = torch.tensor(
-        [[1.0, 0.0, 0.0], [1.0, tau, tau**2], [0.0, 1.0, 0.0], [0.0, 1.0, 2 * tau]],
-        dtype=torch.float64,
+    numbers = [torch.as_tensor(v, dtype=torch.float64) for v in (*values, *slopes)]
+    solution, solved = quadratic_fit(
+        torch.tensor(tau, dtype=torch.float64),
+        torch.stack(numbers),
+        torch.tensor(variances, dtype=torch.float64),
     )
-    y = torch.tensor([*values, *slopes], dtype=torch.float64)
-    weights = 1.0 / torch.tensor(variances, dtype=torch.float64)
+    return solution if bool(solved) else None
+
+
+def quadratic_fit(
+    tau: Tensor, observations: Tensor, variances: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The weighted least-squares fit of :func:`fit_quadratic`, on the device.
+
+    The observations ``(f0, f1, f'0, f'1)`` have design rows ``(1, 0, 0)``,
+    ``(1, tau, tau^2)``, ``(0, 1, 0)``, ``(0, 1, 2 tau)`` and weights
+    ``1 / variance``; the estimate is ``(Phi^T W Phi)^{-1} Phi^T W y`` (float64).
+    Nothing is synchronised: whether the system could be solved is a tensor.
+
+    Args:
+        tau: Distance between the two points (0-dim, float64).
+        observations: ``(f0, f1, f'0, f'1)`` (float64).
+        variances: Their variances, all positive (float64).
+
+    Returns:
+        ``(w0, w1, w2)`` and whether it is a finite solution (0-dim boolean).
+    """
+    one, zero = torch.ones_like(tau), torch.zeros_like(tau)
+    phi = torch.stack(
+        [
+            torch.stack([one, zero, zero]),
+            torch.stack([one, tau, tau**2]),
+            torch.stack([zero, one, zero]),
+            torch.stack([zero, one, 2 * tau]),
+        ]
+    )
+    weights = 1.0 / variances
     lhs = phi.T @ (weights[:, None] * phi)
-    rhs = phi.T @ (weights * y)
+    rhs = phi.T @ (weights * observations)
     solution, info = torch.linalg.solve_ex(lhs, rhs)
-    if info.item() != 0 or not torch.isfinite(solution).all():
-        return None
-    return solution
+    return solution, (info == 0) & torch.isfinite(solution).all()
 
 
 def alpha_from_fit(tau: float, coefficients: Tensor | None) -> float | None:
@@ -219,12 +247,31 @@ def alpha_from_fit(tau: float, coefficients: Tensor | None) -> float | None:
         return -1.0
     if coefficients is None:
         return None
-    w1, w2 = float(coefficients[1]), float(coefficients[2])
-    if w2 <= 0:
-        return -1.0
-    if w1 == 0:
-        return None
-    return -2.0 * tau * w2 / w1 - 1.0
+    tau = torch.tensor(tau, dtype=torch.float64)
+    coefficients = torch.as_tensor(coefficients, dtype=torch.float64)
+    alpha, defined = alpha_of_fit(tau, coefficients, torch.tensor(True))
+    return float(alpha) if bool(defined) else None
+
+
+def alpha_of_fit(
+    tau: Tensor, coefficients: Tensor, solved: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`alpha_from_fit` on the device: ``alpha`` and whether it is defined.
+
+    Args:
+        tau: The step length (0-dim, float64, ``>= 0``).
+        coefficients: ``(w0, w1, w2)`` from :func:`quadratic_fit`.
+        solved: Whether the fit was solved (from :func:`quadratic_fit`).
+
+    Returns:
+        ``alpha`` (0-dim float64; ``-1`` for ``tau = 0`` or ``w2 <= 0``) and
+        whether it is defined (false for an unsolved fit or ``w1 = 0``).
+    """
+    w1, w2 = coefficients[1], coefficients[2]
+    flat = (tau == 0) | (w2 <= 0)
+    alpha = torch.where(flat, -1.0, -2.0 * tau * w2 / w1 - 1.0)
+    defined = (tau == 0) | (solved & ((w2 <= 0) | (w1 != 0)))
+    return alpha, defined
 
 
 def floor_variances(variances: tuple) -> tuple[tuple, bool]:

@@ -211,7 +211,7 @@ class _Histogram(SingleStepQuantity):
     def _result(self, counts: Tensor | None) -> dict[str, Any]:
         counts = self._empty_counts() if counts is None else counts
         axes = range(len(self._bin_counts()))
-        edges = [self._edges(axis).cpu.tolist() for axis in axes]
+        edges = [self._edges(axis).cpu for axis in axes]  # host tensors
         return {
             "hist": counts.reshape(self._bin_counts()),  # recorded as lists
             "edges": edges[0] if len(edges) == 1 else edges,

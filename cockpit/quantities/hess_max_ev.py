@@ -235,10 +235,10 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         if previous is None or previous.numel() != dim:
             return noise
         previous = previous.detach().to(device=noise.device, dtype=torch.float64)
-        norm = previous.norm()
-        if not torch.isfinite(norm) or float(norm) == 0.0:
-            return noise
-        return previous.reshape(-1) / norm + self.WARM_START_NOISE * noise
+        norm = previous.norm()  # chosen on the device: no synchronisation
+        usable = torch.isfinite(norm) & (norm != 0)
+        warm = previous.reshape(-1) / norm + self.WARM_START_NOISE * noise
+        return torch.where(usable, warm, noise)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the warm-start vector (flat, or ``None``)."""
@@ -253,11 +253,11 @@ def _unit_sum(rows: Tensor) -> Tensor:
     """The unit vector along the sum of the unit rows of ``rows`` (flat).
 
     Zero or non-finite rows are left out; if none is left, the first row as is.
+    Chosen on the device (no synchronisation).
     """
     norms = rows.norm(dim=1, keepdim=True)
-    keep = (torch.isfinite(norms) & (norms > 0)).squeeze(1)
-    if not bool(keep.any()):
-        return rows[0].clone()
-    total = (rows[keep] / norms[keep]).sum(0)
+    keep = torch.isfinite(norms) & (norms > 0)
+    total = torch.where(keep, rows / norms, 0.0).sum(0)
     norm = total.norm()
-    return total / norm if bool(torch.isfinite(norm)) and float(norm) > 0 else rows[0]
+    usable = keep.any() & torch.isfinite(norm) & (norm > 0)
+    return torch.where(usable, total / norm, rows[0])

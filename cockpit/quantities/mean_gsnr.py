@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
+from cockpit.quantities import defined
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
@@ -13,6 +14,7 @@ from cockpit.quantities.batch_statistics import (
     total_snr,
 )
 from cockpit.quantities.compat import Alias102
+from cockpit.utils.host import Deferred
 
 
 class MeanGSNR(SingleStepQuantity):
@@ -61,6 +63,8 @@ class MeanGSNR(SingleStepQuantity):
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=False)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
-        snr, dim, _ = total_snr(self.acc, len(ctx.params))
-        return snr if isinstance(snr, Missing) else snr / dim
+    def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
+        snr, dim, _, dtype, conditions = total_snr(self.acc, len(ctx.params))
+        if isinstance(snr, Missing):
+            return snr
+        return defined.decided(snr, dtype, *conditions, then=lambda v: v / dim)

@@ -12,6 +12,7 @@ from cockpit.quantities.batch_statistics import (
     squared_norm_entry,
     total_spread,
 )
+from cockpit.utils.host import Deferred
 
 
 class NormTest(SingleStepQuantity):
@@ -49,11 +50,10 @@ class NormTest(SingleStepQuantity):
         """Sum the per-sample squared norms over processes."""
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
-        spread, mean, n, dtype = total_spread(self.acc, ctx.gradients())
-        if isinstance(spread, Missing):
-            return defined.samples(n) or spread
-        undefined = defined.first(defined.samples(n), defined.divisor(mean))
+    def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
+        spread, mean, n, dtype, conditions = total_spread(self.acc, ctx.gradients())
+        undefined = defined.samples(n)
         if undefined is not None:
             return undefined
-        return defined.finite((spread / (n * (n - 1) * mean)).sqrt(), dtype)
+        value = (spread / (n * (n - 1) * mean)).sqrt()
+        return defined.decided(value, dtype, *conditions, *defined.divisor(mean))

@@ -46,6 +46,7 @@ from cockpit.needs import Need, curvature_need
 from cockpit.param_view import ParamView
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.compat import Alias102
+from cockpit.utils.host import Deferred
 
 
 class _TIC(SingleStepQuantity):
@@ -244,17 +245,21 @@ class TICDiag(_TIC):
         nonpositive = (denominator <= 0).sum().to(scaled.dtype)
         return torch.stack([(scaled / denominator).sum(), nonpositive])
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
+    def _compute(self, global_step: int, ctx: TrackContext) -> Deferred:
         n = self._batch_size(ctx)
-        value, nonpositive = self._parts(ctx).sum(0).tolist()
-        if nonpositive > 0:
-            return Missing(
-                f"{int(nonpositive)} entries of the curvature diagonal "
-                f"({self.curvature}) plus epsilon are <= 0, where TICDiag is "
-                "undefined. Fix: use curvature='diag_ggn_exact' (never negative) or "
-                "a larger epsilon"
-            )
-        return float(n * value)
+
+        def finish(parts):  # decided on the host, with the step's values
+            value, nonpositive = parts
+            if nonpositive > 0:
+                return Missing(
+                    f"{int(nonpositive)} entries of the curvature diagonal "
+                    f"({self.curvature}) plus epsilon are <= 0, where TICDiag is "
+                    "undefined. Fix: use curvature='diag_ggn_exact' (never "
+                    "negative) or a larger epsilon"
+                )
+            return float(n * value)
+
+        return Deferred(self._parts(ctx).sum(0), finish)
 
 
 class TICTrace(_TIC):
@@ -361,26 +366,35 @@ class TICTrace(_TIC):
     def _reduce(self, scaled, diag):  # pragma: no cover - accumulate is overridden
         return torch.stack([scaled.sum(), diag.sum()])
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> float | Missing:
+    def _compute(
+        self, global_step: int, ctx: TrackContext
+    ) -> Deferred | float | Missing:
         n = self._batch_size(ctx)
-        moment, trace = self._parts(ctx).sum(0).tolist()
         traces = self.acc.probe_traces
-        if traces is not None:
-            value, error, trace_error = tic_trace_estimate(
-                n * moment, trace, traces, self.epsilon
+        if traces is None:  # exact: decided on the host, with the step's values
+            return Deferred(
+                self._parts(ctx).sum(0), lambda parts: self._exact(n, *parts)
             )
-            if value is None:
-                return Missing(
-                    f"the {self._read()} trace plus "
-                    f"epsilon is {trace + self.epsilon:.3g} with standard error "
-                    f"{trace_error:.3g}, not clearly positive (TICTrace is estimated "
-                    f"only where it exceeds {MIN_RELATIVE:g} standard errors). Fix: "
-                    "more probes (Cockpit.HUTCHINSON_PROBES, default 16; the error "
-                    "shrinks as 1/sqrt(probes)), or an exact curvature on a model "
-                    "BackPACK covers (nn.Sequential)"
-                )
-            self._errors[global_step] = error
-            return value
+        # estimated (the probes' traces are on the host already): its standard
+        # error must be known when the value is recorded
+        moment, trace = self._parts(ctx).sum(0).tolist()
+        value, error, trace_error = tic_trace_estimate(
+            n * moment, trace, traces, self.epsilon
+        )
+        if value is None:
+            return Missing(
+                f"the {self._read()} trace plus "
+                f"epsilon is {trace + self.epsilon:.3g} with standard error "
+                f"{trace_error:.3g}, not clearly positive (TICTrace is estimated "
+                f"only where it exceeds {MIN_RELATIVE:g} standard errors). Fix: "
+                "more probes (Cockpit.HUTCHINSON_PROBES, default 16; the error "
+                "shrinks as 1/sqrt(probes)), or an exact curvature on a model "
+                "BackPACK covers (nn.Sequential)"
+            )
+        self._errors[global_step] = error
+        return value
+
+    def _exact(self, n: int, moment: float, trace: float) -> float | Missing:
         if not trace + self.epsilon > 0:
             return Missing(
                 f"the trace of the curvature ({self.curvature}) plus epsilon is "

@@ -15,6 +15,7 @@ from cockpit.quantities.batch_statistics import (
     share_squared_norms,
     squared_norm_entry,
 )
+from cockpit.utils.host import Deferred
 
 
 class Variance(SingleStepQuantity):
@@ -51,17 +52,17 @@ class Variance(SingleStepQuantity):
         """Sum ``sum_i ||g_i,p||^2`` over processes (``N`` of the joined batch)."""
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
-    def _compute(self, global_step: int, ctx: TrackContext) -> list[float] | Missing:
+    def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         entries = self.acc.ordered(len(ctx.params))
         if not entries:
             return []
         n = batch_size_of(entries)
-        undefined = defined.first(
-            defined.samples(n), defined.finite_sums(*(e[0] for e in entries))
-        )
+        undefined = defined.samples(n)
         if undefined is not None:
             return undefined
+        conditions = defined.nonfinite(*(e[0] for e in entries))
         spreads, squares = parameter_spreads(self.acc, ctx.gradients())
-        if not bool(torch.isfinite(spreads).all() & torch.isfinite(squares).all()):
-            return Missing(defined.overflow(entries[0][0].dtype))
-        return (spreads / n).tolist()
+        dtype = entries[0][0].dtype
+        finite = torch.isfinite(spreads).all() & torch.isfinite(squares).all()
+        conditions.append((~finite, dtype))
+        return defined.decided(spreads / n, dtype, *conditions)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from cockpit.log.keys import ESTIMATE_SUFFIX
 from cockpit.quantities.base import Missing
+from cockpit.utils.host import Deferred
 
 COMPUTED = "computed"
 ESTIMATED = "estimated"
@@ -60,6 +61,8 @@ class Ledger:
         self.diagnostics = diagnostics
         self.entries: dict[int, Entry] = {id(q): Entry() for q in plan.active}
         self._notes: list[tuple] = []
+        #: Values decided on the host (``Deferred``): ``(quantity, step, keys)``.
+        self._deferred: list[tuple] = []
         #: Settings of the estimates (``method``, ``probes``) as recorded.
         self.estimator: dict[str, Any] = {}
 
@@ -129,18 +132,23 @@ class Ledger:
         if isinstance(value, Missing):
             self.leave_out(quantity, value.reason, steps=[save_step], abort=False)
             return
-        self.recorder.record(save_step, quantity.key, value)
+        keys = [quantity.key]
+        self.recorder.record(save_step, keys[0], value)
         for key, extra in quantity.companions(save_step).items():
             self.recorder.record(save_step, key, extra)
+            keys.append(key)
         entry = self.entries.get(id(quantity), Entry())
         errors = entry.errors
         if errors is not None:
             errors = quantity.estimate_error(save_step, errors)
+        if isinstance(value, Deferred):
+            self._deferred.append((quantity, save_step, keys))
         if errors is not None:
             per_param, total = errors
+            keys.append(f"{keys[0]}{ESTIMATE_SUFFIX}")
             self.recorder.record(
                 save_step,
-                f"{quantity.key}{ESTIMATE_SUFFIX}",
+                keys[-1],
                 {
                     **self.estimator,
                     **(entry.settings or {}),
@@ -150,7 +158,20 @@ class Ledger:
             )
 
     def settle(self) -> None:
-        """Note the missing values and warn (once per quantity and reason)."""
+        """Decide the deferred values; note the missing ones, warn once per reason.
+
+        Where values are decided on the host (:class:`~cockpit.utils.host.
+        Deferred`), the step's values go there now, in one copy per device: the
+        flush that follows has nothing left to copy.
+        """
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            self.recorder.to_host()
+            for quantity, step, keys in deferred:
+                value = self.recorder.value(step, keys[0])
+                if isinstance(value, Missing):
+                    self.recorder.forget(step, keys)
+                    self.leave_out(quantity, value.reason, steps=[step], abort=False)
         notes, self._notes = self._notes, []
         for steps, key, reason, once in notes:
             if once is False:

@@ -66,6 +66,7 @@ class Recorder:
     ):
         self._subscribers: list = []
         self._fresh: dict[int, dict[str, Any]] = {}
+        self._on_host = True  # whether nothing recorded since needs copying
         self._sent_missing = sent_missing
 
     def subscribe(self, subscriber) -> None:
@@ -84,6 +85,7 @@ class Recorder:
         to the host at once (:func:`cockpit.utils.host.to_host`).
         """
         self._fresh.setdefault(int(global_step), {})[key] = value
+        self._on_host = False
 
     def note_missing(self, global_step: int, key: str, reason: str) -> None:
         """Record that quantity ``key`` has no value at ``global_step``, and why.
@@ -97,9 +99,27 @@ class Recorder:
             fresh[MISSING_KEY] = dict(sent or {})
         fresh[MISSING_KEY][key] = reason
 
+    def to_host(self) -> None:
+        """Copy the values recorded so far to the host now (one copy per device).
+
+        Deferred values (:class:`~cockpit.utils.host.Deferred`) are decided: each
+        becomes what it finishes as (a number, or a ``Missing``).
+        """
+        self._fresh, self._on_host = to_host(self._fresh), True
+
+    def value(self, global_step: int, key: str) -> Any:
+        """The value recorded for ``key`` at ``global_step`` since the last flush."""
+        return self._fresh.get(int(global_step), {}).get(key)
+
+    def forget(self, global_step: int, keys) -> None:
+        """Drop the values of ``keys`` recorded at ``global_step`` (not yet flushed)."""
+        fresh = self._fresh.get(int(global_step), {})
+        for key in keys:
+            fresh.pop(key, None)
+
     def discard(self) -> None:
         """Forget what was recorded since the last flush (a step that failed)."""
-        self._fresh = {}
+        self._fresh, self._on_host = {}, True
 
     def flush(self) -> None:
         """Hand every step recorded since the last flush to every subscriber.
@@ -108,7 +128,8 @@ class Recorder:
         under the streamed log must not cost the history its values); the first
         error is raised afterwards.
         """
-        fresh, self._fresh = to_host(self._fresh), {}  # one copy per device
+        fresh = self._fresh if self._on_host else to_host(self._fresh)  # one copy
+        self._fresh, self._on_host = {}, True
         first_error = None
         for subscriber in self._subscribers:
             for step in sorted(fresh):

@@ -230,8 +230,9 @@ def test_alpha_keeps_one_copy_of_the_parameters(monkeypatch, optimizer):
 
     Measured while the hooks run and after each step, with every step tracked
     (each step ends one start and begins the next): at most ``2 D + N (P + 1)``
-    numbers, exactly ``D`` between steps. cockpit-for-pytorch kept ``N D`` numbers
-    per step, for two steps, with non-SGD optimizers.
+    numbers (+ 5), exactly ``D`` between steps (and the start's 5 scalars: ``tau`` and
+    the four observations, kept on the device). cockpit-for-pytorch kept ``N D``
+    numbers per step, for two steps, with non-SGD optimizers.
     """
     problem = make_problem("cnn", "ce", optimizer)
     dim = sum(p.numel() for p in problem.params)
@@ -247,6 +248,6 @@ def test_alpha_keeps_one_copy_of_the_parameters(monkeypatch, optimizer):
     monkeypatch.setattr(engine.ExtensionHook, "__call__", measuring_call)
     result = run(problem, [alpha], steps=4)
     assert sorted(result.output) == [1, 2]  # every start got its value
-    assert held_numbers(alpha) == dim  # the pending start of step 3: d only
-    assert max(during) <= 2 * dim + n * (num_tensors + 1)
-    assert max(during) > dim  # while a step ends and the next starts: both
+    assert held_numbers(alpha) == dim + 5  # the pending start of step 3: d, scalars
+    assert max(during) <= 2 * dim + n * (num_tensors + 1) + 5
+    assert max(during) > dim + 5  # while a step ends and the next starts: both

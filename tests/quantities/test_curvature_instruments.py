@@ -490,7 +490,7 @@ def test_orthogonalise_repeats_its_pass_only_where_it_cancelled():
         calls.clear()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch, "addmv", mv)
-            result, norm = _orthogonalise(w.clone(), [basis[:5], basis[5:]])
+            result, norm, _ = _orthogonalise(w.clone(), [basis[:5], basis[5:]])
         assert len(calls) == 2 * passes  # one per block and pass
         assert norm == pytest.approx(float(result.norm()))
         assert float((basis @ result).abs().max()) <= 50 * 1.2e-7 * norm

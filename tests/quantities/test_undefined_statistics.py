@@ -27,6 +27,7 @@ from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.quantities import defined
 from cockpit.quantities.base import SingleStepQuantity
+from cockpit.utils.host import to_host
 from cockpit.utils.schedules import linear
 
 KEYS = ["NormTest", "InnerTest", "OrthoTest", "Variance", "MeanGSNR",
@@ -218,11 +219,23 @@ def test_identical_samples_have_zero_spread(dtype):
 
 
 def test_missing_has_one_rule():
-    """The helpers: a zero divisor, and a non-finite sum or value, are missing."""
-    inf = torch.tensor(float("inf"))
-    assert "non-finite" in defined.finite_sums(torch.ones(2), inf).reason
-    assert defined.finite_sums(torch.ones(2)) is None
-    assert defined.divisor(torch.tensor(0.0)).reason == defined.ZERO_GRADIENT
-    assert defined.divisor(torch.tensor(1e-30)) is None
-    assert isinstance(defined.finite(float("nan")), Q.Missing)
-    assert defined.finite(2.0) == 2.0
+    """The helpers: a zero divisor, and a non-finite sum or value, are missing.
+
+    The checks are tensors, decided with the value when it is copied to the host.
+    """
+    inf, one = torch.tensor(float("inf")), torch.tensor(1.0)
+
+    def decide(value, *conditions):
+        return to_host(defined.decided(value, torch.float32, *conditions))
+
+    assert "non-finite" in decide(one, *defined.nonfinite(torch.ones(2), inf)).reason
+    assert decide(one, *defined.nonfinite(torch.ones(2))) == 1.0
+    zero = decide(one, *defined.divisor(torch.tensor(0.0)))
+    assert zero.reason == defined.ZERO_GRADIENT
+    assert decide(one, *defined.divisor(torch.tensor(1e-30))) == 1.0
+    assert "non-finite" in decide(torch.tensor(float("nan"))).reason
+    assert decide(torch.tensor(2.0)) == 2.0
+    # the first condition that holds gives the reason
+    both = decide(one, *defined.divisor(torch.tensor(0.0)), *defined.nonfinite(inf))
+    assert both.reason == defined.ZERO_GRADIENT
+    assert decide(torch.tensor([1.0, float("inf")])).reason.startswith("the squared")
