@@ -164,9 +164,14 @@ class Head:
         moved = self.log_p.detach().movedim(self.dim, -1)
         return upcast(moved.reshape(-1, self.classes)).exp()
 
-    def _chunk(self, chunk: int) -> int:
-        """Draws per pass: each holds an output gradient of ``log p``'s size."""
-        return max(1, min(chunk, MAX_OUTPUT_ELEMENTS // max(1, self.log_p.numel())))
+    def _chunk(self, chunk: int, elements: int | None = None) -> int:
+        """Draws per pass: each holds an output gradient of ``log p``'s size.
+
+        ``elements``: of the joined batch's ``log p`` (data-parallel), where the
+        count must be the same on every process; default this one's.
+        """
+        elements = self.log_p.numel() if elements is None else elements
+        return max(1, min(chunk, MAX_OUTPUT_ELEMENTS // max(1, elements)))
 
     def _products(self, outputs: Tensor):
         """``outputs`` ``[k, rows, classes]`` back to the parameters, squared."""
@@ -182,23 +187,30 @@ class Head:
             for g, p in zip(grads, self.params, strict=True)
         ]  # fmt: skip
 
-    def labels(self, count: int, generator) -> Tensor:
+    def labels(self, count: int, generator, columns=None) -> Tensor:
         """``count`` labels per row drawn from ``p`` (``[count, rows]``).
 
         By the inverse of the cumulative distribution, on the loss's device, from
         uniform numbers of ``generator`` (drawn on its device, the parameters'):
-        no copy of ``p`` leaves the device.
+        no copy of ``p`` leaves the device. ``columns`` ``(first, total)``: the
+        rows are ``first, ...`` of a joined batch of ``total`` rows (data-parallel):
+        the numbers are drawn for all of them, and this process's used, so every
+        process draws the labels one process on the joined batch would.
         """
         if self._cdf is None:
             self._cdf = self.probabilities().cumsum(-1)
         cdf = self._cdf
-        uniform = torch.rand(count, cdf.shape[0], generator=generator,
+        first, total = (0, cdf.shape[0]) if columns is None else columns
+        uniform = torch.rand(count, total, generator=generator,
                              dtype=torch.float64, device=generator.device)  # fmt: skip
+        uniform = uniform[:, first : first + cdf.shape[0]]
         uniform = uniform.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]
         found = torch.searchsorted(cdf, uniform.T.contiguous(), right=True)
         return found.clamp(max=self.classes - 1).T
 
-    def draws(self, samples: int, generator, chunk: int = 4) -> TraceEstimate:
+    def draws(
+        self, samples: int, generator, chunk: int = 4, columns=None, elements=None
+    ) -> TraceEstimate:
         """The Monte-Carlo GGN from ``samples`` drawn labels per row (see the module).
 
         Args:
@@ -207,12 +219,15 @@ class Head:
             chunk: Draws per batched backward pass (memory: ``chunk`` gradients
                 and output gradients of ``log p``'s size, fewer where that is
                 large, :data:`MAX_OUTPUT_ELEMENTS`).
+            columns: Data-parallel: this process's rows of the joined batch
+                (:meth:`labels`).
+            elements: Data-parallel: ``log p``'s elements over the joined batch.
 
         Returns:
             The estimate (``traces``: per draw, each parameter's ``||v_p||**2``).
         """
         samples = max(2, int(samples))
-        chunk = self._chunk(chunk)
+        chunk = self._chunk(chunk, elements)
         totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
                   for p in self.params]  # fmt: skip
         traces = []
@@ -220,7 +235,7 @@ class Head:
         done = 0
         while done < samples:
             count = min(chunk, samples - done)
-            labels = self.labels(count, generator)
+            labels = self.labels(count, generator, columns)
             outputs = torch.zeros(count, rows, self.classes, dtype=self.log_p.dtype,
                                   device=self.log_p.device)  # fmt: skip
             values = -self.root.to(self.log_p.dtype).expand(count, -1)

@@ -14,8 +14,15 @@ two sources, chosen by :func:`choose` when the step is routed:
   and the step says which curvature it used (the ``<key>_estimate`` record's
   ``"curvature"``, the coverage line, a :class:`~cockpit.errors.CockpitWarning`);
 * **Hutchinson**'s estimate of the Hessian (:mod:`cockpit.curvature.hutchinson`) for
-  ``curvature="hutchinson"`` (the Hessian, never replaced), where the loss is not a
-  cross-entropy, and in data-parallel runs.
+  ``curvature="hutchinson"`` (the Hessian, never replaced) and where the loss is
+  not a cross-entropy.
+
+A data-parallel run chooses as one process on the joined batch does: each process
+forms its shard's part of the GGN, exactly where the *joined* batch's rows times
+classes are at most :data:`EXACT_MAX_PRODUCTS`, otherwise from the labels one
+process would draw for its rows (:class:`Share`: the uniform numbers of the whole
+batch, this process's columns), with the draw count and the top-up decided on the
+joined draws' traces; the quantities join the parts as they join any curvature.
 
 The GGN's diagonal is exact (:meth:`~cockpit.curvature.ggn.Head.exact`) where that
 takes at most :data:`EXACT_MAX_PRODUCTS` backward passes (rows times classes: a
@@ -39,9 +46,10 @@ Quantities that divide elementwise by the diagonal (TICDiag:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -83,12 +91,6 @@ TOP_UP = 8
 #: products do).
 MIN_DRAWS = 16
 MAX_DRAWS = 128
-
-#: Whether the GGN serves estimated curvature in a single process. Data-parallel
-#: runs have no GGN estimate yet (Hutchinson's estimate of the Hessian is joined
-#: over the processes, the GGN choices are missing there); :func:`as_data_parallel`
-#: makes a single process do the same, to compare the two value by value.
-USE_GGN = True
 
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SPREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -145,11 +147,8 @@ def choose(plan, quantity, losses, params, parallel: bool) -> str | None:
         return None
     exact_only = getattr(quantity, "exact_curvature_only", False)
     hessian = wanted == {Need.DIAG_H}
-    parallel = parallel or not USE_GGN
-    if hessian and (getattr(quantity, "hessian_only", False) or parallel):
+    if hessian and getattr(quantity, "hessian_only", False):
         return None if exact_only else HUTCHINSON
-    if parallel:
-        return None
     known = _CHOICES.get(quantity)
     if known == HUTCHINSON:
         return None if exact_only else known
@@ -159,8 +158,8 @@ def choose(plan, quantity, losses, params, parallel: bool) -> str | None:
             _CHOICES[quantity] = HUTCHINSON
             return HUTCHINSON
         return None
-    if exact_only and size > EXACT_MAX_PRODUCTS:
-        return None
+    if exact_only and size > EXACT_MAX_PRODUCTS and not parallel:
+        return None  # (data-parallel: decided on the joined batch's size, later)
     _CHOICES[quantity] = GGN
     return GGN
 
@@ -261,7 +260,25 @@ def relative_error(traces) -> float:
     return relative_spread(traces) / traces.shape[0] ** 0.5
 
 
-def monte_carlo(head, keys, generator):
+@dataclass(frozen=True)
+class Share:
+    """A data-parallel process's part of the joined batch's GGN.
+
+    Attributes:
+        columns: ``(first row, rows of the joined batch)``: this process's rows
+            among the joined batch's (in rank order).
+        elements: ``log p``'s elements over the joined batch (the draws' chunks
+            are chosen on it, so every process draws as one process would).
+        join: Per-draw traces ``[K, P]`` of this process -> the joined batch's
+            (a weighted sum over the processes: a collective).
+    """
+
+    columns: tuple[int, int]
+    elements: int
+    join: Callable[[torch.Tensor], torch.Tensor]
+
+
+def monte_carlo(head, keys, generator, share: Share | None = None):
     """The Monte-Carlo GGN of this step (see the module for the count).
 
     Args:
@@ -269,22 +286,35 @@ def monte_carlo(head, keys, generator):
         keys: What the previous estimate's spread is kept under (the quantities
             the estimate serves).
         generator: Random source of the labels.
+        share: In a data-parallel run, this process's part: the count and the
+            top-up are decided on the joined traces, the same on every process.
 
     Returns:
-        The :class:`~cockpit.curvature.hutchinson.TraceEstimate`.
+        The :class:`~cockpit.curvature.hutchinson.TraceEstimate` (of this
+        process's rows).
     """
     keys = list(keys)
+
+    def draw(count):
+        if share is None:
+            return head.draws(count, generator)
+        return head.draws(
+            count, generator, columns=share.columns, elements=share.elements
+        )
+
+    def joined(traces):
+        return traces if share is None else share.join(traces)
+
     draws = draws_for(keys)
     if draws is None:  # a pilot, discarded: only its spread is used
-        draws = needed_draws(relative_spread(head.draws(MIN_DRAWS, generator).traces))
-    estimate = head.draws(draws, generator)
-    while (
-        estimate.products < MAX_DRAWS
-        and relative_error(estimate.traces) > GOAL_RELATIVE_SE
-    ):
-        more = head.draws(min(TOP_UP, MAX_DRAWS - estimate.products), generator)
+        draws = needed_draws(relative_spread(joined(draw(MIN_DRAWS).traces)))
+    estimate = draw(draws)
+    traces = joined(estimate.traces)
+    while estimate.products < MAX_DRAWS and relative_error(traces) > GOAL_RELATIVE_SE:
+        more = draw(min(TOP_UP, MAX_DRAWS - estimate.products))
         estimate = _joined(estimate, more)
-    remember(keys, estimate.traces)
+        traces = torch.cat([traces, joined(more.traces)])
+    remember(keys, traces)
     return estimate
 
 
@@ -327,14 +357,3 @@ def restore(quantity, state) -> None:
         _CHOICES[quantity] = state["curvature_source"]
     if "ggn_spread" in state:
         _SPREADS[quantity] = float(state["ggn_spread"])
-
-
-@contextlib.contextmanager
-def as_data_parallel():
-    """Estimate curvature as a data-parallel run does (no GGN), in this block."""
-    global USE_GGN
-    before, USE_GGN = USE_GGN, False
-    try:
-        yield
-    finally:
-        USE_GGN = before

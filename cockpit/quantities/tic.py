@@ -221,7 +221,7 @@ class TICDiag(_TIC):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce the second moment and curvature (shown together or apart)."""
         both = view.has_second_moment and view.has_curvature(self.curvature)
-        if both or self.shared is not None:
+        if both:
             super().accumulate(global_step, view)
             return
         entry = self.acc.pending.setdefault(view.index, [None, None])
@@ -234,7 +234,12 @@ class TICDiag(_TIC):
             self.acc.seen_batch_size = view.batch_size
         if entry[0] is not None and entry[1] is not None:
             scaled, diag = self.acc.pending.pop(view.index)
-            self.acc.parts[view.index] = self._reduce(scaled, diag.to(scaled.dtype))
+            diag = diag.to(scaled.dtype)
+            if self.shared is not None:  # reduced once summed over processes
+                n = self.shared.n_local
+                self.acc.parts[view.index] = (scaled * n**2, diag * n)
+            else:
+                self.acc.parts[view.index] = self._reduce(scaled, diag)
 
     def estimate_error(self, global_step: int, errors=None):
         """An exact GGN diagonal (the only one taken): standard error 0."""

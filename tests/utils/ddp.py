@@ -21,7 +21,6 @@ import torch
 from backpack import extend
 
 from cockpit import Cockpit, quantities
-from cockpit.curvature import source as curvature_source
 from cockpit.quantities.bin_adaptation import GradAbsMax
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
@@ -114,6 +113,10 @@ def make_quantities(case: dict[str, Any]):
         chosen += [quantities.CABS(every), quantities.EarlyStopping(every)]
     if label == "economy" and case.get("curvature"):  # both from the same probes
         chosen += [quantities.HessTrace(every), quantities.TICTrace(every)]
+    if case.get("tic_diag"):  # takes only an exact curvature diagonal
+        chosen += [
+            quantities.TICDiag(every, curvature="diag_ggn_exact", key="TICDiagGGN")
+        ]
     return chosen
 
 
@@ -148,9 +151,7 @@ def train(
         params, quantities=make_quantities(case), diagnose=False, **cockpit_kwargs
     )
     batches = case.get("batches") or joined_batches(case["model"], case["sizes"])
-    # one process estimates curvature as the data-parallel run does (no GGN)
-    with curvature_source.as_data_parallel():
-        _steps(network, loss_fn, optimizer, cockpit, batches, rank, world)
+    _steps(network, loss_fn, optimizer, cockpit, batches, rank, world)
     return cockpit
 
 

@@ -21,7 +21,10 @@ estimated quantity from the source it was given:
 It hands the diagonals to the quantities and records the standard errors (zero
 where exact) with the curvature used, under ``<key>_estimate``. It returns the
 quantities it showed a diagonal (their errors are raised after the backward pass)
-and Hutchinson's per-probe traces (a data-parallel step joins them).
+and the per-draw traces of an estimate (a data-parallel step joins them for the
+standard errors). In a data-parallel run each process forms its shard's part, the
+exact-or-Monte-Carlo choice made on the joined batch's size (one all-gather of
+every process's sizes, :class:`~cockpit.curvature.source.Share`).
 """
 
 from __future__ import annotations
@@ -101,12 +104,16 @@ class Curvature(StepFeature):
             except NotCrossEntropy as error:
                 self._not_cross_entropy(quantities, error)
                 return None
-            if head.log_p.numel() <= curvature_source.EXACT_MAX_PRODUCTS:
+            share, elements, products = self._share(head, loss)
+            if elements <= curvature_source.EXACT_MAX_PRODUCTS:
                 estimate = head.exact()
-                settings = {"method": "ggn_exact", "probes": estimate.products}
+                settings = {"method": "ggn_exact", "probes": products}
             else:
+                quantities = self._drop_exact_only(quantities, elements)
+                if not quantities:
+                    return None
                 estimate = curvature_source.monte_carlo(
-                    head, quantities, state.generator
+                    head, quantities, state.generator, share
                 )
                 settings = {"method": "ggn_monte_carlo", "probes": estimate.products}
             head = loss = None
@@ -118,7 +125,55 @@ class Curvature(StepFeature):
             state.checks.warn_once(
                 ("ggn-for-hessian", tuple(swapped)), substitution_warning(swapped)
             )
-        return Produced(guards=guards)
+        # a data-parallel step joins the draws' traces for the standard errors
+        return Produced(guards=guards, traces=None if exact else estimate.traces)
+
+    def _share(self, head, loss) -> tuple:
+        """This process's part of the joined batch's GGN (data-parallel runs).
+
+        Returns:
+            The :class:`~cockpit.curvature.source.Share` (``None`` in one
+            process), ``log p``'s elements and the exact diagonal's products, both
+            of the joined batch (one collective: every process's sizes).
+        """
+        comm = self.state.communicator
+        if comm is None or comm.local or comm.stopping:  # (stopping: no collective)
+            return None, head.log_p.numel(), head.exact_products
+        n_local = int(sample_losses(self.state.engine.losses).shape[0])
+        mine = [head.log_p.numel(), head.root.shape[0], head.exact_products, n_local]
+        step = self.state.step
+        every = comm.start_gather_ints(mine, "the GGN's sizes", step).wait()
+        elements, rows, products, samples = (sum(column) for column in zip(*every))
+        first = sum(sizes[1] for sizes in every[: comm.rank])
+        weight = n_local / samples  # this shard's share of the joined mean
+
+        def join(traces):
+            return comm.all_reduce(traces * weight, "the GGN's draws", step)
+
+        share = curvature_source.Share((first, rows), elements, join)
+        return share, elements, products
+
+    def _drop_exact_only(self, quantities, elements: int) -> list:
+        """Data-parallel: leave out those that take only the exact diagonal.
+
+        (One process knows the joined batch's size when routing; a process sees
+        its shard's then, and the joined size only here.)
+        """
+        keep = []
+        for quantity in quantities:
+            if not getattr(quantity, "exact_curvature_only", False):
+                keep.append(quantity)
+                continue
+            self.state.ledger.leave_out(
+                quantity,
+                f"{quantity.key} divides by the curvature diagonal elementwise and "
+                "takes only an exact one, and the GGN's of this joined batch would "
+                f"take {elements} > {curvature_source.EXACT_MAX_PRODUCTS} backward "
+                "passes. Fix: track TICTrace (estimated with its standard error), "
+                "or smaller batches at its steps",
+                once=("ggn-exact-only", quantity.key),
+            )
+        return keep
 
     def _not_cross_entropy(self, quantities, error: NotCrossEntropy) -> None:
         """A loss the GGN cannot read: the Hessian's estimate, or missing."""
