@@ -106,7 +106,9 @@ def test_lightning_mlflow_logger_gets_every_series(server, tmp_path):
     )
 
     logger = MLFlowLogger(experiment_name="lightning", tracking_uri=server)
-    callback = CockpitCallback(quantities=configuration("economy"))
+    # (a logger with a remote store has no log_dir: the log would go to the cwd)
+    logpath = str(tmp_path / "cockpit.jsonl")
+    callback = CockpitCallback(quantities=configuration("economy"), logpath=logpath)
     trainer = _trainer(tmp_path, callback, logger=logger, max_epochs=1,
                        log_every_n_steps=1)  # fmt: skip
     with warnings.catch_warnings():
