@@ -23,6 +23,9 @@ classes are at most :data:`EXACT_MAX_PRODUCTS`, otherwise from the labels one
 process would draw for its rows (:class:`Share`: the uniform numbers of the whole
 batch, this process's columns), with the draw count and the top-up decided on the
 joined draws' traces; the quantities join the parts as they join any curvature.
+The joined Monte-Carlo estimate is unbiased like one process's but not the same
+numbers: one draw's vector sums over the rows, and a process's lacks the cross
+terms with the other shards' rows (zero in expectation).
 
 The GGN's diagonal is exact (:meth:`~cockpit.curvature.ggn.Head.exact`) where that
 takes at most :data:`EXACT_MAX_PRODUCTS` backward passes (rows times classes: a
