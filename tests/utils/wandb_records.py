@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 BLOCK = 32768
 HEADER = 7
@@ -56,11 +57,36 @@ def records(path: str) -> list:
     return found
 
 
+#: Longest wait for an offline run's file to hold its ``exit`` record, in seconds.
+WRITTEN_TIMEOUT = 60.0
+
+
 def run_file(folder: str) -> str:
-    """The ``.wandb`` file of the one offline run under ``folder``."""
+    """The ``.wandb`` file of the one offline run under ``folder``, once complete.
+
+    wandb's core process writes the file after ``run.finish()`` has returned (on a
+    busy machine its last records, the summary among them, came a moment later:
+    seen as a summary without ``cockpit/diagnosis``), so this waits (bounded) for
+    the run's ``exit`` record, the last one written.
+    """
     found = glob.glob(os.path.join(folder, "**", "run-*.wandb"), recursive=True)
     (path,) = {os.path.realpath(p) for p in found}  # latest-run links to it
+    deadline = time.monotonic() + WRITTEN_TIMEOUT
+    while not _has_exit(path):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{path} has no exit record {WRITTEN_TIMEOUT:.0f} s after the run "
+                "finished"
+            )
+        time.sleep(0.1)
     return path
+
+
+def _has_exit(path: str) -> bool:
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+    except Exception:  # noqa: BLE001 - a record still being written
+        return False
 
 
 def history_rows(path: str) -> list[dict]:
