@@ -298,12 +298,12 @@ def monte_carlo(head, keys, generator, share: Share | None = None):
     """
     keys = list(keys)
 
+    columns = elements = None
+    if share is not None:
+        columns, elements = share.columns, share.elements
+
     def draw(count):
-        if share is None:
-            return head.draws(count, generator)
-        return head.draws(
-            count, generator, columns=share.columns, elements=share.elements
-        )
+        return head.draws(count, generator, columns=columns, elements=elements)
 
     def joined(traces):
         return traces if share is None else share.join(traces)

@@ -275,14 +275,12 @@ class Alpha(TwoStepQuantity):
         coefficients, solved = F.quadratic_fit(tau, observed, variances)
         alpha, defined = F.alpha_of_fit(tau, coefficients, solved)
         moved = tau != 0  # (a step that did not move is -1, whatever the fit)
-        flags = torch.stack(
-            [defined, zero.any() & moved, torch.isfinite(observed).all()]
-            + [torch.isfinite(variances).all()]
-        )
+        finite = torch.isfinite(observed).all() & torch.isfinite(variances).all()
+        flags = torch.stack([defined, zero.any() & moved, finite])
         return Deferred((alpha, flags), lambda host: self._decided(global_step, *host))
 
     def _decided(self, global_step: int, alpha: float, flags: list) -> float | Missing:
-        defined, floored, finite, finite_variances = flags
+        defined, floored, finite = flags
         if floored:
             self._warn_once(
                 "zero-variance",
@@ -299,7 +297,7 @@ class Alpha(TwoStepQuantity):
             "report (a singular fit, or a zero slope at the start of the step). "
             "Fix: none if rare; if it repeats, check that the updates and the "
             "gradients are not zero"
-            if finite and finite_variances
+            if finite
             else f"the loss or its slope at step {global_step - 1} or "
             f"{global_step} is not finite, so the fit along the step is "
             "undefined. Fix: see the warning about non-finite values"

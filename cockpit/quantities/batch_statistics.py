@@ -105,11 +105,14 @@ def batch_size_of(entries) -> int:
     return sizes.pop() if sizes else 0
 
 
-def total_spread(acc: PerParameter, grads) -> tuple:
-    """``sum_i ||g_i - g||^2``, ``||g||^2`` (float64), ``N``, the sums' dtype, checks.
+def checked_spreads(acc: PerParameter, grads) -> tuple:
+    """:func:`parameter_spreads`, with ``N``, the sums' dtype and their checks.
 
     The checks (:data:`defined.Condition`) say where a sum is not finite; they are
     decided with the value on the host (:func:`defined.decided`).
+
+    Raises:
+        RuntimeError: If parameters saw different batch sizes.
     """
     entries = acc.ordered(len(grads))
     n = batch_size_of(entries)
@@ -118,6 +121,15 @@ def total_spread(acc: PerParameter, grads) -> tuple:
     spreads, squares = parameter_spreads(acc, grads)
     finite = torch.isfinite(spreads).all() & torch.isfinite(squares).all()
     conditions.append((~finite, dtype))
+    return spreads, squares, n, dtype, conditions
+
+
+def total_spread(acc: PerParameter, grads) -> tuple:
+    """``sum_i ||g_i - g||^2``, ``||g||^2`` (float64), ``N``, the sums' dtype, checks.
+
+    Summed over the parameters (:func:`checked_spreads`).
+    """
+    spreads, squares, n, dtype, conditions = checked_spreads(acc, grads)
     return spreads.sum(), squares.sum(), n, dtype, conditions
 
 

@@ -107,16 +107,19 @@ class _TIC(SingleStepQuantity):
         with torch.no_grad():
             scaled = view.scaled_sum_grad_squared().detach()
             diag = view.curvature(self.curvature).detach()
-            if self.shared is not None:  # reduced once summed over processes
-                n = self.shared.n_local
-                squares, curvature = scaled * n**2, diag * n
-                if not self.elementwise:  # linear in both: sums suffice
-                    squares, curvature = squares.sum(), curvature.sum()
-                self.acc.parts[view.index] = (squares, curvature)
-            else:
-                self.acc.parts[view.index] = self._reduce(scaled, diag)
+            self.acc.parts[view.index] = self._part(scaled, diag)
         if view.has_individual_gradients:
             self.acc.seen_batch_size = view.batch_size
+
+    def _part(self, scaled, diag):
+        """One parameter's part: reduced, or (data-parallel) the sums to join."""
+        if self.shared is None:
+            return self._reduce(scaled, diag)
+        n = self.shared.n_local  # reduced once summed over processes
+        squares, curvature = scaled * n**2, diag * n
+        if not self.elementwise:  # linear in both: sums suffice
+            squares, curvature = squares.sum(), curvature.sum()
+        return squares, curvature
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` and ``n_r h_r`` over processes, then reduce."""
@@ -234,12 +237,7 @@ class TICDiag(_TIC):
             self.acc.seen_batch_size = view.batch_size
         if entry[0] is not None and entry[1] is not None:
             scaled, diag = self.acc.pending.pop(view.index)
-            diag = diag.to(scaled.dtype)
-            if self.shared is not None:  # reduced once summed over processes
-                n = self.shared.n_local
-                self.acc.parts[view.index] = (scaled * n**2, diag * n)
-            else:
-                self.acc.parts[view.index] = self._reduce(scaled, diag)
+            self.acc.parts[view.index] = self._part(scaled, diag.to(scaled.dtype))
 
     def estimate_error(self, global_step: int, errors=None):
         """An exact GGN diagonal (the only one taken): standard error 0."""

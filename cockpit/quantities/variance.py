@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
 from cockpit.quantities import defined
@@ -11,7 +9,7 @@ from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
     batch_size_of,
-    parameter_spreads,
+    checked_spreads,
     share_squared_norms,
     squared_norm_entry,
 )
@@ -53,16 +51,11 @@ class Variance(SingleStepQuantity):
         share_squared_norms(self.acc, ctx.comm.n_global, bucket)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
-        entries = self.acc.ordered(len(ctx.params))
-        if not entries:
+        if not ctx.params:
             return []
-        n = batch_size_of(entries)
+        n = batch_size_of(self.acc.ordered(len(ctx.params)))
         undefined = defined.samples(n)
         if undefined is not None:
             return undefined
-        conditions = defined.nonfinite(*(e[0] for e in entries))
-        spreads, squares = parameter_spreads(self.acc, ctx.gradients())
-        dtype = entries[0][0].dtype
-        finite = torch.isfinite(spreads).all() & torch.isfinite(squares).all()
-        conditions.append((~finite, dtype))
+        spreads, _, _, dtype, conditions = checked_spreads(self.acc, ctx.gradients())
         return defined.decided(spreads / n, dtype, *conditions)

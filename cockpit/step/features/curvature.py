@@ -107,6 +107,7 @@ class Curvature(StepFeature):
             share, elements, products = self._share(head, loss)
             if elements <= curvature_source.EXACT_MAX_PRODUCTS:
                 estimate = head.exact()
+                products = estimate.products if products is None else products
                 settings = {"method": "ggn_exact", "probes": products}
             else:
                 quantities = self._drop_exact_only(quantities, elements)
@@ -134,11 +135,12 @@ class Curvature(StepFeature):
         Returns:
             The :class:`~cockpit.curvature.source.Share` (``None`` in one
             process), ``log p``'s elements and the exact diagonal's products, both
-            of the joined batch (one collective: every process's sizes).
+            of the joined batch (one collective: every process's sizes; in one
+            process the products are the estimate's own, ``None`` here).
         """
         comm = self.state.communicator
         if comm is None or comm.local or comm.stopping:  # (stopping: no collective)
-            return None, head.log_p.numel(), head.exact_products
+            return None, head.log_p.numel(), None
         n_local = int(sample_losses(self.state.engine.losses).shape[0])
         mine = [head.log_p.numel(), head.root.shape[0], head.exact_products, n_local]
         step = self.state.step
