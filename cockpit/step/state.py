@@ -75,7 +75,10 @@ class Produced:
         guards: The quantities' errors while reading the backward pass's results
             or an estimated curvature, kept for after it
             (:class:`~cockpit.step.features.backward_checks.Guarded`).
-        traces: The step's curvature estimate, per probe and parameter.
+        estimates: ``(quantities, traces)`` of each curvature estimate drawn at
+            this step: the quantities it served and its traces per draw and
+            parameter (a data-parallel step joins each for its own quantities'
+            standard errors; an exact diagonal has none).
         undifferentiable: ``(quantity, error)`` of quantities whose second
             derivatives PyTorch cannot compute (the step says the fix).
         context: The joined batch's context of a data-parallel step (the
@@ -87,7 +90,7 @@ class Produced:
     comm: Any = None
     early: tuple = ()
     guards: tuple = ()
-    traces: Tensor | None = None
+    estimates: tuple = ()
     undifferentiable: tuple = ()
     context: Any = None
     tolerant: bool = False
@@ -101,7 +104,7 @@ class Produced:
             comm=later.comm if later.comm is not None else self.comm,
             early=self.early + tuple(later.early),
             guards=self.guards + tuple(later.guards),
-            traces=later.traces if later.traces is not None else self.traces,
+            estimates=self.estimates + tuple(later.estimates),
             undifferentiable=self.undifferentiable + tuple(later.undifferentiable),
             context=later.context if later.context is not None else self.context,
             tolerant=self.tolerant or later.tolerant,

@@ -140,6 +140,34 @@ def test_every_value_equals_one_process_on_the_joined_batch(
     assert _leaves(want) > 200  # the comparison covered many values
 
 
+def test_a_step_with_the_ggn_and_the_hessian_joins_each_estimates_errors(tmp_path):
+    """One step estimates the GGN (HessTrace, TICTrace: exact on this joined batch)
+    and the Hessian (a HessTrace with ``curvature="hutchinson"``, 16 products from
+    the same probes on every process). Each estimate's standard errors are joined
+    from its own draws: the GGN's stay zero, Hutchinson's equal one process's, and
+    every value and error agrees with one process to 1e-6 on every rank."""
+    case = {
+        "model": "gru",
+        "optimizer": "sgd",
+        "sizes": [6, 6, 5],
+        "configuration": "economy",
+        "curvature": True,
+        "hutchinson": True,
+    }
+    results = ddp.launch(ddp.ddp_history, 2, tmp_path, case=case)
+    want = _as_json(ddp.train(case).history.to_dict())
+    for step in want.values():
+        assert step["HessTrace_estimate"]["method"] == "ggn_exact"
+        assert step["HessTraceH_estimate"]["method"] == "hutchinson"
+        assert set(step["HessTrace_estimate"]["stderr"]) == {0.0}
+        assert min(step["HessTraceH_estimate"]["stderr"]) > 0
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, "\n".join(problems[:20])
+
+
 #: What a Monte-Carlo GGN step records from its draws (compared within errors).
 _DRAWN = ("HessTrace", "TICTrace", "HessTrace_estimate", "TICTrace_estimate")
 

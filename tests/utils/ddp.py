@@ -113,6 +113,10 @@ def make_quantities(case: dict[str, Any]):
         chosen += [quantities.CABS(every), quantities.EarlyStopping(every)]
     if label == "economy" and case.get("curvature"):  # both from the same probes
         chosen += [quantities.HessTrace(every), quantities.TICTrace(every)]
+    if case.get("hutchinson"):  # the Hessian's estimate beside the GGN's
+        chosen += [
+            quantities.HessTrace(every, curvature="hutchinson", key="HessTraceH")
+        ]
     if case.get("tic_diag"):  # takes only an exact curvature diagonal
         chosen += [
             quantities.TICDiag(every, curvature="diag_ggn_exact", key="TICDiagGGN")

@@ -21,10 +21,11 @@ estimated quantity from the source it was given:
 It hands the diagonals to the quantities and records the standard errors (zero
 where exact) with the curvature used, under ``<key>_estimate``. It returns the
 quantities it showed a diagonal (their errors are raised after the backward pass)
-and the per-draw traces of an estimate (a data-parallel step joins them for the
-standard errors). In a data-parallel run each process forms its shard's part, the
-exact-or-Monte-Carlo choice made on the joined batch's size (one all-gather of
-every process's sizes, :class:`~cockpit.curvature.source.Share`).
+and each estimate's per-draw traces with the quantities it served (a
+data-parallel step joins them for those quantities' standard errors). In a
+data-parallel run each process forms its shard's part, the exact-or-Monte-Carlo
+choice made on the joined batch's size (one all-gather of every process's sizes,
+:class:`~cockpit.curvature.source.Share`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Curvature(StepFeature):
                 ("ggn-for-hessian", tuple(swapped)), substitution_warning(swapped)
             )
         # a data-parallel step joins the draws' traces for the standard errors
-        return Produced(guards=guards, traces=None if exact else estimate.traces)
+        drawn = () if exact else ((tuple(quantities), estimate.traces),)
+        return Produced(guards=guards, estimates=drawn)
 
     def _share(self, head, loss) -> tuple:
         """This process's part of the joined batch's GGN (data-parallel runs).
@@ -213,7 +215,9 @@ class Curvature(StepFeature):
             "curvature": "hessian",
         }
         guards = self._show(quantities, estimate, settings, ("diag_h",), False)
-        return Produced(guards=guards, traces=estimate.traces)
+        return Produced(
+            guards=guards, estimates=((tuple(quantities), estimate.traces),)
+        )
 
     # --- handing it to the quantities ----------------------------------------------
     def _show(self, quantities, estimate, settings, kinds, exact) -> tuple:

@@ -219,11 +219,12 @@ class DataParallel(StepFeature):
                     ("rank-local", quantity.key),
                     distributed.rank_local_message(quantity.key),
                 )
-        if produced.traces is not None:
-            for quantity in state.ledger.estimated():
+        for served, traces in produced.estimates:  # each estimate's own draws
+            served = [q for q in served if not state.ledger.out(q)]
+            if served:
                 bucket.sum(
-                    produced.traces * shared.weight,
-                    lambda total, q=quantity: self._errors(q, total),
+                    traces * shared.weight,
+                    lambda total, served=served: self._errors(served, total),
                 )
         bucket.reduce()
         self.done = True  # this process's collectives of the step are over
@@ -249,10 +250,12 @@ class DataParallel(StepFeature):
             full_grads = distributed.joined_gradients(shared, local, full_params)
         return full_params, full_grads
 
-    def _errors(self, quantity, total: Tensor) -> None:
-        """The standard errors of the joined batch's estimate."""
-        self.state.ledger.set_errors(quantity, (trace_errors(total), sum_error(total)))
-        quantity.probe_traces(total)
+    def _errors(self, quantities, total: Tensor) -> None:
+        """The standard errors of the joined batch's estimate, for its quantities."""
+        errors = (trace_errors(total), sum_error(total))
+        for quantity in quantities:
+            self.state.ledger.set_errors(quantity, errors)
+            quantity.probe_traces(total)
 
     def _check_synchronised(self, shared: distributed.StepComm) -> None:
         """At the first tracked step: are the gradients the same on every process?
