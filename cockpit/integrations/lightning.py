@@ -81,8 +81,13 @@ rank 0's), and rank 0 alone streams the log, sends to the loggers and warns.
 ``ddp_spawn`` the cockpit lives in the spawned processes (``callback.cockpit`` of
 the launching process stays ``None``): read the log file after ``fit``.
 
-Not supported (the callback says so): manual optimisation (warns, tracks nothing)
-and strategies that shard the model, e.g. FSDP or DeepSpeed (error at setup). A
+FSDP2 (``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` with
+``fully_shard`` in ``configure_model``): the Cockpit is made after the parameters
+were sharded and serves them as in a plain loop (``docs/distributed.md``).
+
+Not supported (the callback says so): manual optimisation (warns, tracks nothing),
+``FSDPStrategy`` (FSDP1's flat parameters), DeepSpeed and tensor parallelism (error
+at setup). A
 checkpoint holds the cockpit's state; resuming from it continues the run and appends
 to the same log.
 
@@ -188,14 +193,31 @@ def _synchronises(trainer: pl.Trainer) -> bool:
 
 def _strategy_message(strategy, world_size: int) -> str:
     return (
-        f"CockpitCallback supports single-device training and DDP, got the "
+        f"CockpitCallback supports single-device training, DDP and FSDP2 "
+        f"(ModelParallelStrategy with fully_shard), got the "
         f"{type(strategy).__name__} strategy with {world_size} process(es), which "
-        "cockpit cannot follow (it needs every parameter whole on every process, "
-        "each process a shard of the batch). Fix: debug with Trainer(strategy="
-        "'ddp') (or 'ddp_spawn', or devices=1), then train at scale without the "
-        "callback; a model sharded with torch.distributed.fsdp.fully_shard is "
-        "served in a plain training loop with a Cockpit (docs/distributed.md, "
-        "'Sharded parameters')."
+        "cockpit cannot follow (it reads every parameter tensor by its name and "
+        "each process a shard of the batch; FSDPStrategy flattens the parameters "
+        "into FSDP1's FlatParameter). Fix: Trainer(strategy=ModelParallelStrategy("
+        "data_parallel_size=N, tensor_parallel_size=1)) with torch.distributed."
+        "fsdp.fully_shard(..., mesh=self.device_mesh['data_parallel']) in "
+        "configure_model, or Trainer(strategy='ddp') (docs/distributed.md)."
+    )
+
+
+def _model_parallel(trainer) -> bool:
+    """Whether ``trainer`` runs Lightning's ModelParallelStrategy (FSDP2)."""
+    return type(trainer.strategy).__name__ == "ModelParallelStrategy"
+
+
+def _tensor_parallel_message(size: int) -> str:
+    return (
+        f"CockpitCallback got ModelParallelStrategy(tensor_parallel_size={size}): "
+        "cockpit joins the processes of a data-parallel run (each a shard of the "
+        "batch, the parameters sharded by fully_shard), not tensor parallelism, "
+        "where processes hold parts of one sample's computation. Fix: "
+        "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
+        "while debugging with cockpit."
     )
 
 
@@ -239,7 +261,9 @@ def check_data_parallel(trainer: pl.Trainer) -> None:
     if trainer.world_size <= 1:
         return
     model = trainer.strategy.model
-    if not isinstance(model, DistributedDataParallel):
+    if _model_parallel(trainer):  # fully_shard: the Cockpit checks the layout
+        pass
+    elif not isinstance(model, DistributedDataParallel):
         raise RuntimeError(
             _strategy_message(trainer.strategy, trainer.world_size)
             + f" (its model is a {type(model).__name__}, not torch's "
@@ -251,7 +275,7 @@ def check_data_parallel(trainer: pl.Trainer) -> None:
             f"CockpitCallback in a run of {trainer.world_size} processes found no "
             "torch.distributed process group of them when it created the "
             "Cockpit, so each process would describe its own shard only. Fix: "
-            "let the DDP strategy initialise torch.distributed (Trainer("
+            "let the strategy initialise torch.distributed (Trainer("
             "strategy='ddp', devices=N)) before fit starts."
         )
 
@@ -338,10 +362,15 @@ class _CockpitCallback:
         self._speaks = trainer.is_global_zero
         strategy = trainer.strategy
         strategies = self._package.strategies
-        if not isinstance(
-            strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)
-        ):
+        served = (strategies.SingleDeviceStrategy, strategies.DDPStrategy)
+        served += tuple(
+            filter(None, [getattr(strategies, "ModelParallelStrategy", None)])
+        )
+        if not isinstance(strategy, served):
             raise RuntimeError(_strategy_message(strategy, trainer.world_size))
+        size = getattr(strategy, "_tensor_parallel_size", 1)
+        if _model_parallel(trainer) and size != 1:  # (sizes known at this hook)
+            raise RuntimeError(_tensor_parallel_message(size))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
         """Extend the model for BackPACK, create the cockpit, hook the loss.
