@@ -26,6 +26,7 @@ made: no process reaches a step, so no process waits for another.
 
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 from dataclasses import dataclass
@@ -149,11 +150,18 @@ class Sharding:
             out[id(unsharded)] = owners.get(id(param), [])
         return out
 
-    def full_sgd(self, optimizer, full_params: Sequence[Tensor]):
-        """An SGD optimizer like ``optimizer`` over the full parameters.
+    def full_optimizer(
+        self, communicator, optimizer, full_params: Sequence[Tensor], step, state: bool
+    ):
+        """An optimizer like ``optimizer`` over the full parameters; it never steps.
 
-        For the quantities that read learning rates by parameter (Alpha's plain
-        SGD step, CABS); it never steps. Parameters it does not hold stay out.
+        For the quantities that read learning rates by parameter (CABS, Alpha's
+        plain SGD step) and, with ``state``, those that replay the update (Alpha
+        with momentum, Adam, ...): each parameter's sharded state (``DTensor``
+        entries such as ``momentum_buffer``, ``exp_avg``; checked by
+        :meth:`state_unsharded`) is joined in one all-reduce like the parameters
+        (:meth:`gather`), the rest (a step count) copied. Parameters it does not
+        hold stay out.
         """
         by_id = {id(p): f for p, f in zip(self.params, full_params, strict=True)}
         groups = []
@@ -163,7 +171,49 @@ class Sharding:
                 groups.append({**group, "params": held})
         if not groups:
             return optimizer
-        return type(optimizer)(groups, **optimizer.defaults)
+        twin = type(optimizer)(groups, **optimizer.defaults)
+        if not state:
+            return twin
+        states = [optimizer.state.get(p) or {} for p in self.params]
+        keys = sorted({k for s in states for k, v in s.items() if is_dtensor(v)})
+        sharded = [
+            s.get(k) if is_dtensor(s.get(k)) else None for k in keys for s in states
+        ]
+        joined = self.gather(
+            communicator, sharded, "the optimizer state's shards", step
+        )
+        count = len(self.params)
+        for j, (own, full) in enumerate(zip(states, full_params, strict=True)):
+            if own:
+                twin.state[full] = {
+                    k: joined[keys.index(k) * count + j].to(v.dtype)
+                    if is_dtensor(v)
+                    else copy.deepcopy(v)
+                    for k, v in own.items()
+                }
+        return twin
+
+    def state_unsharded(self, optimizer) -> str | None:
+        """Why the optimizer's state cannot be joined like the parameters, if so.
+
+        Each ``DTensor`` entry must be sharded as its parameter (its full shape and
+        placements); metadata only, no communication.
+        """
+        for index, param in enumerate(self.params):
+            for key, value in (optimizer.state.get(param) or {}).items():
+                if not is_dtensor(value):
+                    continue
+                same = tuple(value.shape) == tuple(param.shape) and tuple(
+                    value.placements
+                ) == tuple(param.placements)
+                if not same:
+                    return (
+                        f"its state {key!r} of parameter {index} is a DTensor of shape "
+                        f"{tuple(value.shape)} placed {value.placements}, not "
+                        f"sharded like the parameter ({tuple(param.shape)}, "
+                        f"{param.placements})"
+                    )
+        return None
 
     def gather(self, communicator, tensors: Sequence[Tensor | None], what: str, step):
         """The full tensors of ``tensors`` (each a ``DTensor`` like a parameter).

@@ -183,6 +183,8 @@ class Alpha(TwoStepQuantity):
         gradients onto it.
         """
         acc = self.acc
+        # (FSDP2: the optimizer over the full parameters, its state joined)
+        self._optimizer = ctx.info.get("optimizer", self._optimizer)
         for index in sorted(acc.kept):
             individual = acc.kept.pop(index)
             param = ctx.params[index]

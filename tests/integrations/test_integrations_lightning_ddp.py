@@ -515,9 +515,8 @@ def model_parallel_fits(rank: int, world: int, root: str) -> dict:
     return result
 
 
-#: What a fully_shard run leaves out: second derivatives; Alpha with SGD's
-#: momentum (its buffers are sharded, so the update cannot be replayed).
-_NOT_SHARDED = ("HessTrace", "Alpha")
+#: What a fully_shard run leaves out: second derivatives.
+_NOT_SHARDED = ("HessTrace",)
 
 
 def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
@@ -525,8 +524,8 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
     ``configure_model`` (2 processes). Every value of the sharded fit equals the
     same fit's under DDP to 1e-8 on every rank, and the first-order ones the
     brute force of the joined batch; HessTrace (second derivatives, which FSDP
-    cannot give) and Alpha (SGD's momentum buffers are sharded) are missing with
-    the reason; the optimizer trains as without the callback."""
+    cannot give) is missing with the reason; Alpha replays SGD's momentum from
+    its joined shards; the optimizer trains as without the callback."""
     results = ddp.launch(
         model_parallel_fits, WORLD, tmp_path, limit=240, root=str(tmp_path)
     )
@@ -539,8 +538,6 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
         for step, values in got.items():  # what FSDP cannot give, and why
             missing = values["missing"]
             assert "fully_shard" in missing["HessTrace"], missing
-            if "Alpha" in want[step]:  # (momentum buffers are sharded)
-                assert "fully_shard" in missing["Alpha"], missing
         problems: list[str] = []
         _same(
             {s: {k: v for k, v in w.items() if k not in (*_NOT_SHARDED, "missing")}

@@ -18,6 +18,7 @@ from torch import Tensor
 from cockpit import distributed
 from cockpit.context import StepInfo
 from cockpit.curvature.hutchinson import sum_error, trace_errors
+from cockpit.needs import Need
 from cockpit.per_sample import sample_losses
 from cockpit.quantities.base import TrackContext
 from cockpit.quantities.utils_params import gradients
@@ -195,6 +196,19 @@ class DataParallel(StepFeature):
             self.comm, "checked_gradients", False
         ):  # inside no_sync() the processes' .grad differ by design
             self._check_synchronised(shared)
+        optimizer = info.get("optimizer")
+        if sharding is not None and isinstance(optimizer, torch.optim.Optimizer):
+            # the optimizer over the full parameters, its state joined for a replay
+            replays = any(
+                Need.OPTIMIZER_UPDATE in state.plan.needs_of(q)
+                for q in state.plan.active
+                if not state.ledger.out(q)
+            )
+            optimizer = sharding.full_optimizer(
+                self.comm, optimizer, params, step, state=replays
+            )
+            # the shard's info, but the optimizer over the full parameters
+            info = StepInfo(step, {**info.values, "optimizer": optimizer})
         ctx = TrackContext(step, params, info, comm=shared, grads=shared.gradients)
         bucket = distributed.Bucket(shared)
         joined = dict(info.values)
@@ -208,9 +222,6 @@ class DataParallel(StepFeature):
             per_sample = sample_losses(losses.detach())
             bucket.gather(per_sample, lambda v: joined.update(individual_losses=v))
         joined["batch_size"] = shared.n_global
-        if sharding is not None and isinstance(info.get("optimizer"), torch.optim.SGD):
-            # plain SGD over the full parameters (learning rates by parameter)
-            joined["optimizer"] = sharding.full_sgd(info.get("optimizer"), params)
         for quantity in state.plan.active:
             if state.ledger.out(quantity):
                 continue

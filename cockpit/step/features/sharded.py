@@ -7,7 +7,8 @@ curvature diagonal) would differentiate the gradient with respect to the
 parameters again, through a backward pass FSDP runs without ``create_graph`` and
 across units it reshards: it is recorded as missing, with the reason and what to
 do, before any work of the step (never a crash, never a wrong number); so is
-Alpha's replay of an optimizer other than plain SGD (its state is sharded). Curvature
+Alpha's replay of an optimizer whose sharded state is not laid out like its
+parameters (torch.optim's is: it is joined with them). Curvature
 diagonals BackPACK forms inside the backward pass (``DiagHessian``, ``DiagGGN``
 extensions) are not affected.
 """
@@ -31,13 +32,13 @@ def sharded_curvature_reason(key: str) -> str:
     )
 
 
-def sharded_replay_reason(key: str, optimizer: str) -> str:
+def sharded_replay_reason(key: str, optimizer: str, why: str) -> str:
     """Why a replayed update is missing on a ``fully_shard`` model, and the fix."""
     return (
         f"{key} replays the update of the optimizer ({optimizer}), whose state FSDP "
-        "holds in shards (one per process); cockpit replays only plain SGD (no "
-        "momentum, no weight decay) on fully_shard parameters. Fix: use "
-        "torch.optim.SGD without momentum for the steps Alpha tracks, or track "
+        f"holds in shards; cockpit joins each shard of that state like its "
+        f"parameter's, but {why}. Fix: keep the optimizer's state sharded as "
+        "fully_shard shards the parameters (torch.optim optimizers do), or track "
         "Alpha in a run without fully_shard"
     )
 
@@ -80,6 +81,9 @@ class ShardedCurvature(StepFeature):
         optimizer = state.info.get("optimizer")
         if optimizer is None or is_plain_sgd(optimizer):
             return
+        why = state.communicator.sharding.state_unsharded(optimizer)
+        if why is None:  # joined like the parameters after the backward pass
+            return
         replayed = [
             q
             for q in plan.active
@@ -88,7 +92,7 @@ class ShardedCurvature(StepFeature):
         for quantity in replayed:
             ledger.leave_out(
                 quantity,
-                sharded_replay_reason(quantity.key, type(optimizer).__name__),
+                sharded_replay_reason(quantity.key, type(optimizer).__name__, why),
                 once=("fsdp-replay", quantity.key),
                 short="not on fully_shard parameters with this optimizer",
             )
