@@ -214,8 +214,8 @@ class Alpha(TwoStepQuantity):
         optimizer = ctx.info.require("optimizer", self.key)
         entries = [self.acc.starts[index] for index in range(len(ctx.params))]
         direction_and_dots = self._direction(global_step, optimizer, entries, ctx)
-        if direction_and_dots is None:
-            return None
+        if isinstance(direction_and_dots, Missing):  # recorded at this step
+            return direction_and_dots
         direction, dots = direction_and_dots
         tau = torch.stack([(d**2).sum() for d in direction]).sum().sqrt()
         tau = tau.to(torch.float64)  # a tensor: no synchronisation
@@ -242,15 +242,14 @@ class Alpha(TwoStepQuantity):
             return direction, torch.stack([e.dots for e in entries]).sum(0)
         reasons = sorted({e.reason for e in entries if e.kind == "failed"})
         why = reasons[0] if reasons else "the optimizer changed during the step"
-        self._warn_once(
-            "replay",
-            f"Alpha has no value for step {global_step}: {why}. Alpha needs to "
-            "know the update each parameter will receive while the backward pass "
-            "runs. Fix: use an optimizer whose step treats each parameter separately "
+        fix = (
+            "Fix: use an optimizer whose step treats each parameter separately "
             "(every torch.optim optimizer except LBFGS) and pass the same optimizer "
-            "in info on every step.",
+            "in info on every step"
         )
-        return None
+        return Missing(  # (recorded with a warning, once)
+            f"{why}; Alpha needs the update each parameter will receive. {fix}"
+        )
 
     def _compute_end(self, global_step: int, ctx: TrackContext, state: dict):
         """The fit along the step, on the device; decided on the host.

@@ -530,7 +530,9 @@ class TwoStepQuantity(Cache102, Quantity):
                 del self._pending[stale]
             if self.should_compute(global_step):
                 state = self._compute_start(global_step, ctx)
-                if state is not None:  # a start without a usable state is dropped
+                if isinstance(state, Missing):  # undefined from the start: say why
+                    results.append((global_step, state))
+                elif state is not None:  # a start without a usable state is dropped
                     self._pending[global_step] = state
             return results
         finally:

@@ -535,7 +535,7 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
     assert list(want) == ["0", "1", "2"]
     for result in results:
         got = result["fsdp2"]["history"]
-        for step, values in got.items():  # what FSDP cannot give, and why
+        for values in got.values():  # what FSDP cannot give, and why
             missing = values["missing"]
             assert "fully_shard" in missing["HessTrace"], missing
         problems: list[str] = []

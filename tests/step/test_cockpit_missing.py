@@ -93,6 +93,40 @@ def test_reasons_of_the_step_itself_are_kept(tmp_path):
         assert "does not track" in history[1]["missing"]["Alpha"]
 
 
+def test_an_update_that_cannot_be_replayed_makes_alpha_missing_with_the_reason(
+    tmp_path,
+):
+    """An optimizer whose step cannot be run on a copy (here: only the instance
+    the loop made steps): Alpha's start has no update to fit along, so Alpha of
+    that step is missing with the reason in the output and the log, not absent."""
+    import torch
+
+    class OnlyThisOne(torch.optim.SGD):
+        original = False
+
+        def step(self, closure=None):
+            if not self.original:
+                raise RuntimeError("only the loop's own instance steps")
+            return super().step(closure)
+
+    problem = make_problem("mlp", "ce", "sgd")
+    cockpit = Cockpit(problem.params, [Q.Alpha(EVERY), Q.GradNorm(EVERY)],
+                      logpath=str(tmp_path / "run"))  # fmt: skip
+    cockpit.opt = OnlyThisOne(problem.params, lr=0.1, momentum=0.9)
+    cockpit.opt.original = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(cockpit, problem, [0, 1, 2])
+    cockpit.close()
+    for history in (cockpit.history, History.from_json(cockpit.logpath)):
+        for step in (0, 1, 2):
+            reason = history[step]["missing"]["Alpha"]
+            assert "could not be replayed" in reason and "Fix:" in reason, reason
+            assert "GradNorm" in history[step]
+    alpha = [w for w in _missing_warnings(caught) if w.startswith("Alpha")]
+    assert len(alpha) == 1 and "only the loop's own instance steps" in alpha[0]
+
+
 def test_warned_once_per_key_and_cause():
     cockpit, problem = _cockpit([Q.GradNorm(linear(4)), Q.Loss(linear(4))])
     _run(cockpit, problem, [0])
