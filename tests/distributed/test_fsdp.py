@@ -133,7 +133,11 @@ def test_every_value_equals_one_process_on_the_joined_batch(tmp_path):
 
 
 def test_four_processes(tmp_path):
-    cases = [{"model": "mlp", "wrap": "units", "reshard": True, "batch": 2}]
+    cases = [
+        {"model": "mlp", "wrap": "units", "reshard": True, "batch": 2},
+        {"model": "transformer", "wrap": "units", "reshard": True, "batch": 2},
+        {"model": "bert", "wrap": "units", "reshard": False, "batch": 2, "steps": 1},
+    ]
     results = fsdp.launch(fsdp.histories, 4, tmp_path, cases=cases)
     _check(cases, results, 4)
 
