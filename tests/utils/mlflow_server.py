@@ -1,9 +1,12 @@
 """A real MLflow tracking server on localhost for the tests (SQLite, local artifacts).
 
 ``mlflow server`` is started on a free port with a SQLite backend store and a local
-folder behind its artifact proxy; :func:`mlflow_server` waits (bounded) until its
-``/health`` answers and kills the server's process group at the end (at once:
-its store is the test's folder; a graceful stop cost several seconds).
+folder behind its artifact proxy, without MLflow's job execution (by default the
+server starts a job runner and seven huey consumers, eight more interpreters that
+import MLflow, for jobs these tests never submit); :func:`mlflow_server` waits
+(bounded) until its ``/health`` answers and kills the server's process group at
+the end (at once: its store is the test's folder; a graceful stop cost several
+seconds).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def mlflow_server(folder: str):
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
     ]  # fmt: skip
     log = open(os.path.join(folder, "server.log"), "wb")
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT
