@@ -266,21 +266,23 @@ class Head:
             The diagonal, with ``traces`` its block traces as a single row (no
             spread: the estimate is exact).
         """
-        probs, root = self.probabilities().cpu(), self.root.cpu()
+        probs, root = self.probabilities(), self.root
         rows, classes = probs.shape
+        device = probs.device
         scale = (probs * root.unsqueeze(1) ** 2).sqrt()  # sqrt(c_r p_rk)
         pairs = (root > 0).nonzero().reshape(-1)
-        pairs = torch.cartesian_prod(pairs, torch.arange(classes))
+        pairs = torch.cartesian_prod(pairs, torch.arange(classes, device=device))
         chunk = self._chunk(chunk)
         totals = [torch.zeros_like(p, dtype=compute_dtype(p.dtype))
                   for p in self.params]  # fmt: skip
         for start in range(0, pairs.shape[0], chunk):
             block = pairs[start : start + chunk]
             count = block.shape[0]
-            outputs = torch.zeros(count, rows, classes, dtype=scale.dtype)
-            outputs[torch.arange(count), block[:, 0], block[:, 1]] = scale[
-                block[:, 0], block[:, 1]
-            ]
+            outputs = torch.zeros(count, rows, classes, dtype=scale.dtype,
+                                  device=device)  # fmt: skip
+            row, column = block[:, 0], block[:, 1]
+            draw = torch.arange(count, device=device)
+            outputs[draw, row, column] = scale[row, column]
             for k, square in enumerate(self._products(outputs)):
                 totals[k] += square.sum(0)
         flat = torch.cat([t.reshape(-1) for t in totals])

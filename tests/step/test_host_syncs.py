@@ -21,6 +21,8 @@ import torch
 from backpack import extend
 
 from cockpit import Cockpit
+from cockpit import quantities as Q
+from cockpit.errors import CockpitWarning
 from cockpit.step import recorder
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
@@ -121,3 +123,39 @@ def test_an_untracked_step_makes_no_host_sync():
     counter = counted("full", 25, schedule=lambda step: step == 0, flushes=flushes)
     assert counter.total == 0, counter.places
     assert True not in flushes
+
+
+class _Recurrent(torch.nn.Module):
+    """A GRU classifier: BackPACK forms no curvature of it, the step reads the GGN."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = torch.nn.GRU(4, 5, batch_first=True)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+def test_the_exact_ggn_creates_no_tensor_on_the_default_device():
+    """The GGN stands in for the Hessian where BackPACK cannot form it; its exact
+    diagonal (few rows times classes) builds its output gradients on the loss's
+    device. Before: on the host (``torch.zeros`` and ``torch.arange`` without a
+    device, ``.cpu()`` of the probabilities), a copy per pass on a CUDA step."""
+    torch.manual_seed(0)
+    model = _Recurrent()
+    quantities = [Q.HessTrace(linear(1)), Q.TICDiag(linear(1))]
+    cockpit = Cockpit(model.parameters(), quantities=quantities, diagnose=False)
+    counter = FactoryCounter()
+    for step in range(2):
+        x, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6,))
+        outputs = model(x)
+        losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
+        info = {"batch_size": 6, "individual_losses": losses, "loss": losses.mean()}
+        said = pytest.warns(CockpitWarning, match="generalised Gauss-Newton")
+        with said if step == 0 else counter:
+            with cockpit(step, info=info):
+                info["loss"].backward(create_graph=cockpit.create_graph(step))
+    entry = cockpit.history.to_dict()[1]
+    assert entry["HessTrace_estimate"]["method"] == "ggn_exact", entry
+    assert counter.total == 0, counter.places

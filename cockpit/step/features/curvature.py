@@ -239,8 +239,8 @@ class Curvature(StepFeature):
                 view.release()
         traces = estimate.traces
         if exact:
-            errors = [torch.zeros((), dtype=torch.float64) for _ in state.params]
-            total = torch.zeros((), dtype=torch.float64)
+            total = traces.new_zeros((), dtype=torch.float64)
+            errors = [total.clone() for _ in state.params]
         else:
             errors = hutchinson.trace_errors(traces)
             total = hutchinson.sum_error(traces)
