@@ -137,25 +137,28 @@ class _Recurrent(torch.nn.Module):
         return self.head(self.gru(x)[0][:, -1])
 
 
-def test_the_exact_ggn_creates_no_tensor_on_the_default_device():
+@pytest.mark.parametrize("batch, method", [(6, "ggn_exact"), (30, "ggn_monte_carlo")])
+def test_the_ggn_creates_no_tensor_on_the_default_device(batch, method):
     """The GGN stands in for the Hessian where BackPACK cannot form it; its exact
-    diagonal (few rows times classes) builds its output gradients on the loss's
-    device. Before: on the host (``torch.zeros`` and ``torch.arange`` without a
-    device, ``.cpu()`` of the probabilities), a copy per pass on a CUDA step."""
+    diagonal (few rows times classes) and its Monte-Carlo estimate build their
+    output gradients on the loss's device. Before: the exact one on the host
+    (``torch.zeros`` and ``torch.arange`` without a device, ``.cpu()`` of the
+    probabilities), a copy per pass on a CUDA step."""
     torch.manual_seed(0)
     model = _Recurrent()
-    quantities = [Q.HessTrace(linear(1)), Q.TICDiag(linear(1))]
+    quantities = [Q.HessTrace(linear(1)), Q.TICTrace(linear(1))]
     cockpit = Cockpit(model.parameters(), quantities=quantities, diagnose=False)
     counter = FactoryCounter()
     for step in range(2):
-        x, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6,))
+        x, y = torch.randn(batch, 3, 4), torch.randint(0, 3, (batch,))
         outputs = model(x)
         losses = torch.nn.functional.cross_entropy(outputs, y, reduction="none")
-        info = {"batch_size": 6, "individual_losses": losses, "loss": losses.mean()}
+        info = {"batch_size": batch, "individual_losses": losses}
+        info["loss"] = losses.mean()
         said = pytest.warns(CockpitWarning, match="generalised Gauss-Newton")
         with said if step == 0 else counter:
             with cockpit(step, info=info):
                 info["loss"].backward(create_graph=cockpit.create_graph(step))
     entry = cockpit.history.to_dict()[1]
-    assert entry["HessTrace_estimate"]["method"] == "ggn_exact", entry
+    assert entry["HessTrace_estimate"]["method"] == method, entry
     assert counter.total == 0, counter.places
