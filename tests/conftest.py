@@ -1,11 +1,25 @@
 """Suite-wide test settings."""
 
 import gc
+import os
+import sys
 
 import pytest
 import torch
 
 from tests.utils.problems import PROBLEM_IDS, PROBLEMS, SCHEDULES, make_problem
+
+
+def pytest_configure(config):
+    """Bytecode caches as Python writes them by default, here, in the workers and in
+    every interpreter a test starts.
+
+    Where ``PYTHONDONTWRITEBYTECODE`` is set, each of them compiles cockpit and
+    rewrites the test modules again: a worker's collection took 13.3 s of CPU
+    without the caches, 7.7 s with them.
+    """
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(autouse=True, scope="session")
