@@ -71,8 +71,8 @@ ELEMENT_NEEDS = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.SUM_GRAD_SQUARED})
 #: Per-sample gradients of a parameter formed at once (``N x D`` numbers) where a
 #: quantity reads their elements; larger ones are formed in blocks of samples by
 #: each reader. Measured (``benchmarks.fsdp``, 2 ranks, 1200-wide MLP, 32 samples,
-#: economy): at ``1 << 26`` a tracked step took 6.7x a plain one and 832 MB of
-#: peak memory per rank, at ``1 << 20`` 2.8x and 221 MB.
+#: economy): at ``1 << 26`` a tracked step took 7.1-7.3x a plain one and 609-772 MB
+#: of peak memory per rank, at ``1 << 20`` 2.7-3.2x and 164-195 MB.
 DENSE_MAX_ELEMENTS = 1 << 20
 #: Calls of one module kept between forgets (older ones are dropped).
 MAX_CALLS = 64
