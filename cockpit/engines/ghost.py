@@ -14,7 +14,8 @@ Face's ``Conv1D``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``), sample
   x_is)(delta_it . delta_is)``: "ghost norms", Li et al. 2022; Bu et al., ICML
   2023), which for sequences costs less than the training step's own weight
   gradient; where a quantity reads the elements (histograms), ``g_i`` are formed
-  once per parameter and freed as soon as the quantities have read them.
+  once per parameter (up to :data:`DENSE_MAX_ELEMENTS` numbers, else in blocks of
+  samples by each reader) and freed as soon as the quantities have read them.
 
 Forward hooks keep each call's input; a tensor hook on the output (registered in
 the forward pass, so in-place changes of the output later stay legal) receives
@@ -66,7 +67,7 @@ from cockpit.torch_state import autocast_on, in_transform
 
 #: The engine's name in the coverage report.
 GHOST = "ghost"
-#: Needs that read the elements of per-sample gradients (formed once per tensor).
+#: Needs that read the elements of per-sample gradients (see DENSE_MAX_ELEMENTS).
 ELEMENT_NEEDS = frozenset({Need.INDIVIDUAL_GRADIENTS, Need.SUM_GRAD_SQUARED})
 #: Per-sample gradients of a parameter formed at once (``N x D`` numbers) where a
 #: quantity reads their elements; larger ones are formed in blocks of samples by

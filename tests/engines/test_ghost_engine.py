@@ -21,6 +21,7 @@ import torch
 
 from cockpit import Cockpit
 from cockpit import quantities as Q
+from cockpit.engines import ghost
 from cockpit.errors import CockpitWarning
 from cockpit.per_sample import OuterProductGradients, OuterTerm
 from cockpit.utils.schedules import linear
@@ -263,8 +264,21 @@ def engines_of(cockpit):
     return [row.route.engine for row in cockpit.coverage().params]
 
 
+@pytest.mark.parametrize("formed", ["at_once", "in_blocks"])
 @pytest.mark.parametrize("name", ["mixed", "gpt2", "bert", "llama"])
-def test_first_order_quantities_match_brute_force(name):
+def test_first_order_quantities_match_brute_force(name, formed, monkeypatch):
+    """``in_blocks``: no parameter's per-sample gradients formed at once (as a
+    layer beyond ``ghost.DENSE_MAX_ELEMENTS``): the histogram and MeanGSNR read
+    blocks of samples."""
+    densified = []
+    original = OuterProductGradients.densify
+    monkeypatch.setattr(
+        OuterProductGradients,
+        "densify",
+        lambda self: densified.append(1) or original(self),
+    )
+    if formed == "in_blocks":
+        monkeypatch.setattr(ghost, "DENSE_MAX_ELEMENTS", 0)
     problem = mixed_problem() if name == "mixed" else hf_problem(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CockpitWarning)
@@ -272,6 +286,7 @@ def test_first_order_quantities_match_brute_force(name):
     engines = engines_of(result.cockpit)
     assert result.cockpit.coverage().problems() == []
     assert set(engines) == {"ghost"}  # Llama's RMSNorm: checked w * f(x)
+    assert bool(densified) == (formed == "at_once")
     check_against_brute_force(problem, result)
 
 
