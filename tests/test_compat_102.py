@@ -31,6 +31,7 @@ import torch
 from backpack import extend
 
 from cockpit import Cockpit, CockpitPlotter, quantities
+from cockpit.history import History
 from cockpit.utils import schedules
 from cockpit.utils.configuration import configuration
 from tests.utils.forked import run_forked
@@ -153,20 +154,16 @@ def full_run():
 
 # --- the scripts, end to end ---
 def test_basic_script_runs(programs):
+    """1.0.2's basic example as a program: the log of every ``full`` quantity."""
     tmp_path, _ = _run_script(programs, "basic")
     log = tmp_path / "basic_log.json"
     assert log.is_file()
     assert json.loads(log.read_text())  # readable standard JSON
     assert list(tmp_path.glob("*primary*.png"))
-
-
-def test_basic_script_in_process(tmp_path):
-    cockpit, plotter = _script("basic").main(steps=3, outdir=str(tmp_path))
-    output = cockpit.get_output()
+    history = History.from_json(log)
     keys = {cls.__name__ for cls in configuration_classes("full")}
     # Two-step quantities store under the start step: step 0 has everything.
-    assert keys <= set(output[0]), keys - set(output[0])
-    assert (tmp_path / "basic_log.json").is_file()
+    assert keys <= set(history[0]), keys - set(history[0])
 
 
 def configuration_classes(label):
@@ -176,29 +173,21 @@ def configuration_classes(label):
 
 
 def test_advanced_script_runs(programs):
-    tmp_path, _ = _run_script(programs, "advanced")
-    logdir = tmp_path / "logfiles"
-    assert (logdir / "cockpit_output.json").is_file()
-    assert (logdir / "cockpit_output").is_dir()
-
-
-def test_advanced_script_in_process(tmp_path):
-    cockpit, _, logpath, diag_h_seen = _script("advanced").main(
-        steps=4, outdir=str(tmp_path)
-    )
-    assert logpath == str(tmp_path / "logfiles" / "cockpit_output")
-    assert os.path.isfile(logpath + ".json")
-    assert os.path.isdir(logpath)
+    """1.0.2's advanced example as a program: its log, folder and images."""
+    tmp_path, result = _run_script(programs, "advanced")
+    logpath = tmp_path / "logfiles" / "cockpit_output"
+    assert (logpath.parent / "cockpit_output.json").is_file()
+    assert logpath.is_dir()
     saved = sorted(os.listdir(logpath))
     # One image per plot call in the loop (steps 2 and 4) and the final one.
     for tag in ("2", "4", "_final"):
         assert any(tag in name and name.endswith(".png") for name in saved), saved
     # The user's extra DiagHessian results stay on the parameters after the step.
-    assert all(diag_h_seen.values()), diag_h_seen
-    output = cockpit.get_output()
-    assert "HessMaxEV" in output[0] and "HessMaxEV" in output[3]
-    assert "GradHist1d" in output[0] and "GradHist1d" not in output[1]
-    assert len(np.asarray(output[0]["GradHist1d"]["hist"])) == 10
+    assert "diag_h after every step: True" in result.stdout, result.stdout
+    history = History.from_json(str(logpath) + ".json")
+    assert "HessMaxEV" in history[0] and "HessMaxEV" in history[3]
+    assert "GradHist1d" in history[0] and "GradHist1d" not in history[1]
+    assert len(np.asarray(history[0]["GradHist1d"]["hist"])) == 10
 
 
 def test_custom_quantity_script_runs(programs):

@@ -101,4 +101,5 @@ def main(steps=6, outdir="compat102_out"):
 
 if __name__ == "__main__":
     args = parse_args(default_steps=6)
-    main(args.steps, args.outdir)
+    *_, seen = main(args.steps, args.outdir)
+    print(f"diag_h after every step: {all(seen.values())}")

@@ -2,10 +2,13 @@
 
 README command 2 (and so CI) installs the integrations with the line of
 docs/integrations.md; these tests run ``examples/lightning_digits.py`` and
-``examples/huggingface_tiny_bert.py`` as a user does, in a fresh interpreter
+``examples/huggingface_tiny_bert.py`` as a user does, each in a process of its own
 (``python examples/<name>.py``, the integration imported before the framework), so
 an install that leaves a broken environment (a torchvision that cannot load, a
-missing extra) fails here with the script's own error.
+missing extra) fails here with the script's own error. Both processes are forked
+from one interpreter that imported only torch and BackPACK
+(:func:`tests.utils.forked.run_forked`): neither framework is imported before the
+script imports it.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 from cockpit.cli import main as cockpit_main
 from cockpit.history import History
 from tests.test_examples import assert_png
+from tests.utils.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the extras of the docs' install line bring, by the import name.
@@ -43,20 +46,30 @@ def test_the_documented_extras_are_installed():
     )
 
 
-def run_example(name: str, out: Path, steps: int = 3) -> dict[str, str]:
-    """``python examples/<name>.py --steps N --out DIR``; return what it printed."""
-    command = [sys.executable, f"examples/{name}.py", "--steps", str(steps)]
-    script = (ROOT / "examples" / f"{name}.py").read_text()
-    assert f"python examples/{name}.py" in script  # as its docstring says to run it
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # next to the other test workers
-    proc = subprocess.run(
-        [*command, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+#: The examples run as scripts, with their ``--steps``.
+SCRIPTS = {"lightning_digits": 4, "huggingface_tiny_bert": 3}
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory) -> dict:
+    """``{name: (folder, result)}``: ``python examples/<name>.py --steps N --out
+    FOLDER`` run from the repository root, each in a process of its own."""
+    folders = {name: tmp_path_factory.mktemp(name) / "out" for name in SCRIPTS}
+    cases = []
+    for name, steps in SCRIPTS.items():
+        script = ROOT / "examples" / f"{name}.py"
+        # run as its docstring says to run it
+        assert f"python examples/{name}.py" in script.read_text()
+        argv = ["--steps", str(steps), "--out", str(folders[name])]
+        cases.append({"path": str(script), "argv": argv, "cwd": str(ROOT)})
+    outputs = tmp_path_factory.mktemp("outputs")
+    results = run_forked(cases, outputs, ["torch", "torch._dynamo", "backpack"])
+    return dict(zip(SCRIPTS, results, strict=True))
+
+
+def run_example(scripts: dict, name: str) -> dict[str, str]:
+    """What ``python examples/<name>.py`` printed (it must have succeeded)."""
+    proc = scripts[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     printed = dict(
@@ -66,8 +79,8 @@ def run_example(name: str, out: Path, steps: int = 3) -> dict[str, str]:
     return printed
 
 
-def test_the_lightning_example_runs_as_a_script(tmp_path, capsys):
-    printed = run_example("lightning_digits", tmp_path / "out", steps=4)
+def test_the_lightning_example_runs_as_a_script(scripts, capsys):
+    printed = run_example(scripts, "lightning_digits")
     history = History.from_json(printed["log"])
     assert history.steps == [0, 1, 2, 3]
     assert {"Alpha", "GradHist1d", "learning_rate", "valid_accuracy"} <= set(
@@ -85,8 +98,8 @@ def test_the_lightning_example_runs_as_a_script(tmp_path, capsys):
     assert isinstance(report, dict) and isinstance(report["findings"], list)
 
 
-def test_the_huggingface_example_runs_as_a_script(tmp_path):
-    printed = run_example("huggingface_tiny_bert", tmp_path / "out")
+def test_the_huggingface_example_runs_as_a_script(scripts):
+    printed = run_example(scripts, "huggingface_tiny_bert")
     history = History.from_json(printed["log"])
     assert history.steps == [0, 1, 2]
     assert {"GradNorm", "learning_rate", "Alpha"} <= set(history.keys)
