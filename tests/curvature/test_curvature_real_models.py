@@ -41,8 +41,9 @@ from cockpit import quantities as Q
 from cockpit.errors import CockpitWarning
 from cockpit.utils.configuration import configuration
 from cockpit.utils.schedules import linear
+from tests.utils.lazy import module_or_skip
 
-transformers = pytest.importorskip("transformers")
+transformers = module_or_skip("transformers", reason="transformers is not installed")
 from tests.utils import expected_warnings as expected  # noqa: E402
 from tests.utils import hf_models  # noqa: E402
 from tests.utils.dense_ggn import dense_ggn  # noqa: E402

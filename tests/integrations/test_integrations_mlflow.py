@@ -19,9 +19,10 @@ import pytest
 from cockpit.diagnosis import diagnose, worst
 from cockpit.errors import CockpitWarning
 from cockpit.history import History
+from tests.utils.lazy import module_or_skip
 from tests.utils.trackers import assert_same_series, expected_scalars, small_run
 
-mlflow = pytest.importorskip(
+mlflow = module_or_skip(
     "mlflow", reason="mlflow is not installed (cockpit's extra: .[mlflow])"
 )
 from tests.utils import expected_warnings as expected  # noqa: E402

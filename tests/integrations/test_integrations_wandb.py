@@ -21,6 +21,7 @@ from cockpit.errors import CockpitWarning
 from cockpit.history import History
 from tests.utils import expected_warnings as expected
 from tests.utils import wandb_records
+from tests.utils.lazy import module_or_skip
 from tests.utils.trackers import assert_same_series, expected_scalars, small_run
 
 pytestmark = [
@@ -28,7 +29,7 @@ pytestmark = [
     expected.LIGHTNING_NO_VAL,
 ]
 
-wandb = pytest.importorskip(
+wandb = module_or_skip(
     "wandb", reason="wandb is not installed (cockpit's extra: .[wandb])"
 )
 
