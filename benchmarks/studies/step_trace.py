@@ -113,6 +113,8 @@ def trace_step() -> dict:
         "switches": sum(a != b for a, b in zip(order, order[1:])),
         "schedule_calls": {name: s.calls for name, s in schedules.items()},
         "top_files": dict(by_file.most_common(10)),
+        # each file where the step first enters it: the order to read them in
+        "reading_order": list(dict.fromkeys(str(path) for path in order)),
     }
 
 
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("  top files by calls:")
     for path, count in result["top_files"].items():
         print(f"    {count:>6}  {path}")
+    print("  reading order (each file where the step first enters it):")
+    for number, path in enumerate(result["reading_order"], 1):
+        print(f"    {number:>6}  {path}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

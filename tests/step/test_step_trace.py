@@ -23,4 +23,7 @@ def test_step_trace_figures_are_consistent(tmp_path, capsys):
     assert 1 <= len(top) <= min(10, result["files"])
     assert sum(top.values()) <= result["calls"]
     assert all(path.startswith("cockpit") for path in top)
+    order = result["reading_order"]  # every file the step entered, once each
+    assert len(order) == len(set(order)) == result["files"]
+    assert set(top) <= set(order)
     assert "calls" in capsys.readouterr().out
