@@ -52,8 +52,9 @@ SCRIPTS = {"lightning_digits": 4, "huggingface_tiny_bert": 3}
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory) -> dict:
-    """``{name: (folder, result)}``: ``python examples/<name>.py --steps N --out
-    FOLDER`` run from the repository root, each in a process of its own."""
+    """``{name: result}`` (returncode, stdout, stderr) of ``python
+    examples/<name>.py --steps N --out FOLDER`` run from the repository root, each
+    in a process of its own."""
     folders = {name: tmp_path_factory.mktemp(name) / "out" for name in SCRIPTS}
     cases = []
     for name, steps in SCRIPTS.items():
