@@ -31,6 +31,7 @@ from cockpit.cockpit_args import (
 from cockpit.cockpit_output import CockpitOutput
 from cockpit.curvature import hutchinson
 from cockpit.engines import autograd as autograd_engine
+from cockpit.engines import base as engines_base
 from cockpit.engines.coverage import Coverage, static_coverage
 from cockpit.engines.routing import Router
 from cockpit.history import History
@@ -119,8 +120,9 @@ class Cockpit(CockpitOutput):
     BACKPACK_CONV_SAVE_MEMORY = True
     #: Samples per batched backward pass of the autograd engine (memory vs. speed).
     PER_SAMPLE_CHUNK = autograd_engine.DEFAULT_CHUNK
-    #: Per-sample gradient numbers the autograd engine holds at once.
-    PER_SAMPLE_MAX_ELEMENTS = autograd_engine.DEFAULT_MAX_ELEMENTS
+    #: Per-sample gradient numbers an engine holds at once (the autograd and replay
+    #: engines' groups, the most the ghost engine forms at once).
+    PER_SAMPLE_MAX_ELEMENTS = engines_base.DEFAULT_MAX_ELEMENTS
     #: Hessian-vector products per Hutchinson estimate (where BackPACK has none).
     HUTCHINSON_PROBES = hutchinson.DEFAULT_PROBES
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from cockpit.engines.base import (
     AUTOGRAD,
+    DEFAULT_MAX_ELEMENTS,
     PER_SAMPLE_BACKWARD,
     Engine,
     EngineStep,
@@ -42,9 +43,6 @@ DEFAULT_CHUNK = 8
 #: at N=128, chunk 2 instead of 8 took 56.5 s instead of 59.5 s and 1018 MiB of
 #: peak RSS instead of 1825 MiB (benchmarks/studies/batchnorm_cost.py has the method).
 DEFAULT_PAIRS = 256
-#: Numbers of per-sample gradients (``N * sum numel``) held at once; parameters
-#: beyond it are processed in further groups (one more chunked backward each).
-DEFAULT_MAX_ELEMENTS = 1 << 26
 
 # vmap falls back to a (correct, slower) loop for operators without a batching rule
 _VMAP_FALLBACK_WARNING = r".*There is a performance drop because we have not yet"
@@ -129,7 +127,7 @@ def per_sample_gradients(
         params: The parameters to differentiate.
         chunk: Samples per batched backward pass (at most).
         max_elements: Per-sample results held at once (see
-            :data:`DEFAULT_MAX_ELEMENTS`).
+            :data:`cockpit.engines.base.DEFAULT_MAX_ELEMENTS`).
         pairs: Bound on ``chunk * N`` (see :data:`DEFAULT_PAIRS`).
 
     Yields:

@@ -36,6 +36,10 @@ UNUSED = "unused"
 REPLAY = "replay of"
 #: Method of a parameter differentiated through the whole graph, sample by sample.
 PER_SAMPLE_BACKWARD = "one batched backward pass per sample"
+#: Numbers of per-sample gradients (``N * sum numel``) an engine holds at once
+#: where the step's options do not say (``EngineStep.options["max_elements"]``,
+#: which :class:`~cockpit.Cockpit` sets from ``PER_SAMPLE_MAX_ELEMENTS``).
+DEFAULT_MAX_ELEMENTS = 1 << 26
 
 
 class Why(enum.Enum):

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from cockpit.engines.base import (
+    DEFAULT_MAX_ELEMENTS,
     Decline,
     Engine,
     EngineStep,
@@ -507,7 +508,7 @@ class GhostEngine(Engine):
                 call.release()
 
     def _results(self, index: int, calls: list[Call], grad: Tensor) -> ParamResults:
-        budget = self._step.options.get("max_elements", 1 << 26)
+        budget = self._step.options.get("max_elements", DEFAULT_MAX_ELEMENTS)
         dense_up_to = min(budget, DENSE_MAX_ELEMENTS) if self._dense else -1
         return layer_results(
             self.params[index], self._owners[index], calls, grad, dense_up_to

@@ -61,6 +61,7 @@ from cockpit.engines.autograd import (
 )
 from cockpit.engines.base import (
     AUTOGRAD,
+    DEFAULT_MAX_ELEMENTS,
     REPLAY,
     Engine,
     EngineStep,
@@ -753,7 +754,7 @@ class ReplayEngine(Engine):
         # watched from the next step on if new
         self.replayer.watch_chains([p for p in params if id(p) not in (mixed or ())])
         served = {}
-        budget = step.options.get("max_elements", 1 << 26)
+        budget = step.options.get("max_elements", DEFAULT_MAX_ELEMENTS)
         for position, grads in self.replayer.per_sample_gradients(
             step.losses, params, budget, mixed
         ):
