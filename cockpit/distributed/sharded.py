@@ -219,18 +219,20 @@ class Sharding:
         """The full tensors of ``tensors`` (each a ``DTensor`` like a parameter).
 
         One SUM all-reduce of a float64 vector of all their elements: each process
-        fills its own rows (``None``: zeros).
+        fills its own rows (``None``: zeros). The vector is made on the parameters'
+        device (the communicator moves it where its backend reduces).
         """
         sizes = [p.numel() for p in self.params]
         groups = len(tensors) // len(self.params)
-        flat = torch.zeros(sum(sizes) * groups, dtype=torch.float64)
+        device = local(self.params[0]).device
+        flat = torch.zeros(sum(sizes) * groups, dtype=torch.float64, device=device)
         position = 0
         for k, tensor in enumerate(tensors):
             j = k % len(self.params)
             param, shard = self.params[j], self.shards[j]
             row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
             if tensor is not None and shard.rows:
-                piece = local(tensor).detach().reshape(-1).to("cpu", torch.float64)
+                piece = local(tensor).detach().reshape(-1).to(device, torch.float64)
                 start = position + shard.offset * row
                 flat[start : start + piece.numel()] = piece
             position += sizes[j]

@@ -131,9 +131,13 @@ def sharded_engines():
         engine_base._REGISTRY[:] = saved
 
 
-def train(case: dict[str, Any], rank: int | None = None, world: int = 2) -> Cockpit:
+def train(
+    case: dict[str, Any], rank: int | None = None, world: int = 2, counter=None
+) -> Cockpit:
     """Train a case: one FSDP2 rank of ``world``, or (``rank=None``) one process on
-    the joined batches of ``world`` processes."""
+    the joined batches of ``world`` processes. A ``counter`` (a torch function mode,
+    e.g. :class:`tests.utils.syncs.FactoryCounter`) is active during the last step's
+    ``with cockpit(...)`` block."""
     from torch.distributed.fsdp import fully_shard
 
     model, units, batch, logits_of = make(case["model"])
@@ -167,8 +171,10 @@ def train(case: dict[str, Any], rank: int | None = None, world: int = 2) -> Cock
         losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
         info = {"batch_size": y.shape[0], "loss": loss, "individual_losses": losses,
                 "optimizer": optimizer}  # fmt: skip
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        last = step == case.get("steps", 2) - 1
+        with counter if last and counter is not None else contextlib.nullcontext():
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     return cockpit
 
@@ -184,6 +190,28 @@ def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, A
             out.append({"error": f"{type(error).__name__}: {error}",
                         "traceback": traceback.format_exc()})  # fmt: skip
     return {"cases": out}
+
+
+def host_traffic(rank: int, world: int, case: dict[str, Any]) -> dict:
+    """Worker: train a case; what cockpit's code did on the host during the last
+    tracked step, by place: ``"created"``, the tensors it made on the default device
+    (factory calls without a device), and ``"synced"``, its copies to the host
+    (:mod:`tests.utils.syncs`)."""
+    from tests.utils.syncs import FactoryCounter, SyncCounter
+
+    created, synced = FactoryCounter(), SyncCounter()
+
+    @contextlib.contextmanager
+    def both():
+        with created, synced:
+            yield
+
+    train(case, rank, world, counter=both())
+
+    def named(counter):
+        return {f"{name} at {where}": n for (name, where), n in counter.places.items()}
+
+    return {"created": named(created), "synced": named(synced)}
 
 
 def refused(rank: int, world: int, layout: str) -> dict[str, Any]:
