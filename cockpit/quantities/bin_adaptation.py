@@ -195,11 +195,17 @@ class _AbsMax(BinAdaptation):
 
 
 def _max_of(values: Sequence[Tensor]) -> float:
-    """Return the maximum of scalar tensors with one device sync (NaN propagates)."""
+    """Return the maximum of scalar tensors (NaN propagates).
+
+    One number per device is copied to the host, however many tensors there are.
+    """
     if not values:
         return 0.0
-    stacked = torch.stack([v.detach().to(torch.float64).cpu() for v in values])
-    return float(stacked.max())
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for value in values:
+        by_device.setdefault(value.device, []).append(value.detach().to(torch.float64))
+    maxima = [torch.stack(group).max() for group in by_device.values()]
+    return float(torch.stack([m.cpu() for m in maxima]).max())
 
 
 class GradAbsMax(_AbsMax):

@@ -643,3 +643,18 @@ def test_small_blocks_are_counted_by_searching_the_edges(bins, lo, hi, dtype):
     index = bin_index(values, edges, (lo, hi), correct_all=True)
     general = torch.bincount(index.reshape(-1).long(), minlength=bins + 1)[:bins]
     assert torch.equal(counts, general)
+
+
+def test_an_adaptive_range_copies_one_number_per_device_to_the_host():
+    """GradAbsMax and ParamAbsMax reduce each parameter to a scalar on its device;
+    the range reads their maximum with one copy to the host per device, however
+    many parameters there are (before: one copy per parameter)."""
+    from cockpit.quantities.bin_adaptation import _max_of
+    from tests.utils.syncs import SyncCounter
+
+    values = [torch.tensor(v, dtype=torch.float32) for v in (0.5, 3.0, 2.0, 1.0, 0.25)]
+    with SyncCounter() as counter:
+        assert _max_of(values) == 3.0
+    assert counter.total == 2, counter.places  # the one device's maximum, its float
+    assert math.isnan(_max_of([torch.tensor(1.0), torch.tensor(float("nan"))]))
+    assert _max_of([]) == 0.0
