@@ -160,7 +160,8 @@ def train(
             timeout=60,
         )
     n = case.get("batch", 4)  # samples per process; one process: all of them
-    for step in range(case.get("steps", 2)):
+    steps = case.get("steps", 2)
+    for step in range(steps):
         kwargs, y = batch(step, n * world)
         if rank is not None:
             kwargs = {k: v[rank * n : rank * n + n] for k, v in kwargs.items()}
@@ -171,8 +172,8 @@ def train(
         losses = torch.nn.functional.cross_entropy(out, y, reduction="none")
         info = {"batch_size": y.shape[0], "loss": loss, "individual_losses": losses,
                 "optimizer": optimizer}  # fmt: skip
-        last = step == case.get("steps", 2) - 1
-        with counter if last and counter is not None else contextlib.nullcontext():
+        counted = counter is not None and step == steps - 1
+        with counter if counted else contextlib.nullcontext():
             with cockpit(step, info=info):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
