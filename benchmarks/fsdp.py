@@ -12,8 +12,11 @@ float32 parameters (``--width``; per-``Linear`` units and the root wrapped with
 * **Time**: each process holds both variants of a step and times them in
   interleaved rounds (the order alternates): ``plain`` (zero_grad, forward,
   backward, SGD step of the FSDP model, no cockpit) and ``tracked`` (the same
-  inside ``with cockpit(step, ...)`` with ``economy`` tracked every step). Medians
-  per rank and their ratio.
+  inside ``with cockpit(step, ...)`` with a configuration tracked every step:
+  ``--configurations``, default ``economy`` and ``full``, whose HessMaxEV and
+  HessTrace differentiate twice with every unit unsharded). Medians per rank and
+  their ratio, per configuration; for ``full`` also HessMaxEV's Hessian-vector
+  products per step.
 * **Memory**: peak resident memory per rank (``ru_maxrss``) of a fresh set of
   processes running only one variant, after building the model, minus what the
   model and one plain warm-up step took (malloc keeps freed memory with the
@@ -48,7 +51,7 @@ def _model(width: int) -> torch.nn.Module:
     )  # fmt: skip
 
 
-def _worker(rank, world, rendezvous, args, mode, out):
+def _worker(rank, world, rendezvous, args, mode, label, out):
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
@@ -80,16 +83,15 @@ def _worker(rank, world, rendezvous, args, mode, out):
             info = {"batch_size": args.batch, "loss": loss, "optimizer": optimizer,
                     "individual_losses": losses}  # fmt: skip
             with cockpit(index, info=info):
-                loss.backward()
+                loss.backward(create_graph=cockpit.create_graph(index))
         optimizer.step()
 
     step()  # warm-up
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cockpit = None
     if mode in ("time", "tracked"):
-        cockpit = internals.make_cockpit(
-            model.parameters(), internals.make_quantities("economy"), diagnose=False
-        )
+        chosen = internals.make_quantities(label)
+        cockpit = internals.make_cockpit(model.parameters(), chosen, diagnose=False)
     result = {"rank": rank}
     if mode == "time":
         times = {"plain": [], "tracked": []}
@@ -100,6 +102,9 @@ def _worker(rank, world, rendezvous, args, mode, out):
                 step(cockpit if variant == "tracked" else None, r)
                 times[variant].append(time.perf_counter() - start)
         result.update({k: statistics.median(v[1:]) for k, v in times.items()})
+        products = [q.last_num_hvps for q in chosen if hasattr(q, "last_num_hvps")]
+        if products:
+            result["hvps_last_step"] = products[0]
     else:
         for r in range(args.memory_steps):
             step(cockpit, r)
@@ -110,10 +115,10 @@ def _worker(rank, world, rendezvous, args, mode, out):
     dist.destroy_process_group()
 
 
-def _run(world, args, mode):
+def _run(world, args, mode, label=None):
     out = tempfile.mkdtemp()
     rendezvous = os.path.join(out, "rendezvous")
-    mp.spawn(_worker, args=(world, rendezvous, args, mode, out), nprocs=world)
+    mp.spawn(_worker, args=(world, rendezvous, args, mode, label, out), nprocs=world)
     rows = []
     for rank in range(world):
         with open(os.path.join(out, f"{mode}{rank}.json")) as f:
@@ -129,6 +134,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--configurations", default="economy,full")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/fsdp.json")
     args = parser.parse_args()
@@ -142,27 +148,30 @@ def main() -> None:
                f"{os.cpu_count()} cores", "parameters": params,
                "settings": vars(args), "worlds": {}}  # fmt: skip
     print(f"{params:,} parameters, {args.batch} samples per process")
-    print("| processes | plain step (ms) | tracked step (ms) | ratio | "
-          "peak MB plain | peak MB tracked |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| processes | configuration | plain step (ms) | tracked step (ms) | ratio "
+          "| peak MB plain | peak MB tracked |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for world in [int(w) for w in args.worlds.split(",")]:
-        timed = _run(world, args, "time")
         plain_mem = _run(world, args, "plain")
-        tracked_mem = _run(world, args, "tracked")
-        plain = statistics.median(r["plain"] for r in timed)
-        tracked = statistics.median(r["tracked"] for r in timed)
-        row = {
-            "per_rank": timed,
-            "plain_ms": 1e3 * plain,
-            "tracked_ms": 1e3 * tracked,
-            "ratio": tracked / plain,
-            "peak_mb_plain": [r["peak_mb"] for r in plain_mem],
-            "peak_mb_tracked": [r["peak_mb"] for r in tracked_mem],
-        }
+        row = {"peak_mb_plain": [r["peak_mb"] for r in plain_mem],
+               "configurations": {}}  # fmt: skip
+        for label in args.configurations.split(","):
+            timed = _run(world, args, "time", label)
+            tracked_mem = _run(world, args, "tracked", label)
+            plain = statistics.median(r["plain"] for r in timed)
+            tracked = statistics.median(r["tracked"] for r in timed)
+            row["configurations"][label] = cell = {
+                "per_rank": timed,
+                "plain_ms": 1e3 * plain,
+                "tracked_ms": 1e3 * tracked,
+                "ratio": tracked / plain,
+                "peak_mb_tracked": [r["peak_mb"] for r in tracked_mem],
+            }
+            print(f"| {world} | {label} | {cell['plain_ms']:.1f} | "
+                  f"{cell['tracked_ms']:.1f} | {cell['ratio']:.2f} | "
+                  f"{max(row['peak_mb_plain']):.1f} | "
+                  f"{max(cell['peak_mb_tracked']):.1f} |")  # fmt: skip
         results["worlds"][str(world)] = row
-        print(f"| {world} | {row['plain_ms']:.1f} | {row['tracked_ms']:.1f} | "
-              f"{row['ratio']:.2f} | {max(row['peak_mb_plain']):.1f} | "
-              f"{max(row['peak_mb_tracked']):.1f} |")  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {args.out}")

@@ -13,6 +13,11 @@ computed on the joined batch. The loop is the single-process loop; what differs:
 3. ``info`` describes the local shard (``batch_size`` is this process's count);
 4. rank 0 writes the log.
 
+Second-order quantities work too: HessMaxEV here, every fifth step. Cockpit
+differentiates each process's loss twice itself, before the backward pass, with
+every unit unsharded meanwhile (``cockpit.create_graph(step)`` is ``False`` in a
+distributed run, so the loop is the usual one).
+
 Run: ``python examples/fsdp.py [--steps 10] [--out fsdp_run]``. Rank 0 writes
 ``<out>/log.json`` and prints the last step's values. See ``docs/distributed.md``.
 """
@@ -40,6 +45,15 @@ def make_model() -> torch.nn.Module:
     )
 
 
+def joined_batches(steps: int):
+    """The joined batches ``(x, y)`` of every step, the same on every process."""
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(16, 4, generator=generator)
+    for _ in range(steps):
+        x = torch.randn(WORLD * 32, 16, generator=generator)
+        yield x, (x @ teacher).argmax(1)
+
+
 def worker(rank: int, rendezvous: str, steps: int, out: str) -> None:
     """One process: shard the model, train on this process's samples, track."""
     from torch.distributed.fsdp import fully_shard
@@ -60,13 +74,10 @@ def worker(rank: int, rendezvous: str, steps: int, out: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(
         model.named_parameters(),
-        quantities=configuration("economy") + [quantities.Variance(linear(1))],
+        quantities=configuration("economy")
+        + [quantities.Variance(linear(1)), quantities.HessMaxEV(linear(5))],
     )
-    generator = torch.Generator().manual_seed(1)
-    teacher = torch.randn(16, 4, generator=generator)
-    for step in range(steps):
-        x = torch.randn(2 * 32, 16, generator=generator)  # the joined batch
-        y = (x @ teacher).argmax(1)
+    for step, (x, y) in enumerate(joined_batches(steps)):
         x, y = x[rank * 32 : (rank + 1) * 32], y[rank * 32 : (rank + 1) * 32]
         optimizer.zero_grad()
         outputs = model(x)
@@ -78,13 +89,17 @@ def worker(rank: int, rendezvous: str, steps: int, out: str) -> None:
             "optimizer": optimizer,
         }
         with cockpit(step, info=info):
-            loss.backward()
+            loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     path = cockpit.write(os.path.join(out, "log"))
     if path is not None:
         last = cockpit.history.view(steps - 1)
         shown = {k: last[k] for k in ("Loss", "GradNorm", "Variance") if k in last}
-        print(f"rank {rank} wrote {path}; step {steps - 1}: {shown}")
+        sharpness = cockpit.history.view(0).get("HessMaxEV")
+        print(
+            f"rank {rank} wrote {path}; step {steps - 1}: {shown}; "
+            f"HessMaxEV at step 0: {sharpness}"
+        )
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ made: no process reaches a step, so no process waits for another.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import sys
@@ -142,6 +143,42 @@ class Sharding:
                 module.reshard()
             self._engine_params = [s.record._unsharded_param for s in self.shards]
         return self._engine_params
+
+    @contextlib.contextmanager
+    def unsharded(self):
+        """Every unit unsharded, and kept so through cockpit's own backward passes.
+
+        For second derivatives (Hessian-vector products, Hutchinson's probes):
+        ``torch.autograd.grad(..., create_graph=True)`` with respect to the
+        unsharded parameters differentiates this process's loss through the
+        forward graph, whose saved tensors are those parameters; a unit FSDP
+        reshards at the end of one of these passes would leave the next reading
+        freed storage. Inside, each unit's ``reshard_after_backward`` is off
+        (FSDP's hooks still run in these passes; with no ``.grad`` accumulated
+        they reduce nothing); afterwards it is what it was, and the units stay
+        unsharded until the user's backward pass reshards them as usual. Costs
+        one all-gather per unit that was sharded, and every unit's full
+        parameters on each process meanwhile.
+
+        Yields:
+            The unsharded parameters (:meth:`engine_params`).
+        """
+        modules = list({id(s.module): s.module for s in self.shards}.values())
+        groups = [
+            group
+            for module in modules
+            for group in module._get_fsdp_state()._fsdp_param_groups
+        ]
+        saved = [group.reshard_after_backward for group in groups]
+        for group in groups:
+            group.reshard_after_backward = False
+        try:
+            for module in modules:
+                module.unshard()
+            yield self.engine_params()
+        finally:
+            for group, flag in zip(groups, saved, strict=True):
+                group.reshard_after_backward = flag
 
     def remap(self, owners: dict[int, list]) -> dict[int, list]:
         """The owners of the sharded parameters, keyed by the unsharded ones."""

@@ -97,6 +97,7 @@ class StepRun:
         self.state = StepState(
             step=plan.global_step,
             params=params,
+            engine_params=shown,
             info=info,
             plan=plan,
             probes=cockpit.HUTCHINSON_PROBES,

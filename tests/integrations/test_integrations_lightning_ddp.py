@@ -515,17 +515,46 @@ def model_parallel_fits(rank: int, world: int, root: str) -> dict:
     return result
 
 
-#: What a fully_shard run leaves out: second derivatives.
-_NOT_SHARDED = ("HessTrace",)
+#: The Hessian's diagonal under DDP (BackPACK), the GGN's under FSDP2.
+_CURVATURE = ("HessTrace", "HessTrace_estimate")
+
+
+def _ggn_traces(net, params: dict, x, y) -> list[float]:
+    """Per parameter, the trace of the mean cross-entropy's GGN: brute force.
+
+    ``(1/n) sum_i J_i^T (diag(p_i) - p_i p_i^T) J_i`` with each sample's dense
+    Jacobian of the logits.
+    """
+    from torch.func import functional_call
+
+    names = list(params)
+    shapes = [params[n].shape for n in names]
+    sizes = [params[n].numel() for n in names]
+    flat = torch.cat([params[n].flatten() for n in names])
+    total = torch.zeros_like(flat)
+    for i in range(x.shape[0]):
+
+        def logits(f, i=i):
+            theta = dict(
+                zip(names, (t.view(s) for t, s in zip(f.split(sizes), shapes)))
+            )
+            return functional_call(net, theta, (x[i : i + 1],))[0]
+
+        jac = torch.autograd.functional.jacobian(logits, flat)  # [C, D]
+        p = torch.softmax(logits(flat), 0)
+        middle = torch.diag(p) - torch.outer(p, p)
+        total += torch.einsum("cd,ce,ed->d", jac, middle, jac)
+    return [float(t.sum()) for t in (total / x.shape[0]).split(sizes)]
 
 
 def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
     """FSDP2 through Lightning: ``ModelParallelStrategy`` with ``fully_shard`` in
     ``configure_model`` (2 processes). Every value of the sharded fit equals the
     same fit's under DDP to 1e-8 on every rank, and the first-order ones the
-    brute force of the joined batch; HessTrace (second derivatives, which FSDP
-    cannot give) is missing with the reason; Alpha replays SGD's momentum from
-    its joined shards; the optimizer trains as without the callback."""
+    brute force of the joined batch; nothing is missing: HessTrace reads the GGN
+    there (DDP the Hessian, from BackPACK), equal to the brute-force GGN's
+    traces of the joined batch; Alpha replays SGD's momentum from its joined shards; the optimizer
+    trains as without the callback."""
     results = ddp.launch(
         model_parallel_fits, WORLD, tmp_path, limit=240, root=str(tmp_path)
     )
@@ -535,17 +564,20 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
     assert list(want) == ["0", "1", "2"]
     for result in results:
         got = result["fsdp2"]["history"]
-        for values in got.values():  # what FSDP cannot give, and why
-            missing = values["missing"]
-            assert "fully_shard" in missing["HessTrace"], missing
+        assert all("missing" not in values for values in got.values()), got
+        assert all("HessTrace" in values for values in want.values()), want
         problems: list[str] = []
         _same(
-            {s: {k: v for k, v in w.items() if k not in (*_NOT_SHARDED, "missing")}
+            {s: {k: v for k, v in w.items() if k not in _CURVATURE}
              for s, w in want.items()},
-            {s: {k: v for k, v in g.items() if k not in ("missing",)}
+            {s: {k: v for k, v in g.items() if k not in _CURVATURE}
              for s, g in got.items()},
             "fsdp2", problems, rel=1e-8,
         )  # fmt: skip
+        assert not problems, problems[:10]
+        for values in got.values():  # the engines of sharded models: the GGN
+            how = values["HessTrace_estimate"]
+            assert (how["method"], how["curvature"]) == ("ggn_exact", "ggn"), how
         assert not problems, problems[:10]
         assert result["fsdp2"]["final"] == result["plain"]["final"]
     first, second = (r["fsdp2"]["seen"] for r in results)
@@ -554,7 +586,8 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
         x = torch.tensor(x0 + x1, dtype=torch.float64)
         y = torch.tensor(y0 + y1)
         brute = _brute_force(_net64(), _tensors(p0), x, y)
-        for key in ("Loss", "GradNorm", "Variance", "NormTest"):
+        brute["HessTrace"] = _ggn_traces(_net64(), _tensors(p0), x, y)
+        for key in ("Loss", "GradNorm", "Variance", "NormTest", "HessTrace"):
             got = results[0]["fsdp2"]["history"][str(s0)][key]
             _exact(got, brute[key], f"step {s0}, {key}", rel=1e-9)
     assert len(first) == 3  # one batch an optimizer step

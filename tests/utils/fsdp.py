@@ -102,10 +102,16 @@ def make(kind: str):
     raise ValueError(kind)
 
 
-def make_quantities(label: str):
-    """A configuration's quantities, tracked every step, plus Variance and MeanGSNR."""
+def make_quantities(label: str, curvature: str | None = None):
+    """A configuration's quantities, tracked every step, plus Variance and MeanGSNR.
+
+    ``curvature``: HessTrace's (e.g. ``"hutchinson"``, the Hessian's estimate).
+    """
     every = linear(1)
     chosen = configuration(label, every)
+    if curvature is not None:
+        chosen = [q for q in chosen if q.key != "HessTrace"]
+        chosen.append(quantities.HessTrace(every, curvature=curvature))
     keys = {q.key for q in chosen}
     for extra in (quantities.Variance, quantities.MeanGSNR):
         if extra.__name__ not in keys:
@@ -155,7 +161,9 @@ def train(
     with contextlib.nullcontext() if rank is not None else sharded_engines():
         cockpit = Cockpit(
             model.named_parameters(),
-            quantities=make_quantities(case.get("configuration", "economy")),
+            quantities=make_quantities(
+                case.get("configuration", "economy"), case.get("curvature")
+            ),
             diagnose=False,
             timeout=60,
         )

@@ -11,7 +11,7 @@ from cockpit.step.features.backward_checks import (
 from cockpit.step.features.cost import StepCost
 from cockpit.step.features.curvature import Curvature
 from cockpit.step.features.data_parallel import DataParallel
-from cockpit.step.features.sharded import ShardedCurvature
+from cockpit.step.features.sharded import ShardedReplay
 
 #: The built-in features (their ``order`` says when each runs).
 BUILTIN_FEATURES = (
@@ -24,5 +24,5 @@ BUILTIN_FEATURES = (
     Unreached,
     Failures,
     DataParallel,
-    ShardedCurvature,
+    ShardedReplay,
 )

@@ -39,6 +39,7 @@ from cockpit.param_view import ParamResults, ParamView
 from cockpit.per_sample import sample_losses
 from cockpit.step.features.backward_checks import Guarded
 from cockpit.step.features.base import StepFeature, register_feature
+from cockpit.step.features.sharded import derivatives
 from cockpit.step.state import Produced
 
 #: Every curvature label the GGN serves (the Hessian's where it stands in).
@@ -98,10 +99,10 @@ class Curvature(StepFeature):
     # --- the GGN of the cross-entropy -----------------------------------------------
     def _ggn(self, quantities) -> Produced | None:
         state = self.state
-        with state.engine.quiet():
+        with derivatives(state) as wrt, state.engine.quiet():
             loss = sample_losses(state.engine.losses).mean()
             try:
-                head = Head(loss, state.params)
+                head = Head(loss, wrt)
             except NotCrossEntropy as error:
                 self._not_cross_entropy(quantities, error)
                 return None
@@ -201,9 +202,9 @@ class Curvature(StepFeature):
     def _hutchinson(self, quantities) -> Produced:
         state = self.state
         try:
-            with state.engine.quiet():
+            with derivatives(state) as wrt, state.engine.quiet():
                 estimate = hutchinson.hessian_diagonal(
-                    state.engine.losses, state.params, state.probes, state.generator
+                    state.engine.losses, wrt, state.probes, state.generator
                 )
         except RuntimeError as error:
             if not hutchinson.no_double_backward(error):
@@ -230,7 +231,7 @@ class Curvature(StepFeature):
         guards = tuple(Guarded(q) for q in quantities)
         with torch.no_grad():
             for index, (param, diagonal) in enumerate(
-                zip(state.params, estimate.diagonals, strict=True)
+                zip(state.engine_params, estimate.diagonals, strict=True)
             ):
                 results = ParamResults(curvatures=dict.fromkeys(kinds, diagonal))
                 view = ParamView(param, index, results)

@@ -23,6 +23,7 @@ from cockpit.per_sample import sample_losses
 from cockpit.quantities.base import TrackContext
 from cockpit.quantities.utils_params import gradients
 from cockpit.step.features.base import StepFeature, register_feature
+from cockpit.step.features.sharded import derivatives
 from cockpit.step.state import Produced
 
 
@@ -126,23 +127,25 @@ class DataParallel(StepFeature):
         shared, step, params = self.shared, state.step, state.params
         last = [q for q in state.plan.last if not state.ledger.out(q)]
         early: dict[int, tuple] = {}
-        if state.plan.create_graph and last and self.comm.sharding is None:
+        if state.plan.create_graph and last:
             loss = state.info.require("loss", "cockpit (Hessian-vector products)")
-            ctx = TrackContext(step, params, state.info, comm=shared)
-            with state.engine.quiet():
+            # FSDP2: with respect to the unsharded parameters, every unit unsharded
+            with derivatives(state) as wrt, state.engine.quiet():
+                ctx = TrackContext(step, wrt, state.info, comm=shared)
                 grads = torch.autograd.grad(
-                    loss, params, create_graph=True, allow_unused=True
+                    loss, wrt, create_graph=True, allow_unused=True
                 )
                 shared.graph_gradients = [
                     g if g is not None else torch.zeros_like(p)
-                    for g, p in zip(grads, params, strict=True)
+                    for g, p in zip(grads, wrt, strict=True)
                 ]
+                grads = None
                 for quantity in last:
                     try:
                         early[id(quantity)] = (quantity.track_step(step, ctx), None)
                     except Exception as error:  # handled where it is recorded
                         early[id(quantity)] = (None, error)
-            shared.graph_gradients = None  # frees the double-backward graph
+                shared.graph_gradients = None  # frees the double-backward graph
         if self.comm.local or self.no_sync or not shared.settled or shared.uneven:
             # FSDP2: the unsharded tensors carry the shard's gradient (the
             # DTensors get only FSDP's reduce-scattered rows)

@@ -1,35 +1,40 @@
-"""FSDP2 steps: what cockpit cannot form on sharded parameters, recorded missing.
+"""FSDP2 steps: second derivatives on unsharded units; what cannot be joined, missing.
 
 With ``fully_shard`` parameters (:mod:`cockpit.distributed.sharded`) the
 first-order quantities are joined like DDP's. What needs second derivatives of the
-loss (HessMaxEV's Hessian-vector products, the Hutchinson and GGN estimates of a
-curvature diagonal) would differentiate the gradient with respect to the
-parameters again, through a backward pass FSDP runs without ``create_graph`` and
-across units it reshards: it is recorded as missing, with the reason and what to
-do, before any work of the step (never a crash, never a wrong number); so is
+loss (HessMaxEV's Hessian-vector products, Hutchinson's estimate of a curvature
+diagonal) is formed as in DDP, from this process's loss before the user's backward
+pass, with respect to the unsharded parameters, inside :func:`derivatives`: every
+unit is unsharded and FSDP does not reshard it at the end of cockpit's own backward
+passes (it would free the tensors the graph of the gradient reads). The GGN's
+backward passes are first-order and need no such care, but run there as well.
+
 Alpha's replay of an optimizer whose sharded state is not laid out like its
-parameters (torch.optim's is: it is joined with them). Curvature
-diagonals BackPACK forms inside the backward pass (``DiagHessian``, ``DiagGGN``
-extensions) are not affected.
+parameters (torch.optim's is: it is joined with them) is recorded as missing, with
+the reason and what to do, before any work of the step (never a crash, never a
+wrong number).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from cockpit.needs import Need
 from cockpit.quantities.optim import is_plain_sgd
 from cockpit.step.features.base import StepFeature, register_feature
 
 
-def sharded_curvature_reason(key: str) -> str:
-    """Why a curvature value is missing on a ``fully_shard`` model, and the fix."""
-    return (
-        f"{key} needs second derivatives of the loss (Hessian-vector products), "
-        "which cockpit does not form on FSDP2 (fully_shard) parameters: FSDP "
-        "cannot run the backward pass with create_graph=True. Fix: track it in a "
-        "run without fully_shard (one process or DDP on a smaller model), or use "
-        "curvature BackPACK forms in the backward pass (e.g. TICDiag with "
-        "curvature='diag_ggn_exact' on a model of BackPACK's layers)"
-    )
+def derivatives(state):
+    """Where to differentiate the loss of a step, and with respect to what.
+
+    A context manager yielding the tensors the modules compute with
+    (``state.engine_params``); on ``fully_shard`` parameters every unit is
+    unsharded inside (:meth:`~cockpit.distributed.sharded.Sharding.unsharded`).
+    """
+    sharding = getattr(state.communicator, "sharding", None)
+    if sharding is None:
+        return contextlib.nullcontext(list(state.engine_params))
+    return sharding.unsharded()
 
 
 def sharded_replay_reason(key: str, optimizer: str, why: str) -> str:
@@ -44,10 +49,10 @@ def sharded_replay_reason(key: str, optimizer: str, why: str) -> str:
 
 
 @register_feature
-class ShardedCurvature(StepFeature):
-    """Record the second-order quantities of an FSDP2 step as missing."""
+class ShardedReplay(StepFeature):
+    """Record Alpha's replay of an FSDP2 step missing where it cannot be joined."""
 
-    order = 5  # before the curvature estimates (10) start work
+    order = 5  # before any feature starts work
     only_if = ("communicator",)
 
     @classmethod
@@ -56,28 +61,12 @@ class ShardedCurvature(StepFeature):
         return getattr(state.communicator, "sharding", None) is not None
 
     def begin(self) -> None:
-        """Leave out what needs second derivatives (or a sharded optimizer's replay).
+        """Leave out the replayed update of an optimizer whose state is not joined.
 
-        At the step's opening, before any feature or engine works on them.
+        At the step's opening, before any feature or engine works on it.
         """
         state = self.state
         ledger, plan = state.ledger, state.plan
-        out = [
-            q
-            for q in plan.active
-            if not ledger.out(q)
-            and (
-                Need.HESSIAN_VECTOR_PRODUCTS in plan.needs_of(q)
-                or q in ledger.estimated()
-            )
-        ]
-        for quantity in out:
-            ledger.leave_out(
-                quantity,
-                sharded_curvature_reason(quantity.key),
-                once=("fsdp-curvature", quantity.key),
-                short="not on fully_shard parameters (no second derivatives)",
-            )
         optimizer = state.info.get("optimizer")
         if optimizer is None or is_plain_sgd(optimizer):
             return
