@@ -23,6 +23,22 @@ from cockpit.precision import compute_dtype
 
 HVP = Callable[[Tensor], Tensor]
 
+#: Sums a tensor of partial inner products over the pieces of the vectors that
+#: several processes hold (each its rows of every parameter, FSDP2); ``None``: one
+#: process holds the whole vectors. Every process must call it alike.
+Total = Callable[[Tensor], Tensor]
+
+
+def _dot(a: Tensor, b: Tensor, total: Total | None) -> Tensor:
+    """``a . b`` of the whole vectors (a tensor: no synchronisation)."""
+    dot = torch.dot(a, b)
+    return dot if total is None else total(dot)
+
+
+def _norm(v: Tensor, total: Total | None) -> Tensor:
+    """``||v||`` of the whole vector (a tensor: no synchronisation)."""
+    return v.norm() if total is None else total(torch.dot(v, v)).clamp(min=0).sqrt()
+
 
 @dataclass
 class EigenResult:
@@ -58,7 +74,12 @@ def _tolerance(theta: float, rtol: float, atol: float) -> float:
 
 
 def power_max_ev(
-    hvp: HVP, v0: Tensor, rtol: float = 1e-3, atol: float = 1e-6, max_iter: int = 100
+    hvp: HVP,
+    v0: Tensor,
+    rtol: float = 1e-3,
+    atol: float = 1e-6,
+    max_iter: int = 100,
+    total: Total | None = None,
 ) -> EigenResult:
     """Power iteration for the eigenvalue of largest magnitude of a symmetric ``H``.
 
@@ -73,20 +94,25 @@ def power_max_ev(
         rtol: Relative residual tolerance.
         atol: Absolute residual tolerance.
         max_iter: Budget of Hessian-vector products.
+        total: Where several processes hold pieces of the vectors (``v0`` and
+            what ``hvp`` takes and returns are this process's piece), how their
+            partial inner products are summed (:data:`Total`).
 
     Returns:
-        The estimate, its vector and the number of products.
+        The estimate, its vector (``total``: this process's piece) and the number
+        of products.
     """
     with torch.no_grad():
-        v = v0 / v0.norm()
+        v = v0 / _norm(v0, total)
         theta, residual, converged, count = 0.0, float("inf"), False, 0
         for _ in range(max_iter):
             w = hvp(v)
             count += 1
-            theta_t = torch.dot(v, w)
-            norm = w.norm()
+            theta_t = _dot(v, w, total)
+            norm = _norm(w, total)
             # one copy to the host per product: the Rayleigh quotient and both norms
-            numbers = torch.stack([theta_t, (w - theta_t * v).norm(), norm]).tolist()
+            away = _norm(w - theta_t * v, total)
+            numbers = torch.stack([theta_t, away, norm]).tolist()
             theta, residual, length = numbers
             if residual <= _tolerance(theta, rtol, atol):
                 converged = True
@@ -114,13 +140,14 @@ class _Basis:
     spent, and growing costs no copy of the rows already there.
     """
 
-    def __init__(self, first: Tensor, capacity: int):
+    def __init__(self, first: Tensor, capacity: int, norm: Tensor | None = None):
         self._dim, self._capacity = first.numel(), capacity
         self._dtype, self._device = first.dtype, first.device
         self.blocks: list[Tensor] = []
         self._rows = 0  # rows written
         self._allocated = 0
-        self.append(first, first.norm())  # (a tensor: no synchronisation)
+        # (a tensor: no synchronisation)
+        self.append(first, first.norm() if norm is None else norm)
 
     def append(self, vector: Tensor, norm: float | Tensor) -> None:
         """Add ``vector / norm`` as the next row."""
@@ -168,7 +195,7 @@ class _Basis:
 
 
 def _orthogonalise(
-    w: Tensor, blocks: Sequence[Tensor], *scalars: Tensor
+    w: Tensor, blocks: Sequence[Tensor], *scalars: Tensor, total: Total | None = None
 ) -> tuple[Tensor, float, list[float]]:
     """``w`` without its components along the orthonormal rows of ``blocks``.
 
@@ -182,23 +209,30 @@ def _orthogonalise(
 
     The norms before and after the pass go to the host in one copy, with
     ``scalars`` (the iteration's other numbers): one synchronisation, a second
-    only where the pass is repeated.
+    only where the pass is repeated. With ``total`` (pieces of the vectors on
+    several processes) the coefficients and norms are summed over the pieces.
 
     Returns:
         The orthogonalised vector, its norm, and ``scalars`` as Python numbers.
     """
-    before = w.norm()
-    w = _gram_schmidt(w, blocks)
-    before, after, *numbers = torch.stack([before, w.norm(), *scalars]).tolist()
+    before = _norm(w, total)
+    w = _gram_schmidt(w, blocks, total)
+    after = _norm(w, total)
+    before, after, *numbers = torch.stack([before, after, *scalars]).tolist()
     if after < _REPEAT_BELOW * before:
-        w = _gram_schmidt(w, blocks)
-        after = float(w.norm())
+        w = _gram_schmidt(w, blocks, total)
+        after = float(_norm(w, total))
     return w, after, numbers
 
 
-def _gram_schmidt(w: Tensor, blocks: Sequence[Tensor]) -> Tensor:
+def _gram_schmidt(
+    w: Tensor, blocks: Sequence[Tensor], total: Total | None = None
+) -> Tensor:
     """One classical Gram-Schmidt pass of ``w`` against the rows of ``blocks``."""
     coefficients = [block @ w for block in blocks]
+    if total is not None and coefficients:  # one sum for every block's
+        joined = total(torch.cat(coefficients))
+        coefficients = list(joined.split([c.numel() for c in coefficients]))
     for block, c in zip(blocks, coefficients, strict=True):
         w = torch.addmv(w, block.T, c, alpha=-1)
     return w
@@ -212,6 +246,8 @@ def lanczos_max_ev(
     max_iter: int = 50,
     num_vectors: int = 1,
     top: bool = False,
+    total: Total | None = None,
+    dim: int | None = None,
 ) -> EigenResult:
     """Lanczos iteration for the eigenvalue of largest magnitude of a symmetric ``H``.
 
@@ -253,9 +289,16 @@ def lanczos_max_ev(
             negative, go on until the largest Ritz value's residual is at most
             ``rtol * |theta| + atol`` too (``theta`` the answer: the same absolute
             accuracy, relative to the spectral radius), and return it as ``top``.
+        total: Where several processes hold pieces of the vectors (``v0``, the
+            basis and what ``hvp`` takes and returns are this process's piece:
+            each holds ``1 / processes`` of the basis), how their partial inner
+            products are summed (:data:`Total`); every process takes the same
+            steps, from the same sums.
+        dim: The whole vectors' size (``v0.numel()`` without ``total``).
 
     Returns:
-        The estimate, its Ritz vector(s) and the number of products.
+        The estimate, its Ritz vector(s) (``total``: this process's pieces) and
+        the number of products.
 
     Raises:
         ValueError: If ``num_vectors`` is below 1.
@@ -263,9 +306,9 @@ def lanczos_max_ev(
     if num_vectors < 1:
         raise ValueError(f"num_vectors must be at least 1, got {num_vectors!r}.")
     with torch.no_grad():
-        dim = v0.numel()
+        dim = v0.numel() if dim is None else int(dim)
         steps = max(1, min(max_iter, dim))
-        basis = _Basis(v0, steps)
+        basis = _Basis(v0, steps, None if total is None else _norm(v0, total))
         alphas: list[float] = []
         betas: list[float] = []
         count, converged = 0, False
@@ -274,13 +317,13 @@ def lanczos_max_ev(
             q = basis.row(j)
             w = hvp(q)
             count += 1
-            alpha_t = torch.dot(q, w)
+            alpha_t = _dot(q, w, total)
             # w - alpha q, rounded as torch.add(w, q, alpha=-alpha) would: a new
             # tensor (hvp's may alias), alpha left on the device
             w = torch.addcmul(w, q, alpha_t, value=-1)
             if j > 0:
                 w.sub_(basis.row(j - 1), alpha=betas[-1])
-            w, beta, (alpha,) = _orthogonalise(w, basis.filled(), alpha_t)
+            w, beta, (alpha,) = _orthogonalise(w, basis.filled(), alpha_t, total=total)
             if not (math.isfinite(alpha) and math.isfinite(beta)):
                 raise FloatingPointError(
                     f"Lanczos: Hessian-vector product {count} is not finite "

@@ -283,6 +283,56 @@ class Sharding:
         return out
 
 
+class Pieces:
+    """Flat vectors over the parameters, each process holding its rows (FSDP2).
+
+    A vector of all parameters' elements (in the cockpit's order) is held as this
+    process's piece: its rows of each parameter, as FSDP shards them, one after
+    the other. The eigensolvers keep their vectors so
+    (:func:`cockpit.curvature.lanczos.lanczos_max_ev` with :meth:`total`): each
+    process holds ``1 / processes`` of the Lanczos basis.
+
+    Args:
+        sharding: The layout.
+        communicator: cockpit's collectives.
+        step: The step (for messages).
+    """
+
+    def __init__(self, sharding: Sharding, communicator, step: int):
+        self.communicator, self.step = communicator, step
+        self.ranges: list[tuple[int, int]] = []
+        position = 0
+        for param, shard in zip(sharding.params, sharding.shards, strict=True):
+            row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
+            if shard.rows:
+                start = position + shard.offset * row
+                self.ranges.append((start, start + shard.rows * row))
+            position += param.numel()
+        #: The whole vectors' size.
+        self.dim = position
+
+    def take(self, full: Tensor) -> Tensor:
+        """This process's piece of a whole vector (a new tensor)."""
+        if not self.ranges:
+            return full[:0].clone()
+        return torch.cat([full[a:b] for a, b in self.ranges])
+
+    def join(self, piece: Tensor, what: str) -> Tensor:
+        """The whole vector of every process's piece (one SUM all-reduce)."""
+        full = piece.new_zeros(self.dim)
+        position = 0
+        for a, b in self.ranges:
+            full[a:b] = piece[position : position + b - a]
+            position += b - a
+        return self.communicator.all_reduce(full, what, self.step)
+
+    def total(self, partial: Tensor) -> Tensor:
+        """Partial inner products summed over the processes (one all-reduce)."""
+        return self.communicator.all_reduce(
+            partial, "an inner product of Lanczos vectors", self.step
+        )
+
+
 def sharding(params: Sequence[Tensor], labels: Sequence[str], group) -> Sharding | None:
     """The layout of ``params``, or ``None`` if none is a ``DTensor``.
 

@@ -117,6 +117,10 @@ class StepComm:
         gradients: The joined batch's gradient per parameter (set after backward).
         graph_gradients: This shard's gradients with their autograd graph (for
             Hessian-vector products), where a quantity needs them.
+        pieces: With FSDP2's sharded parameters, how each process holds its
+            rows of flat vectors over the parameters
+            (:class:`~cockpit.distributed.sharded.Pieces`: the eigensolvers'
+            vectors); ``None`` otherwise.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class StepComm:
             self.n_local = int(n_local)
         self.gradients: list[Tensor] | None = None
         self.graph_gradients: list[Tensor] | None = None
+        self.pieces = None
         #: What several quantities of the step compute alike (e.g. the Gram
         #: tests' projections), computed and sent once: ``name -> result``.
         self.common: dict[str, Any] = {}

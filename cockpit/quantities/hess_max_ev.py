@@ -26,6 +26,7 @@ from cockpit.curvature.hutchinson import seeded_generator
 from cockpit.curvature.lanczos import (  # noqa: F401  (re-exported)
     HVP,
     EigenResult,
+    _norm,
     _orthogonalise,
     common_dtype,
     graph_gradients,
@@ -161,7 +162,15 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
                 return shared.mean(local_hvp(vector), "a Hessian-vector product")
 
         dim = sum(p.numel() for p in params)
-        result = self._solve(global_step, hvp, dim, dtype, device)
+        pieces = getattr(shared, "pieces", None)
+        if pieces is not None:  # FSDP2: each process holds its rows of the vectors
+            joined_hvp = hvp
+
+            def hvp(piece: Tensor) -> Tensor:
+                whole = pieces.join(piece, "a Lanczos vector")
+                return pieces.take(joined_hvp(whole))
+
+        result = self._solve(global_step, hvp, dim, dtype, device, pieces)
         del hvp, grads
         if result.top is not None and result.top != result.eigenvalue:
             self._largest[global_step] = result.top
@@ -174,22 +183,27 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         dim: int,
         dtype: torch.dtype,
         device,
+        pieces=None,
     ) -> EigenResult:
-        v0 = self._start_vector(global_step, dim, device).to(device=device, dtype=dtype)
+        total = None if pieces is None else pieces.total
+        v0 = self._start_vector(global_step, dim, device, pieces)
+        v0 = v0.to(device=device, dtype=dtype)
         options = {"rtol": self.rtol, "atol": self.atol, "max_iter": self.max_iter}
         if self.use_power:
-            result = power_max_ev(hvp, v0, **options)
+            result = power_max_ev(hvp, v0, total=total, **options)
         else:
             result = lanczos_max_ev(
                 hvp,
                 v0,
                 num_vectors=self.WARM_START_VECTORS,
                 top=True,
+                total=total,
+                dim=dim,
                 **options,
             )
         self.last_num_hvps = result.num_hvps
         if self.warm_start:
-            self._previous = _unit_sum(result.ritz_vectors.detach())
+            self._previous = _unit_sum(result.ritz_vectors.detach(), total)
         if not result.converged:
             warnings.warn(
                 f"{self.key} at step {global_step}: no convergence within "
@@ -224,7 +238,10 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self._largest.pop(global_step, None)
         super().abort_step(global_step)
 
-    def _start_vector(self, global_step: int, dim: int, device=None) -> Tensor:
+    def _start_vector(
+        self, global_step: int, dim: int, device=None, pieces=None
+    ) -> Tensor:
+        """The start vector (``pieces``: this process's piece of it)."""
         generator = seeded_generator(device, self.seed + global_step)
         # drawn in float32 (3-6 times faster than float64 on the CPU), on the
         # parameters' device; summed in float64
@@ -232,10 +249,16 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         noise = noise.double()
         noise /= noise.norm()
         previous = self._previous
+        if pieces is not None:  # the same draw on every process; its piece
+            noise = pieces.take(noise)
+            if previous is not None and previous.numel() == dim != noise.numel():
+                previous = pieces.take(previous.reshape(-1))  # a whole vector
+            dim = noise.numel()
         if previous is None or previous.numel() != dim:
             return noise
         previous = previous.detach().to(device=noise.device, dtype=torch.float64)
-        norm = previous.norm()  # chosen on the device: no synchronisation
+        # chosen on the device: no synchronisation
+        norm = _norm(previous.reshape(-1), None if pieces is None else pieces.total)
         usable = torch.isfinite(norm) & (norm != 0)
         warm = previous.reshape(-1) / norm + self.WARM_START_NOISE * noise
         return torch.where(usable, warm, noise)
@@ -249,15 +272,19 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self._previous = state.get("previous")
 
 
-def _unit_sum(rows: Tensor) -> Tensor:
+def _unit_sum(rows: Tensor, total=None) -> Tensor:
     """The unit vector along the sum of the unit rows of ``rows`` (flat).
 
     Zero or non-finite rows are left out; if none is left, the first row as is.
-    Chosen on the device (no synchronisation).
+    Chosen on the device (no synchronisation). ``total``: the rows are this
+    process's pieces (:data:`~cockpit.curvature.lanczos.Total`).
     """
-    norms = rows.norm(dim=1, keepdim=True)
+    if total is None:
+        norms = rows.norm(dim=1, keepdim=True)
+    else:
+        norms = total((rows * rows).sum(1, keepdim=True)).clamp(min=0).sqrt()
     keep = torch.isfinite(norms) & (norms > 0)
-    total = torch.where(keep, rows / norms, 0.0).sum(0)
-    norm = total.norm()
+    summed = torch.where(keep, rows / norms, 0.0).sum(0)
+    norm = _norm(summed, total)
     usable = keep.any() & torch.isfinite(norm) & (norm > 0)
-    return torch.where(usable, total / norm, rows[0])
+    return torch.where(usable, summed / norm, rows[0])

@@ -16,6 +16,7 @@ import math
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.utils import expected_warnings as expected
@@ -110,7 +111,14 @@ def _as_json(history):
 
 CASES = [
     {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full"},
-    {"model": "mlp", "wrap": "root", "reshard": False, "configuration": "full"},
+    # HessMaxEV by power iteration on the rows each rank holds
+    {
+        "model": "mlp",
+        "wrap": "root",
+        "reshard": False,
+        "configuration": "full",
+        "solver": "power",
+    },  # fmt: skip
     {"model": "transformer", "wrap": "units", "reshard": False},
     {"model": "transformer", "wrap": "root", "reshard": True},
     # Hutchinson's probes: Hessian-vector products through every unit
@@ -183,6 +191,29 @@ def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
         # what is left: the step's two health checks (as in one process) and the
         # replayed Adam step reading its step counter, a host tensor in torch.optim
         assert "step/checks.py" in " ".join(result["synced"]), result["synced"]
+
+
+def test_each_rank_keeps_its_rows_of_the_lanczos_vectors(tmp_path):
+    """HessMaxEV on FSDP2: each rank holds only its rows of the eigensolver's
+    vectors (the Lanczos basis, the warm start kept between steps); put together
+    they are the one process's warm start (unit vectors, to rounding)."""
+    case = {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full"}
+    want = fsdp.train(case, None, 2)
+    (solver,) = [q for q in want.quantities if q.key == "HessMaxEV"]
+    whole = solver._previous.double()
+    results = fsdp.launch(fsdp.warm_start, 2, tmp_path, case=case)
+    joined = torch.zeros_like(whole)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        assert result["dim"] == whole.numel()
+        held = sum(b - a for a, b in result["ranges"])
+        assert len(result["piece"]) == held < whole.numel()
+        piece = torch.tensor(result["piece"], dtype=torch.float64)
+        position = 0
+        for a, b in result["ranges"]:
+            joined[a:b] += piece[position : position + b - a]
+            position += b - a
+    assert float((joined - whole).abs().max()) < 1e-6, (joined, whole)
 
 
 LAYOUTS = {

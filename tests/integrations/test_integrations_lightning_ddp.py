@@ -553,8 +553,8 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
     same fit's under DDP to 1e-8 on every rank, and the first-order ones the
     brute force of the joined batch; nothing is missing: HessTrace reads the GGN
     there (DDP the Hessian, from BackPACK), equal to the brute-force GGN's
-    traces of the joined batch; Alpha replays SGD's momentum from its joined shards; the optimizer
-    trains as without the callback."""
+    traces of the joined batch; Alpha replays SGD's momentum from its joined
+    shards; the optimizer trains as without the callback."""
     results = ddp.launch(
         model_parallel_fits, WORLD, tmp_path, limit=240, root=str(tmp_path)
     )

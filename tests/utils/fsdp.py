@@ -102,16 +102,20 @@ def make(kind: str):
     raise ValueError(kind)
 
 
-def make_quantities(label: str, curvature: str | None = None):
+def make_quantities(label: str, curvature: str | None = None, power: bool = False):
     """A configuration's quantities, tracked every step, plus Variance and MeanGSNR.
 
-    ``curvature``: HessTrace's (e.g. ``"hutchinson"``, the Hessian's estimate).
+    ``curvature``: HessTrace's (e.g. ``"hutchinson"``, the Hessian's estimate);
+    ``power``: HessMaxEV by power iteration (else Lanczos).
     """
     every = linear(1)
     chosen = configuration(label, every)
     if curvature is not None:
         chosen = [q for q in chosen if q.key != "HessTrace"]
         chosen.append(quantities.HessTrace(every, curvature=curvature))
+    if power and any(q.key == "HessMaxEV" for q in chosen):
+        chosen = [q for q in chosen if q.key != "HessMaxEV"]
+        chosen.append(quantities.HessMaxEV(every, use_power=True))
     keys = {q.key for q in chosen}
     for extra in (quantities.Variance, quantities.MeanGSNR):
         if extra.__name__ not in keys:
@@ -162,7 +166,9 @@ def train(
         cockpit = Cockpit(
             model.named_parameters(),
             quantities=make_quantities(
-                case.get("configuration", "economy"), case.get("curvature")
+                case.get("configuration", "economy"),
+                case.get("curvature"),
+                case.get("solver") == "power",
             ),
             diagnose=False,
             timeout=60,
@@ -277,3 +283,22 @@ def refusals(rank: int, world: int, layouts: list[str]) -> dict[str, Any]:
 
 
 launch = ddp.launch
+
+
+def warm_start(rank: int, world: int, case: dict[str, Any]) -> dict:
+    """Worker: train a case; HessMaxEV's warm-start vector as this rank holds it.
+
+    ``"piece"``: the vector this rank keeps (its rows of every parameter, in
+    order); ``"ranges"``: where they sit in the whole flat vector; ``"dim"``: its
+    size.
+    """
+    from cockpit.distributed.sharded import Pieces
+
+    cockpit = train(case, rank, world)
+    (solver,) = [q for q in cockpit.quantities if q.key == "HessMaxEV"]
+    pieces = Pieces(cockpit._communicator.sharding, cockpit._communicator, 0)
+    return {
+        "piece": solver._previous.tolist(),
+        "ranges": pieces.ranges,
+        "dim": pieces.dim,
+    }
