@@ -255,21 +255,27 @@ class Sharding:
     def gather(self, communicator, tensors: Sequence[Tensor | None], what: str, step):
         """The full tensors of ``tensors`` (each a ``DTensor`` like a parameter).
 
-        One SUM all-reduce of a float64 vector of all their elements: each process
-        fills its own rows (``None``: zeros). The vector is made on the parameters'
-        device (the communicator moves it where its backend reduces).
+        One SUM all-reduce of a vector of all their elements: each process fills
+        its own rows (``None``: zeros), so every element is one process's value
+        plus zeros, exact in any floating dtype. The vector has the tensors'
+        common dtype (at least float32: 16-bit floats are joined in float32) and
+        is made on the parameters' device (the communicator moves it where its
+        backend reduces); the full tensors returned (in their parameter's dtype)
+        are views of it where that is its dtype.
         """
         sizes = [p.numel() for p in self.params]
         groups = len(tensors) // len(self.params)
         device = local(self.params[0]).device
-        flat = torch.zeros(sum(sizes) * groups, dtype=torch.float64, device=device)
+        given = [local(t).dtype for t in tensors if t is not None]
+        dtype = _joined_dtype(given or [local(p).dtype for p in self.params])
+        flat = torch.zeros(sum(sizes) * groups, dtype=dtype, device=device)
         position = 0
         for k, tensor in enumerate(tensors):
             j = k % len(self.params)
             param, shard = self.params[j], self.shards[j]
             row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
             if tensor is not None and shard.rows:
-                piece = local(tensor).detach().reshape(-1).to(device, torch.float64)
+                piece = local(tensor).detach().reshape(-1)
                 start = position + shard.offset * row
                 flat[start : start + piece.numel()] = piece
             position += sizes[j]
@@ -281,6 +287,14 @@ class Sharding:
             out.append(piece.to(local(param).device, param.dtype))
             position += param.numel()
         return out
+
+
+def _joined_dtype(dtypes) -> torch.dtype:
+    """The common floating dtype of ``dtypes``, at least float32."""
+    dtype = torch.float32
+    for other in dtypes:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
 
 
 class Pieces:

@@ -216,6 +216,19 @@ def test_each_rank_keeps_its_rows_of_the_lanczos_vectors(tmp_path):
     assert float((joined - whole).abs().max()) < 1e-6, (joined, whole)
 
 
+def test_the_shards_are_joined_exactly_in_the_parameters_dtype(tmp_path):
+    """float32 shards travel as float32 (half the bytes of float64), bfloat16 ones
+    as float32; each element is one process's value plus zeros, so the joined
+    parameters and gradients are ``full_tensor()``'s bit for bit."""
+    results = fsdp.launch(fsdp.joined_exactly, 2, tmp_path)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        for dtype, sent in (("torch.float32", "torch.float32"),
+                            ("torch.bfloat16", "torch.float32")):  # fmt: skip
+            assert result[dtype]["sent"] == [sent], result[dtype]
+            assert result[dtype]["equal"] == [True] * 8, result[dtype]
+
+
 LAYOUTS = {
     "tensor-parallel": "that fully_shard does not manage (tensor parallelism",
     "shard-dim-1": "placements (S(1)) on a device mesh of shape (2,): only shards "

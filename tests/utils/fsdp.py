@@ -302,3 +302,55 @@ def warm_start(rank: int, world: int, case: dict[str, Any]) -> dict:
         "ranges": pieces.ranges,
         "dim": pieces.dim,
     }
+
+
+def joined_exactly(rank: int, world: int) -> dict:
+    """Worker: one tracked step of a float32 and of a bfloat16 ``fully_shard`` MLP.
+
+    Per dtype: whether the step's joined parameters and gradient
+    (:meth:`Sharding.gather`) are ``DTensor.full_tensor()``'s bit for bit, in the
+    parameter's dtype, and the dtype they travelled in (the communicator's
+    all-reduce of them, watched).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, units, batch, logits_of = make("mlp")
+        model = model.to(dtype)
+        for unit in units:
+            fully_shard(unit)
+        fully_shard(model)
+        cockpit = Cockpit(model.named_parameters(), [quantities.GradNorm(linear(1))])
+        comm = cockpit._communicator
+        seen = {"sent": [], "joined": None}
+        reduce, gather = comm.all_reduce, comm.sharding.gather
+
+        def watched(tensor, what, step, op="sum", reduce=reduce, seen=seen):
+            if what == "the parameters' and gradient's shards":
+                seen["sent"].append(str(tensor.dtype))
+            return reduce(tensor, what, step, op)
+
+        def kept(*args, gather=gather, seen=seen):
+            seen["joined"] = [t.clone() for t in gather(*args)]
+            return seen["joined"]
+
+        comm.all_reduce, comm.sharding.gather = watched, kept
+        kwargs, y = batch(0, 4)
+        out_ = model(kwargs["input"].to(dtype))
+        loss = torch.nn.functional.cross_entropy(out_, y)
+        losses = torch.nn.functional.cross_entropy(out_, y, reduction="none")
+        info = {"batch_size": 4, "loss": loss, "individual_losses": losses}
+        with cockpit(0, info=info):
+            loss.backward()
+        params = list(model.parameters())
+        want = [p.full_tensor() for p in params]
+        want += [p.grad.full_tensor() for p in params]
+        out[str(dtype)] = {
+            "equal": [
+                bool(torch.equal(a, b)) and a.dtype == b.dtype
+                for a, b in zip(seen["joined"], want, strict=True)
+            ],  # fmt: skip
+            "sent": seen["sent"],
+        }
+    return out
