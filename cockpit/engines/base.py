@@ -122,7 +122,9 @@ class EngineStep:
 
     Attributes:
         global_step: The step.
-        params: The cockpit's parameters.
+        params: The tensors the modules compute with, in the cockpit's order:
+            its parameters (FSDP2: the unsharded ones, what derivatives of the
+            loss are taken with respect to).
         per_sample: Whether a quantity reads per-sample results at this step.
         losses: The per-sample losses with their autograd graph, or ``None``.
         loss: The mini-batch loss (``info["loss"]``), or ``None``.

@@ -97,7 +97,6 @@ class StepRun:
         self.state = StepState(
             step=plan.global_step,
             params=params,
-            engine_params=shown,
             info=info,
             plan=plan,
             probes=cockpit.HUTCHINSON_PROBES,

@@ -31,9 +31,6 @@ class StepState:
     Attributes:
         step: The global step.
         params: The cockpit's parameters.
-        engine_params: The tensors the modules compute with, in the same order
-            (FSDP2's unsharded parameters; else ``params``): what derivatives
-            of the loss are taken with respect to.
         info: The step's ``info``.
         plan: The step's plan (after the routing left out what no engine serves).
         probes: Hessian-vector products of a Hutchinson estimate
@@ -52,7 +49,6 @@ class StepState:
 
     step: int
     params: Sequence[Tensor]
-    engine_params: Sequence[Tensor]
     info: StepInfo
     plan: StepPlan
     probes: int

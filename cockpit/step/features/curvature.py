@@ -231,7 +231,7 @@ class Curvature(StepFeature):
         guards = tuple(Guarded(q) for q in quantities)
         with torch.no_grad():
             for index, (param, diagonal) in enumerate(
-                zip(state.engine_params, estimate.diagonals, strict=True)
+                zip(state.engine.params, estimate.diagonals, strict=True)
             ):
                 results = ParamResults(curvatures=dict.fromkeys(kinds, diagonal))
                 view = ParamView(param, index, results)

@@ -28,12 +28,12 @@ def derivatives(state):
     """Where to differentiate the loss of a step, and with respect to what.
 
     A context manager yielding the tensors the modules compute with
-    (``state.engine_params``); on ``fully_shard`` parameters every unit is
+    (``state.engine.params``); on ``fully_shard`` parameters every unit is
     unsharded inside (:meth:`~cockpit.distributed.sharded.Sharding.unsharded`).
     """
     sharding = getattr(state.communicator, "sharding", None)
     if sharding is None:
-        return contextlib.nullcontext(list(state.engine_params))
+        return contextlib.nullcontext(list(state.engine.params))
     return sharding.unsharded()
 
 
