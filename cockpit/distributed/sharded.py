@@ -324,6 +324,8 @@ class Pieces:
             position += param.numel()
         #: The whole vectors' size.
         self.dim = position
+        #: How many processes hold pieces.
+        self.processes = int(communicator.size)
 
     def take(self, full: Tensor) -> Tensor:
         """This process's piece of a whole vector (a new tensor)."""

@@ -134,6 +134,7 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self.warm_start = bool(warm_start)
         self.seed = int(seed)
         self._previous: Tensor | None = None
+        self._layout: list | None = None  # the rows ``_previous`` holds (FSDP2)
         #: Hessian-vector products spent at the last computation.
         self.last_num_hvps = 0
         self._largest: dict[int, float] = {}
@@ -204,6 +205,8 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         self.last_num_hvps = result.num_hvps
         if self.warm_start:
             self._previous = _unit_sum(result.ritz_vectors.detach(), total)
+            # which rows of the whole vector it holds (FSDP2), else None
+            self._layout = None if pieces is None else [list(r) for r in pieces.ranges]
         if not result.converged:
             warnings.warn(
                 f"{self.key} at step {global_step}: no convergence within "
@@ -249,27 +252,53 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         noise = noise.double()
         noise /= noise.norm()
         previous = self._previous
-        if pieces is not None:  # the same draw on every process; its piece
-            noise = pieces.take(noise)
-            if previous is not None and previous.numel() == dim != noise.numel():
-                previous = pieces.take(previous.reshape(-1))  # a whole vector
-            dim = noise.numel()
+        if pieces is not None:
+            return self._start_piece(noise, previous, dim, pieces)
         if previous is None or previous.numel() != dim:
             return noise
         previous = previous.detach().to(device=noise.device, dtype=torch.float64)
-        # chosen on the device: no synchronisation
-        norm = _norm(previous.reshape(-1), None if pieces is None else pieces.total)
+        norm = previous.norm()  # chosen on the device: no synchronisation
         usable = torch.isfinite(norm) & (norm != 0)
         warm = previous.reshape(-1) / norm + self.WARM_START_NOISE * noise
         return torch.where(usable, warm, noise)
 
+    def _start_piece(self, noise: Tensor, previous, dim: int, pieces) -> Tensor:
+        """This process's piece of the start vector (FSDP2).
+
+        The same draw on every process; the warm start only where every process
+        holds its own piece of it (a state saved by one process holds the whole
+        vector: its piece is taken). Every process makes the same collective
+        (one all-reduce), whatever it holds, and all decide alike.
+        """
+        noise = pieces.take(noise)
+        layout = [list(r) for r in pieces.ranges]
+        if previous is not None and self._layout is None and previous.numel() == dim:
+            previous = pieces.take(previous.detach().reshape(-1).to(noise))
+        elif self._layout != layout:  # another process's piece, or none
+            previous = None
+        fits = previous is not None and previous.numel() == noise.numel()
+        mine = previous.detach().reshape(-1).to(noise) if fits else noise * 0
+        sums = pieces.total(
+            torch.stack([torch.dot(mine, mine), noise.new_tensor(float(fits))])
+        )
+        norm = sums[0].clamp(min=0).sqrt()  # chosen on the device
+        usable = torch.isfinite(norm) & (norm != 0) & (sums[1] == pieces.processes)
+        warm = mine / norm + self.WARM_START_NOISE * noise
+        return torch.where(usable, warm, noise)
+
     def state_dict(self) -> dict[str, Any]:
-        """Return the warm-start vector (flat, or ``None``)."""
-        return {"previous": self._previous}
+        """Return the warm-start vector (flat, or ``None``).
+
+        On FSDP2 parameters each process's own piece, with the rows it holds
+        (``"layout"``): save each process's state for each process.
+        """
+        return {"previous": self._previous, "layout": self._layout}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the warm-start vector."""
         self._previous = state.get("previous")
+        layout = state.get("layout")
+        self._layout = None if layout is None else [list(r) for r in layout]
 
 
 def _unit_sum(rows: Tensor, total=None) -> Tensor:

@@ -216,6 +216,31 @@ def test_each_rank_keeps_its_rows_of_the_lanczos_vectors(tmp_path):
     assert float((joined - whole).abs().max()) < 1e-6, (joined, whole)
 
 
+def test_a_resumed_run_keeps_each_ranks_warm_start(tmp_path):
+    """Each process saves its state after step 0 and a new Cockpit goes on from
+    it: every value equals the uninterrupted one process's (HessMaxEV's warm start
+    is each rank's piece, kept with the rows it holds). Loading rank 0's state on
+    every rank (the pieces differ: 32 and 25 numbers) neither hangs nor mixes
+    pieces: all ranks start cold alike and agree, HessMaxEV within Lanczos'
+    tolerance of the warm-started one."""
+    case = {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full"}
+    want = _as_json(fsdp.train(case, None, 2).history.to_dict())
+    cases = [
+        dict(case, resume={"path": str(tmp_path), "source": s}) for s in ("own", 0)
+    ]
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, limit=120, cases=cases)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        own, first = (c.get("history", c) for c in result["cases"])
+        problems: list[str] = []
+        _compare(want, own, f"own state, rank {result['rank']}", problems)
+        assert not problems, problems[:10]
+        assert "error" not in first, first.get("traceback", first["error"])
+        got = first["1"]["HessMaxEV"]
+        assert got == results[0]["cases"][1]["history"]["1"]["HessMaxEV"]
+        assert math.isclose(got, want["1"]["HessMaxEV"], rel_tol=2e-3), got
+
+
 def test_the_shards_are_joined_exactly_in_the_parameters_dtype(tmp_path):
     """float32 shards travel as float32 (half the bytes of float64), bfloat16 ones
     as float32; each element is one process's value plus zeros, so the joined

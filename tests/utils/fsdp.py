@@ -147,7 +147,11 @@ def train(
     """Train a case: one FSDP2 rank of ``world``, or (``rank=None``) one process on
     the joined batches of ``world`` processes. A ``counter`` (a torch function mode,
     e.g. :class:`tests.utils.syncs.FactoryCounter`) is active during the last step's
-    ``with cockpit(...)`` block."""
+    ``with cockpit(...)`` block.
+
+    ``case["resume"]`` (``{"path": folder, "source": "own" or a rank}``): after
+    step 0 every process saves its cockpit's state there, and a new Cockpit goes on
+    from the state of this process (``"own"``) or of the rank given."""
     from torch.distributed.fsdp import fully_shard
 
     model, units, batch, logits_of = make(case["model"])
@@ -162,17 +166,21 @@ def train(
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with contextlib.nullcontext() if rank is not None else sharded_engines():
-        cockpit = Cockpit(
-            model.named_parameters(),
-            quantities=make_quantities(
-                case.get("configuration", "economy"),
-                case.get("curvature"),
-                case.get("solver") == "power",
-            ),
-            diagnose=False,
-            timeout=60,
-        )
+
+    def new_cockpit():
+        with contextlib.nullcontext() if rank is not None else sharded_engines():
+            return Cockpit(
+                model.named_parameters(),
+                quantities=make_quantities(
+                    case.get("configuration", "economy"),
+                    case.get("curvature"),
+                    case.get("solver") == "power",
+                ),
+                diagnose=False,
+                timeout=60,
+            )
+
+    cockpit = new_cockpit()
     n = case.get("batch", 4)  # samples per process; one process: all of them
     steps = case.get("steps", 2)
     for step in range(steps):
@@ -191,7 +199,29 @@ def train(
             with cockpit(step, info=info):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
+        if step == 0 and case.get("resume"):
+            cockpit = _resumed(cockpit, new_cockpit, rank, case["resume"])
     return cockpit
+
+
+def _resumed(cockpit, new_cockpit, rank, resume) -> Cockpit:
+    """Save every process's state; a new Cockpit loads the one ``resume`` names."""
+    import os
+
+    import torch.distributed as dist
+
+    def path(who):
+        return os.path.join(resume["path"], f"state-{who}.pt")
+
+    torch.save(cockpit.state_dict(), path("one" if rank is None else rank))
+    if rank is not None:
+        dist.barrier()
+    source = rank if resume.get("source", "own") == "own" else resume["source"]
+    cockpit.close()
+    fresh = new_cockpit()
+    fresh.load_state_dict(torch.load(path("one" if rank is None else source),
+                                     weights_only=False))  # fmt: skip
+    return fresh
 
 
 def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
