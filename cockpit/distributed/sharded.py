@@ -160,25 +160,40 @@ class Sharding:
         one all-gather per unit that was sharded, and every unit's full
         parameters on each process meanwhile.
 
+        Every unit of the model, not only those holding the cockpit's parameters:
+        the graph of the gradient reads a frozen unit's weights too (the loss
+        depends on earlier units through them).
+
         Yields:
             The unsharded parameters (:meth:`engine_params`).
         """
-        modules = list({id(s.module): s.module for s in self.shards}.values())
-        groups = [
-            group
-            for module in modules
-            for group in module._get_fsdp_state()._fsdp_param_groups
-        ]
+        states = self._states()
+        groups = [group for state in states for group in state._fsdp_param_groups]
         saved = [group.reshard_after_backward for group in groups]
         for group in groups:
             group.reshard_after_backward = False
         try:
-            for module in modules:
-                module.unshard()
+            for state in states:
+                if state._fsdp_param_groups:
+                    state._modules[0].unshard()  # (the state's FSDPModule)
             yield self.engine_params()
         finally:
             for group, flag in zip(groups, saved, strict=True):
                 group.reshard_after_backward = flag
+
+    def _states(self) -> list:
+        """FSDP2's state of every unit of the model(s) the parameters are in.
+
+        After the first forward pass the root's context lists every state of
+        its tree; before it, each unit's own.
+        """
+        found: dict[int, Any] = {}
+        for shard in self.shards:
+            state = shard.module._get_fsdp_state()
+            for other in getattr(state._state_ctx, "all_states", None) or [state]:
+                found.setdefault(id(other), other)
+            found.setdefault(id(state), state)
+        return list(found.values())
 
     def remap(self, owners: dict[int, list]) -> dict[int, list]:
         """The owners of the sharded parameters, keyed by the unsharded ones."""

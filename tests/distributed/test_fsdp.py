@@ -118,17 +118,19 @@ CASES = [
         "reshard": False,
         "configuration": "full",
         "solver": "power",
-    },  # fmt: skip
+    },
     {"model": "transformer", "wrap": "units", "reshard": False},
     {"model": "transformer", "wrap": "root", "reshard": True},
-    # Hutchinson's probes: Hessian-vector products through every unit
+    # Hutchinson's probes and HessMaxEV: Hessian-vector products through every
+    # unit, a frozen one too (the gradient of the embedding reads its weights)
     dict(
         model="transformer",
         wrap="units",
         reshard=True,
         configuration="full",
         curvature="hutchinson",
-    ),  # fmt: skip
+        frozen="blocks.0",
+    ),
     dict(model="bert", wrap="units", reshard=True, steps=1, configuration="full"),
     # Adam's state is sharded: joined like the parameters for Alpha's replay
     {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "adam"},

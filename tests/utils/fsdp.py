@@ -149,12 +149,15 @@ def train(
     e.g. :class:`tests.utils.syncs.FactoryCounter`) is active during the last step's
     ``with cockpit(...)`` block.
 
+    ``case["frozen"]``: a submodule's name whose parameters do not train.
     ``case["resume"]`` (``{"path": folder, "source": "own" or a rank}``): after
     step 0 every process saves its cockpit's state there, and a new Cockpit goes on
     from the state of this process (``"own"``) or of the rank given."""
     from torch.distributed.fsdp import fully_shard
 
     model, units, batch, logits_of = make(case["model"])
+    if case.get("frozen"):  # a module left out of training (and of the cockpit)
+        model.get_submodule(case["frozen"]).requires_grad_(False)
     if rank is not None:
         model = extend(model)  # as the user's loop does (cockpit takes it off)
         reshard = case.get("reshard", True)
