@@ -14,8 +14,9 @@ accumulates there is reduce-scattered into the sharded parameter's ``.grad`` (a
   forward and backward pass, where per-sample results are formed on this process's
   samples, as in DDP), found by unsharding each unit once when the Cockpit is made;
 * joins the shards after the backward pass (:meth:`Sharding.gather`): each process
-  puts its rows of the parameters and of the joined gradient into one float64
-  vector of the full size, summed over the processes in cockpit's own group;
+  puts its rows of the parameters (and, in a second vector, of the joined
+  gradient) into a vector of the full size in their dtype, summed over the
+  processes in cockpit's own group;
 * names the layout for the set-up fingerprint (:meth:`Sharding.layout`).
 
 Every other ``DTensor`` layout (tensor parallel, a mesh of two or more dimensions

@@ -289,7 +289,7 @@ def test_the_shards_are_joined_exactly_in_the_parameters_dtype(tmp_path):
         assert "error" not in result, result.get("traceback", result["error"])
         for dtype, sent in (("torch.float32", "torch.float32"),
                             ("torch.bfloat16", "torch.float32")):  # fmt: skip
-            assert result[dtype]["sent"] == [sent], result[dtype]
+            assert result[dtype]["sent"] == [sent, sent], result[dtype]
             assert result[dtype]["equal"] == [True] * 8, result[dtype]
 
 

@@ -356,17 +356,18 @@ def joined_exactly(rank: int, world: int) -> dict:
         fully_shard(model)
         cockpit = Cockpit(model.named_parameters(), [quantities.GradNorm(linear(1))])
         comm = cockpit._communicator
-        seen = {"sent": [], "joined": None}
+        seen = {"sent": [], "joined": []}
         reduce, gather = comm.all_reduce, comm.sharding.gather
 
         def watched(tensor, what, step, op="sum", reduce=reduce, seen=seen):
-            if what == "the parameters' and gradient's shards":
+            if what in ("the parameters' shards", "the gradient's shards"):
                 seen["sent"].append(str(tensor.dtype))
             return reduce(tensor, what, step, op)
 
         def kept(*args, gather=gather, seen=seen):
-            seen["joined"] = [t.clone() for t in gather(*args)]
-            return seen["joined"]
+            joined = gather(*args)
+            seen["joined"] += [t.clone() for t in joined]  # parameters, gradient
+            return joined
 
         comm.all_reduce, comm.sharding.gather = watched, kept
         kwargs, y = batch(0, 4)

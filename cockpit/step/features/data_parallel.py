@@ -250,16 +250,18 @@ class DataParallel(StepFeature):
     def _sharded(self, sharding, shared, params):
         """FSDP2: each process's rows of the parameters and joined gradient, joined.
 
-        One all-reduce of ``2 D`` float64 (:meth:`Sharding.gather`). With shards
-        of different sizes (or inside ``no_sync``) the joined gradient is formed
-        from each process's own gradient, caught at the unsharded tensors.
+        Two all-reduces of ``D`` numbers in the parameters' dtype
+        (:meth:`Sharding.gather`), one for the parameters, one for the gradient:
+        the full tensors are views of their vector, and a quantity that keeps the
+        gradient to the next step (Alpha's direction) keeps ``D`` numbers, not
+        ``2 D``. With shards of different sizes (or inside ``no_sync``) the joined
+        gradient is formed from each process's own gradient, caught at the
+        unsharded tensors.
         """
         step = shared.global_step
         grads = [p.grad for p in params]
-        full = sharding.gather(
-            self.comm, [*params, *grads], "the parameters' and gradient's shards", step
-        )
-        full_params, full_grads = full[: len(params)], full[len(params) :]
+        full_params = sharding.gather(self.comm, params, "the parameters' shards", step)
+        full_grads = sharding.gather(self.comm, grads, "the gradient's shards", step)
         for param, grad, given in zip(full_params, full_grads, grads, strict=True):
             param.grad = None if given is None else grad  # what the optimizer sees
         if shared.uneven or self.no_sync:
