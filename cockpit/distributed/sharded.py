@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -224,7 +225,7 @@ class Sharding:
                 groups.append({**group, "params": held})
         if not groups:
             return optimizer
-        twin = type(optimizer)(groups, **optimizer.defaults)
+        twin = rebuilt(optimizer, groups)
         if not state:
             return twin
         states = [optimizer.state.get(p) or {} for p in self.params]
@@ -245,6 +246,26 @@ class Sharding:
                     for k, v in own.items()
                 }
         return twin
+
+    def optimizer_unbuildable(self, optimizer) -> str | None:
+        """Why no optimizer like ``optimizer`` can be made over the full tensors.
+
+        Tried on one small tensor per parameter group when the step opens, so
+        that the quantities reading the optimizer are left out before any work.
+        """
+        like = local(self.params[0])
+        try:
+            probe = [
+                {**group, "params": [like.new_zeros(1).requires_grad_()]}
+                for group in optimizer.param_groups
+            ]
+            rebuilt(optimizer, probe)
+        except Exception as error:  # any constructor's refusal
+            return (
+                f"cockpit could not make a {type(optimizer).__name__} over the full "
+                f"parameters ({type(error).__name__}: {error})"
+            )
+        return None
 
     def state_unsharded(self, optimizer) -> str | None:
         """Why the optimizer's state cannot be joined like the parameters, if so.
@@ -303,6 +324,23 @@ class Sharding:
             out.append(piece.to(local(param).device, param.dtype))
             position += param.numel()
         return out
+
+
+def rebuilt(optimizer, groups: list[dict]):
+    """An optimizer of ``optimizer``'s class over ``groups``; it never steps.
+
+    The groups carry every setting, so the class is called with them alone
+    (``torch.optim`` optimizers default the rest); a constructor that wants more
+    gets the optimizer's ``defaults`` it accepts (``AdamW.defaults`` holds
+    ``decoupled_weight_decay``, which ``AdamW()`` does not take).
+    """
+    cls = type(optimizer)
+    try:
+        return cls(groups)
+    except TypeError:
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return cls(groups, **defaults)
 
 
 def _joined_dtype(dtypes) -> torch.dtype:

@@ -134,6 +134,8 @@ CASES = [
     dict(model="bert", wrap="units", reshard=True, steps=1, configuration="full"),
     # Adam's state is sharded: joined like the parameters for Alpha's replay
     {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "adam"},
+    # AdamW's defaults hold a setting its constructor does not take
+    {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "adamw"},
 ]
 
 
@@ -253,6 +255,26 @@ def test_the_monte_carlo_ggn_agrees_within_its_standard_errors(tmp_path):
         _compare(rest, {k: got[k] for k in rest}, f"step {step}", problems)
     assert not problems, problems[:10]
     assert len(deviations) == 3 * 4 and max(deviations) > 0  # not the same draws
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_leaves_its_readers_out(tmp_path):
+    """An optimizer whose class cannot be made from its parameter groups (a
+    constructor argument its ``defaults`` lack): Alpha, which reads the learning
+    rates from a copy over the full parameters, is missing with the reason and
+    the fix on every rank; the other values are recorded."""
+    case = {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "needy"}
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=[case])
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        got = result["cases"][0]
+        assert "error" not in got, got.get("traceback", got["error"])
+        for step in got["history"].values():
+            assert set(step["missing"]) == {"Alpha"}, step["missing"]
+            reason = step["missing"]["Alpha"]
+            assert "could not make a Needy over the full parameters" in reason
+            assert "missing 1 required positional argument: 'token'" in reason
+            assert "Fix:" in reason
+            assert {"GradNorm", "Variance", "InnerTest"} <= set(step)
 
 
 def test_a_resumed_run_keeps_each_ranks_warm_start(tmp_path):

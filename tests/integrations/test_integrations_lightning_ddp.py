@@ -578,6 +578,12 @@ def test_model_parallel_strategy_logs_what_ddp_logs(tmp_path):
         for values in got.values():  # the engines of sharded models: the GGN
             how = values["HessTrace_estimate"]
             assert (how["method"], how["curvature"]) == ("ggn_exact", "ggn"), how
+        said = [w for w in result["fsdp2"]["warnings"] if "use the generalised" in w]
+        assert len(said) == 1, result["fsdp2"]["warnings"]
+        assert said[0].startswith(
+            "HessTrace: no engine that serves fully_shard (FSDP2) models forms the "
+            "Hessian diagonal (BackPACK does not serve them)"
+        ), said
         assert not problems, problems[:10]
         assert result["fsdp2"]["final"] == result["plain"]["final"]
     first, second = (r["fsdp2"]["seen"] for r in results)

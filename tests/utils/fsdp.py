@@ -102,6 +102,14 @@ def make(kind: str):
     raise ValueError(kind)
 
 
+class Needy(torch.optim.SGD):
+    """SGD whose constructor wants an argument its ``defaults`` do not hold."""
+
+    def __init__(self, params, token: str, lr: float = 0.1):
+        super().__init__(params, lr=lr)
+        self.token = token
+
+
 def make_quantities(label: str, curvature: str | None = None, power: bool = False):
     """A configuration's quantities, tracked every step, plus Variance and MeanGSNR.
 
@@ -167,6 +175,10 @@ def train(
         fully_shard(model, reshard_after_forward=reshard)
     if case.get("optimizer") == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    elif case.get("optimizer") == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    elif case.get("optimizer") == "needy":
+        optimizer = Needy(model.parameters(), "a token")
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 

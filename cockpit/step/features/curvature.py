@@ -46,11 +46,21 @@ from cockpit.step.state import Produced
 _GGN_KINDS = ("diag_h", "diag_ggn_exact", "diag_ggn_mc")
 
 
-def substitution_warning(keys: list[str]) -> str:
-    """The warning of quantities that read the GGN in place of the Hessian."""
+def substitution_warning(keys: list[str], sharded: bool = False) -> str:
+    """The warning of quantities that read the GGN in place of the Hessian.
+
+    ``sharded``: the model's parameters are FSDP2's (no engine serving them
+    forms a Hessian diagonal).
+    """
     names = ", ".join(keys)
+    why = (
+        "no engine that serves fully_shard (FSDP2) models forms the Hessian "
+        "diagonal (BackPACK does not serve them)"
+        if sharded
+        else "BackPACK cannot form this model's Hessian diagonal"
+    )
     return (
-        f"{names}: BackPACK cannot form this model's Hessian diagonal, and "
+        f"{names}: {why}, and "
         "Hutchinson's estimate of the Hessian trace is too noisy to read at any "
         "affordable budget (a relative error of 17-270 % at 16 products on real "
         "architectures), so for this run they use the generalised Gauss-Newton of "
@@ -125,8 +135,10 @@ class Curvature(StepFeature):
         guards = self._show(quantities, estimate, settings, _GGN_KINDS, exact)
         swapped = [q.key for q in quantities if curvature_source.substitutes(q)]
         if swapped:
+            sharded = getattr(state.communicator, "sharding", None) is not None
             state.checks.warn_once(
-                ("ggn-for-hessian", tuple(swapped)), substitution_warning(swapped)
+                ("ggn-for-hessian", tuple(swapped)),
+                substitution_warning(swapped, sharded),
             )
         # a data-parallel step joins the draws' traces for the standard errors
         drawn = () if exact else ((tuple(quantities), estimate.traces),)

@@ -203,7 +203,11 @@ class DataParallel(StepFeature):
         ):  # inside no_sync() the processes' .grad differ by design
             self._check_synchronised(shared)
         optimizer = info.get("optimizer")
-        if sharding is not None and isinstance(optimizer, torch.optim.Optimizer):
+        if (  # (an optimizer that cannot be rebuilt: its readers are left out)
+            sharding is not None
+            and isinstance(optimizer, torch.optim.Optimizer)
+            and sharding.optimizer_unbuildable(optimizer) is None
+        ):
             # the optimizer over the full parameters, its state joined for a replay
             replays = any(
                 Need.OPTIMIZER_UPDATE in state.plan.needs_of(q)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from cockpit.needs import Need
 from cockpit.quantities.optim import is_plain_sgd
 from cockpit.step.features.base import StepFeature, register_feature
@@ -48,6 +50,17 @@ def sharded_replay_reason(key: str, optimizer: str, why: str) -> str:
     )
 
 
+def sharded_optimizer_reason(key: str, why: str) -> str:
+    """Why a quantity reading the optimizer is missing on a ``fully_shard`` model."""
+    return (
+        f"{key} reads the optimizer's learning rates (and replays its update), "
+        "which cockpit reads from a copy of the optimizer over the full "
+        f"parameters on fully_shard models, but {why}. Fix: give the optimizer's "
+        "class a constructor that takes the parameter groups alone (as "
+        "torch.optim optimizers do), or track it in a run without fully_shard"
+    )
+
+
 @register_feature
 class ShardedReplay(StepFeature):
     """Record Alpha's replay of an FSDP2 step missing where it cannot be joined."""
@@ -68,9 +81,27 @@ class ShardedReplay(StepFeature):
         state = self.state
         ledger, plan = state.ledger, state.plan
         optimizer = state.info.get("optimizer")
-        if optimizer is None or is_plain_sgd(optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
             return
-        why = state.communicator.sharding.state_unsharded(optimizer)
+        sharding = state.communicator.sharding
+        why = sharding.optimizer_unbuildable(optimizer)
+        if why is not None:  # the learning rates too are read from that copy
+            readers = [
+                q
+                for q in plan.active
+                if not ledger.out(q) and "optimizer" in getattr(q, "info_keys", ())
+            ]
+            for quantity in readers:
+                ledger.leave_out(
+                    quantity,
+                    sharded_optimizer_reason(quantity.key, why),
+                    once=("fsdp-optimizer", quantity.key),
+                    short="not on fully_shard parameters with this optimizer",
+                )
+            return
+        if is_plain_sgd(optimizer):
+            return
+        why = sharding.state_unsharded(optimizer)
         if why is None:  # joined like the parameters after the backward pass
             return
         replayed = [
