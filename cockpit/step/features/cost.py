@@ -236,7 +236,9 @@ def cost_line(tracked: list, untracked: list, step: int) -> str | None:
         if ratio < BLOCK_RATIO:
             return None
         seen = (
-            f"every step is tracked, and a tracked step took {_ms(cost)} (wall time, "
+            f"every step is tracked (quantities of two steps, such as Alpha and "
+            f"UpdateSize, also track the step after each scheduled one), and a "
+            f"tracked step took {_ms(cost)} (wall time, "
             f"{_steps(tracked)}): {parts}. The with block took {ratio:.3g}x the "
             "rest; a plain backward pass costs about one to three forward passes, "
             "so a tracked step costs several untracked ones (track a sparser "
