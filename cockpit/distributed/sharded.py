@@ -17,7 +17,10 @@ accumulates there is reduce-scattered into the sharded parameter's ``.grad`` (a
   puts its rows of the parameters (and, in a second vector, of the joined
   gradient) into a vector of the full size in their dtype, summed over the
   processes in cockpit's own group;
-* names the layout for the set-up fingerprint (:meth:`Sharding.layout`).
+* names the layout for the set-up fingerprint (:meth:`Sharding.layout`);
+* unshards every unit for cockpit's own second derivatives before the user's
+  backward pass (:meth:`Sharding.unsharded`), and holds the eigensolvers' vectors
+  as each process's rows (:class:`Pieces`).
 
 Every other ``DTensor`` layout (tensor parallel, a mesh of two or more dimensions
 such as HSDP, a shard on another dimension, parameters FSDP does not manage next to

@@ -9,8 +9,9 @@ unit is unsharded and FSDP does not reshard it at the end of cockpit's own backw
 passes (it would free the tensors the graph of the gradient reads). The GGN's
 backward passes are first-order and need no such care, but run there as well.
 
-Alpha's replay of an optimizer whose sharded state is not laid out like its
-parameters (torch.optim's is: it is joined with them) is recorded as missing, with
+What reads an optimizer whose class cannot be made from its parameter groups,
+and Alpha's replay of an optimizer whose sharded state is not laid out like its
+parameters (torch.optim's is: it is joined with them), is recorded as missing, with
 the reason and what to do, before any work of the step (never a crash, never a
 wrong number).
 """
@@ -63,7 +64,13 @@ def sharded_optimizer_reason(key: str, why: str) -> str:
 
 @register_feature
 class ShardedReplay(StepFeature):
-    """Record Alpha's replay of an FSDP2 step missing where it cannot be joined."""
+    """Leave out what reads an optimizer cockpit cannot copy over full tensors.
+
+    The quantities that read the optimizer (``"optimizer"`` in their
+    ``info_keys``: Alpha, CABS, EarlyStopping) where its class cannot be made from
+    its parameter groups; Alpha's replay where its sharded state is not laid out
+    like its parameters.
+    """
 
     order = 5  # before any feature starts work
     only_if = ("communicator",)
@@ -74,9 +81,9 @@ class ShardedReplay(StepFeature):
         return getattr(state.communicator, "sharding", None) is not None
 
     def begin(self) -> None:
-        """Leave out the replayed update of an optimizer whose state is not joined.
+        """Leave them out with the reason, at the step's opening.
 
-        At the step's opening, before any feature or engine works on it.
+        Before any feature or engine works on them.
         """
         state = self.state
         ledger, plan = state.ledger, state.plan
