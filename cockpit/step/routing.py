@@ -217,7 +217,8 @@ class StepRouting:
                 Need.DIAG_H in wanted or wanted <= q.estimable
             ):
                 reason = f"{reason}; {q.not_estimable[0]}"
-                fix = f"{fix}, {q.not_estimable[1]}"
+                other = q.not_estimable[1]  # "or ...": an alternative to the fix
+                fix = f"{fix}, {other}" if fix else other.removeprefix("or ")
             groups.setdefault((reason, fix), []).append(q)
         for (reason, fix), quantities in groups.items():
             self._leave_out(quantities, reason, fix)
