@@ -281,6 +281,32 @@ def test_an_optimizer_that_cannot_be_rebuilt_leaves_its_readers_out(tmp_path):
             assert {"GradNorm", "Variance", "InnerTest"} <= set(step)
 
 
+def test_mixed_precision_records_every_value_alike_on_every_rank(tmp_path):
+    """FSDP2's ``MixedPrecisionPolicy`` (bfloat16 forward and backward, float32
+    reduction): the full configuration, second derivatives through bfloat16 units
+    included, records every value on every rank, finite, the ranks alike (no
+    float64 reference: bfloat16 numbers are not one process's float64 ones)."""
+    case = {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full",
+            "mixed": True}  # fmt: skip
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=[case])
+    histories = []
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        got = result["cases"][0]
+        assert "error" not in got, got.get("traceback", got["error"])
+        histories.append(got["history"])
+    recorded = {key for step in histories[0].values() for key in step}
+    assert {"HessMaxEV", "HessTrace", "TICDiag", "Alpha", "GradNorm"} <= recorded
+    for step in histories[0].values():
+        assert "missing" not in step, step["missing"]
+        for key in ("HessMaxEV", "HessTrace", "GradNorm", "Variance", "Loss"):
+            values = step[key] if isinstance(step[key], list) else [step[key]]
+            assert all(math.isfinite(v) for v in values), (key, values)
+    problems: list[str] = []
+    _compare(histories[0], histories[1], "rank 1", problems)
+    assert not problems, problems[:10]
+
+
 def test_a_resumed_run_keeps_each_ranks_warm_start(tmp_path):
     """Each process saves its state after step 0 and a new Cockpit goes on from
     it: every value equals the uninterrupted one process's (HessMaxEV's warm start

@@ -157,7 +157,8 @@ def train(
     e.g. :class:`tests.utils.syncs.FactoryCounter`) is active during the last step's
     ``with cockpit(...)`` block.
 
-    ``case["frozen"]``: a submodule's name whose parameters do not train.
+    ``case["frozen"]``: a submodule's name whose parameters do not train;
+    ``case["mixed"]``: FSDP2's mixed precision (bfloat16 compute).
     ``case["resume"]`` (``{"path": folder, "source": "own" or a rank}``): after
     step 0 every process saves its cockpit's state there, and a new Cockpit goes on
     from the state of this process (``"own"``) or of the rank given."""
@@ -168,11 +169,17 @@ def train(
         model.get_submodule(case["frozen"]).requires_grad_(False)
     if rank is not None:
         model = extend(model)  # as the user's loop does (cockpit takes it off)
-        reshard = case.get("reshard", True)
+        options = {"reshard_after_forward": case.get("reshard", True)}
+        if case.get("mixed"):  # bfloat16 compute, float32 gradient reduction
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         if case.get("wrap", "units") == "units":
             for unit in units:
-                fully_shard(unit, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+                fully_shard(unit, **options)
+        fully_shard(model, **options)
     if case.get("optimizer") == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     elif case.get("optimizer") == "adamw":
