@@ -33,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+
+from cockpit.quantities.optim import rebuilt
 
 #: What a refusal says to do.
 FIX = (
@@ -103,6 +104,11 @@ class _Shard:
     record: Any
     offset: int  # first row this process owns
     rows: int  # rows this process owns
+
+    def elements(self, param: Tensor) -> tuple[int, int]:
+        """Where this process's rows sit in ``param`` flattened: ``(start, stop)``."""
+        row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
+        return self.offset * row, (self.offset + self.rows) * row
 
 
 class Sharding:
@@ -313,10 +319,9 @@ class Sharding:
         for k, tensor in enumerate(tensors):
             j = k % len(self.params)
             param, shard = self.params[j], self.shards[j]
-            row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
             if tensor is not None and shard.rows:
+                start = position + shard.elements(param)[0]
                 piece = local(tensor).detach().reshape(-1)
-                start = position + shard.offset * row
                 flat[start : start + piece.numel()] = piece
             position += sizes[j]
         total = communicator.all_reduce(flat, what, step)
@@ -327,23 +332,6 @@ class Sharding:
             out.append(piece.to(local(param).device, param.dtype))
             position += param.numel()
         return out
-
-
-def rebuilt(optimizer, groups: list[dict]):
-    """An optimizer of ``optimizer``'s class over ``groups``; it never steps.
-
-    The groups carry every setting, so the class is called with them alone
-    (``torch.optim`` optimizers default the rest); a constructor that wants more
-    gets the optimizer's ``defaults`` it accepts (``AdamW.defaults`` holds
-    ``decoupled_weight_decay``, which ``AdamW()`` does not take).
-    """
-    cls = type(optimizer)
-    try:
-        return cls(groups)
-    except TypeError:
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        return cls(groups, **defaults)
 
 
 def _joined_dtype(dtypes) -> torch.dtype:
@@ -374,10 +362,9 @@ class Pieces:
         self.ranges: list[tuple[int, int]] = []
         position = 0
         for param, shard in zip(sharding.params, sharding.shards, strict=True):
-            row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
             if shard.rows:
-                start = position + shard.offset * row
-                self.ranges.append((start, start + shard.rows * row))
+                start, stop = shard.elements(param)
+                self.ranges.append((position + start, position + stop))
             position += param.numel()
         #: The whole vectors' size.
         self.dim = position

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Sequence
 
 import torch
@@ -109,6 +110,23 @@ def learning_rates(optimizer, params: Sequence[Tensor]) -> list[float]:
         0.0 if g is None else float(groups[g]["lr"])
         for g in group_index(optimizer, params)
     ]
+
+
+def rebuilt(optimizer, groups: list[dict]):
+    """An optimizer of ``optimizer``'s class over ``groups``; it never steps.
+
+    The groups carry every setting, so the class is called with them alone
+    (``torch.optim`` optimizers default the rest); a constructor that wants more
+    gets the optimizer's ``defaults`` it accepts (``AdamW.defaults`` holds
+    ``decoupled_weight_decay``, which ``AdamW()`` does not take).
+    """
+    cls = type(optimizer)
+    try:
+        return cls(groups)
+    except TypeError:
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return cls(groups, **defaults)
 
 
 def replay_update(optimizer, param: Tensor, grad: Tensor) -> Tensor:
