@@ -103,6 +103,17 @@ def _compare_counts_2d(want, got, path, problems):
             problems.append(f"{path}[:, {j}]: the middle rows' counts differ")
 
 
+def _rank_histories(case, tmp_path, world: int = 2) -> list[dict]:
+    """Every rank's history of one FSDP2 case (asserting that none failed)."""
+    histories = []
+    for result in fsdp.launch(fsdp.histories, world, tmp_path, cases=[case]):
+        assert "error" not in result, result.get("traceback", result["error"])
+        got = result["cases"][0]
+        assert "error" not in got, got.get("traceback", got["error"])
+        histories.append(got["history"])
+    return histories
+
+
 def _as_json(history):
     import json
 
@@ -230,13 +241,7 @@ def test_the_monte_carlo_ggn_agrees_within_its_standard_errors(tmp_path):
     case = {"model": "mlp", "wrap": "units", "reshard": True, "batch": 12,
             "configuration": "business", "steps": 3}  # fmt: skip
     want = _as_json(fsdp.train(case, None, 2).history.to_dict())
-    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=[case])
-    histories = []
-    for result in results:
-        assert "error" not in result, result.get("traceback", result["error"])
-        got = result["cases"][0]
-        assert "error" not in got, got.get("traceback", got["error"])
-        histories.append(got["history"])
+    histories = _rank_histories(case, tmp_path)
     for history in [want, *histories]:
         for step in history.values():
             missing = step.pop("missing", {})
@@ -267,12 +272,8 @@ def test_an_optimizer_that_cannot_be_rebuilt_leaves_its_readers_out(tmp_path):
     rates from a copy over the full parameters, is missing with the reason and
     the fix on every rank; the other values are recorded."""
     case = {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "needy"}
-    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=[case])
-    for result in results:
-        assert "error" not in result, result.get("traceback", result["error"])
-        got = result["cases"][0]
-        assert "error" not in got, got.get("traceback", got["error"])
-        for step in got["history"].values():
+    for history in _rank_histories(case, tmp_path):
+        for step in history.values():
             assert set(step["missing"]) == {"Alpha"}, step["missing"]
             reason = step["missing"]["Alpha"]
             assert "could not make a Needy over the full parameters" in reason
@@ -288,13 +289,7 @@ def test_mixed_precision_records_every_value_alike_on_every_rank(tmp_path):
     float64 reference: bfloat16 numbers are not one process's float64 ones)."""
     case = {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full",
             "mixed": True}  # fmt: skip
-    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=[case])
-    histories = []
-    for result in results:
-        assert "error" not in result, result.get("traceback", result["error"])
-        got = result["cases"][0]
-        assert "error" not in got, got.get("traceback", got["error"])
-        histories.append(got["history"])
+    histories = _rank_histories(case, tmp_path)
     recorded = {key for step in histories[0].values() for key in step}
     assert {"HessMaxEV", "HessTrace", "TICDiag", "Alpha", "GradNorm"} <= recorded
     for step in histories[0].values():
