@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cockpit.distributed.process_group import Communicator, PendingGather, _digest
+from cockpit.distributed.sharded import Pieces
 from cockpit.distributed.sync import DistributedError
 
 
@@ -117,10 +118,6 @@ class StepComm:
         gradients: The joined batch's gradient per parameter (set after backward).
         graph_gradients: This shard's gradients with their autograd graph (for
             Hessian-vector products), where a quantity needs them.
-        pieces: With FSDP2's sharded parameters, how each process holds its
-            rows of flat vectors over the parameters
-            (:class:`~cockpit.distributed.sharded.Pieces`: the eigensolvers'
-            vectors); ``None`` otherwise.
     """
 
     def __init__(
@@ -145,7 +142,6 @@ class StepComm:
             self.n_local = int(n_local)
         self.gradients: list[Tensor] | None = None
         self.graph_gradients: list[Tensor] | None = None
-        self.pieces = None
         #: What several quantities of the step compute alike (e.g. the Gram
         #: tests' projections), computed and sent once: ``name -> result``.
         self.common: dict[str, Any] = {}
@@ -237,6 +233,19 @@ class StepComm:
         dots = individual.project(vector).detach()
         self.common[key] = (vector, dots)
         return dots
+
+    @property
+    def pieces(self):
+        """How each process holds its rows of flat vectors (FSDP2), or ``None``.
+
+        With ``fully_shard`` parameters, a
+        :class:`~cockpit.distributed.sharded.Pieces` (the eigensolvers' vectors);
+        made from the communicator's layout where asked for.
+        """
+        sharding = getattr(self.communicator, "sharding", None)
+        if sharding is None:
+            return None
+        return Pieces(sharding, self.communicator, self.global_step)
 
     def mean(self, local_mean: Tensor, what: str) -> Tensor:
         """Return the mean over the joined batch of per-shard means (one collective).

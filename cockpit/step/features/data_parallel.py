@@ -18,7 +18,6 @@ from torch import Tensor
 from cockpit import distributed
 from cockpit.context import StepInfo
 from cockpit.curvature.hutchinson import sum_error, trace_errors
-from cockpit.distributed.sharded import Pieces
 from cockpit.needs import Need
 from cockpit.per_sample import sample_losses
 from cockpit.quantities.base import TrackContext
@@ -141,8 +140,6 @@ class DataParallel(StepFeature):
                     for g, p in zip(grads, wrt, strict=True)
                 ]
                 grads = None
-                if self.comm.sharding is not None:  # each process keeps its rows
-                    shared.pieces = Pieces(self.comm.sharding, self.comm, step)
                 for quantity in last:
                     try:
                         early[id(quantity)] = (quantity.track_step(step, ctx), None)
