@@ -73,28 +73,39 @@ class Bucket:
         """All-reduce everything added (one collective per operation used).
 
         Every slot has its value before the first ``then`` runs, so a ``then``
-        may read other slots of the same bucket.
+        may read other slots of the same bucket. A ``then`` may add to the
+        bucket again (a sum that needs another process's sum first, such as a
+        shard-local sum over rows of a joined vector): those are reduced in a
+        next round, until none is added (every process runs the same ``then``,
+        so all make the same rounds).
         """
         comm = self.comm
-        for op, slots in self._slots.items():
-            if not slots:
-                continue
-            device = slots[0].tensor.device
-            flat = torch.cat(
-                [s.tensor.detach().to(device, torch.float64).reshape(-1) for s in slots]
-            )
-            total = comm.communicator.all_reduce(flat, what, comm.global_step, op=op)
-            position = 0
-            for slot in slots:
-                size = slot.tensor.numel()
-                piece = total[position : position + size].reshape(slot.tensor.shape)
-                position += size
-                slot.value = piece.to(slot.tensor.device, slot.tensor.dtype)
-        for slots in self._slots.values():
-            for slot in slots:
-                if slot.then is not None:
-                    slot.then(slot.value)
-        self._slots = {"sum": [], "max": []}
+        while any(self._slots.values()):
+            rounds, self._slots = self._slots, {"sum": [], "max": []}
+            for op, slots in rounds.items():
+                if not slots:
+                    continue
+                device = slots[0].tensor.device
+                flat = torch.cat(
+                    [
+                        s.tensor.detach().to(device, torch.float64).reshape(-1)
+                        for s in slots
+                    ]
+                )
+                total = comm.communicator.all_reduce(
+                    flat, what, comm.global_step, op=op
+                )
+                position = 0
+                for slot in slots:
+                    size = slot.tensor.numel()
+                    piece = total[position : position + size]
+                    position += size
+                    piece = piece.reshape(slot.tensor.shape)
+                    slot.value = piece.to(slot.tensor.device, slot.tensor.dtype)
+            for slots in rounds.values():
+                for slot in slots:
+                    if slot.then is not None:
+                        slot.then(slot.value)
 
 
 class StepComm:
@@ -233,6 +244,11 @@ class StepComm:
         dots = individual.project(vector).detach()
         self.common[key] = (vector, dots)
         return dots
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are ``fully_shard``'s (FSDP2)."""
+        return getattr(self.communicator, "sharding", None) is not None
 
     @property
     def pieces(self):

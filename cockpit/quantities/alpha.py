@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cockpit.distributed.rows import foreign_reason, is_foreign, squared_norms
 from cockpit.errors import CockpitWarning
 from cockpit.needs import Need
 from cockpit.param_view import ParamView
@@ -19,6 +20,7 @@ from cockpit.quantities import functional as F
 from cockpit.quantities.base import Missing, TrackContext, TwoStepQuantity
 from cockpit.quantities.optim import (
     ReplayError,
+    is_elementwise,
     is_plain_sgd,
     learning_rates,
     replay_update,
@@ -40,6 +42,14 @@ class _StepParts:
     #: Data-parallel start steps: per parameter index, the per-sample gradients,
     #: projected once the step's gradient is known on every process.
     kept: dict[int, Any] = field(default_factory=dict)
+    #: FSDP2 end steps: the per-sample gradients, projected after the backward
+    #: pass onto each parameter's full direction (it is kept as rows).
+    kept_end: dict[int, Any] = field(default_factory=dict)
+    #: FSDP2 start steps: the direction's rows and the slot of ``tau^2``.
+    rows_direction: list | None = None
+    tau_squared: Any = None
+    #: FSDP2 end steps: whether a process's kept direction was another's.
+    foreign: Any = None
 
 
 @dataclass
@@ -131,6 +141,20 @@ class Alpha(TwoStepQuantity):
     needs = frozenset({Need.PROJECTIONS, Need.OPTIMIZER_UPDATE})
     info_keys = ("loss", "individual_losses", "optimizer")
     Accumulator = _StepParts
+
+    @property
+    def shard_local(self) -> bool:
+        """On FSDP2, with an optimizer whose update is elementwise: from the rows.
+
+        The direction is replayed on each process's rows (its rows of the
+        optimizer's state) and kept as rows; each parameter's full direction is
+        formed only for the projection of its per-sample gradients
+        (:meth:`cockpit.distributed.rows.Rows.project`). Other optimizers: on
+        the full parameters, joined for it.
+        """
+        optimizer = self._optimizer
+        return optimizer is None or is_elementwise(optimizer)
+
     #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
     SAVE_SHIFT = 1
 
@@ -147,10 +171,15 @@ class Alpha(TwoStepQuantity):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Project the parameter's per-sample gradients onto the step(s)."""
         if self.finishes(global_step):
-            direction = self._pending[global_step - 1]["direction"][view.index]
-            dots = _per_sample_dots(view, direction)
-            previous = self.acc.end_dots
-            self.acc.end_dots = dots if previous is None else previous + dots
+            pending = self._pending[global_step - 1]
+            if "owner" in pending:  # rows (FSDP2): projected after the backward pass
+                if self.shared is not None and self.shared.sharded:
+                    self.acc.kept_end[view.index] = view.keep_individual()
+            else:
+                direction = pending["direction"][view.index]
+                dots = _per_sample_dots(view, direction)
+                previous = self.acc.end_dots
+                self.acc.end_dots = dots if previous is None else previous + dots
         if self.should_compute(global_step):
             if self.shared is not None:  # the update is known after all processes
                 self.acc.kept[view.index] = view.keep_individual()
@@ -183,6 +212,9 @@ class Alpha(TwoStepQuantity):
         gradients onto it.
         """
         acc = self.acc
+        if ctx.rows is not None and self.shard_local:
+            self._share_rows(global_step, ctx, bucket)
+            return
         # (FSDP2: the optimizer over the full parameters, its state joined)
         self._optimizer = ctx.info.get("optimizer", self._optimizer)
         for index in sorted(acc.kept):
@@ -203,6 +235,50 @@ class Alpha(TwoStepQuantity):
         if acc.end_dots is not None:
             bucket.gather(acc.end_dots, lambda v: setattr(acc, "end_dots", v))
 
+    def _share_rows(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """FSDP2: the direction on this process's rows; projections; ``tau^2``.
+
+        Every process joins each parameter's full vector for the projections
+        (one collective per parameter, in the same order on every process,
+        whatever it found: a replay that failed or a foreign direction projects
+        zeros and is decided by the sums).
+        """
+        acc, rows = self.acc, ctx.rows
+        optimizer = rows.optimizer
+        self._optimizer = optimizer
+        for index in sorted(acc.kept):
+            individual = acc.kept.pop(index)
+            grad = rows.grads[index]
+            entry = self._start_entry(rows.params[index], grad, lambda v: None)
+            vector = entry.vector if entry.vector is not None else grad * 0
+            dots = rows.project(index, individual, vector)
+            if entry.kind != "failed":
+                entry.dots = dots
+                bucket.gather(entry.dots, lambda v, e=entry: setattr(e, "dots", v))
+            acc.starts[index] = entry
+        if acc.starts:
+            entries = [acc.starts[i] for i in range(len(rows.params))]
+            found = self._direction(global_step, optimizer, entries, rows.params, False)
+            partial = torch.zeros((), dtype=torch.float64, device=rows.device)
+            if not isinstance(found, Missing):
+                acc.rows_direction = found[0]
+                partial = sum_of_squares(found[0])
+            acc.tau_squared = bucket.sum(partial)
+        if acc.kept_end:
+            pending = self._pending[global_step - 1]
+            foreign = is_foreign(pending["owner"], rows)
+            direction = pending["direction"]
+            total = 0
+            for index in sorted(acc.kept_end):
+                vector = rows.params[index] * 0 if foreign else direction[index]
+                vector = vector.to(compute_dtype(vector.dtype))
+                total = total + rows.project(index, acc.kept_end.pop(index), vector)
+            acc.end_dots = total
+            flag = torch.tensor(float(foreign), dtype=torch.float64, device=rows.device)
+            acc.foreign = bucket.sum(flag)
+        if acc.end_dots is not None:
+            bucket.gather(acc.end_dots, lambda v: setattr(acc, "end_dots", v))
+
     # --- after the backward pass ---------------------------------------------------
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Finish the previous start, then start anew; drop the step's buffers."""
@@ -212,16 +288,22 @@ class Alpha(TwoStepQuantity):
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> dict | None:
         optimizer = ctx.info.require("optimizer", self.key)
-        entries = [self.acc.starts[index] for index in range(len(ctx.params))]
-        direction_and_dots = self._direction(global_step, optimizer, entries, ctx)
+        params = ctx.params
+        if ctx.rows is not None and self.acc.tau_squared is not None:  # FSDP2 rows
+            optimizer, params = ctx.rows.optimizer, ctx.rows.params
+        entries = [self.acc.starts[index] for index in range(len(params))]
+        direction_and_dots = self._direction(global_step, optimizer, entries, params)
         if isinstance(direction_and_dots, Missing):  # recorded at this step
             return direction_and_dots
         direction, dots = direction_and_dots
-        tau = torch.stack([(d**2).sum() for d in direction]).sum().sqrt()
+        if self.acc.tau_squared is not None:  # summed over the processes' rows
+            tau = self.acc.tau_squared.value.sqrt()
+        else:
+            tau = torch.stack([(d**2).sum() for d in direction]).sum().sqrt()
         tau = tau.to(torch.float64)  # a tensor: no synchronisation
         value, value_var = self._loss_observation(ctx, dots.shape[0], dots.device)
         slope, slope_var = _slope_observation(dots, tau)
-        return {
+        kept = {
             "direction": direction,
             "tau": tau,
             "value": value,
@@ -229,16 +311,27 @@ class Alpha(TwoStepQuantity):
             "slope": slope,
             "slope_var": slope_var,
         }
+        if self.acc.tau_squared is not None:  # each process's rows (FSDP2)
+            kept["owner"] = ctx.rows.owner
+        return kept
 
-    def _direction(self, global_step, optimizer, entries, ctx):
+    def _direction(self, global_step, optimizer, entries, params, dots=True):
+        """The step ``d`` per parameter and ``sum_p g_i,p . d_p`` (``dots``).
+
+        Or why there is none (:class:`Missing`).
+        """
         kinds = {entry.kind for entry in entries}
         if kinds == {"sgd"} and is_plain_sgd(optimizer):
-            factors = [-lr for lr in learning_rates(optimizer, ctx.params)]
+            factors = [-lr for lr in learning_rates(optimizer, params)]
             direction = [c * e.vector for c, e in zip(factors, entries)]
+            if not dots:
+                return direction, None
             dots = torch.stack([c * e.dots for c, e in zip(factors, entries)])
             return direction, dots.sum(0)
         if kinds == {"replay"} and all(e.owner == id(optimizer) for e in entries):
             direction = [e.vector for e in entries]
+            if not dots:
+                return direction, None
             return direction, torch.stack([e.dots for e in entries]).sum(0)
         reasons = sorted({e.reason for e in entries if e.kind == "failed"})
         why = reasons[0] if reasons else "the optimizer changed during the step"
@@ -259,6 +352,12 @@ class Alpha(TwoStepQuantity):
         (:class:`~cockpit.utils.host.Deferred`), where the warning is given and
         a fit without a minimiser becomes :class:`Missing`.
         """
+        if "owner" in state and (
+            ctx.rows is None
+            or self.acc.foreign is None
+            or bool(self.acc.foreign.value > 0)
+        ):  # rows of a fully_shard run, not this process's (or read without FSDP)
+            return Missing(foreign_reason(self.key))
         dots = self.acc.end_dots
         value, value_var = self._loss_observation(ctx, dots.shape[0], dots.device)
         start = [
@@ -332,6 +431,11 @@ class Alpha(TwoStepQuantity):
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, CockpitWarning, stacklevel=2)
+
+
+def sum_of_squares(tensors) -> Tensor:
+    """``sum_p ||t_p||^2`` in float64 (a process's rows: a partial sum)."""
+    return squared_norms(tensors).sum()
 
 
 def _slope_observation(dots: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:

@@ -90,6 +90,10 @@ class TrackContext:
             ``None`` in a single process.
         grads: The mini-batch gradient per parameter where it is not ``.grad``
             (the joined batch's, when processes have shards of different sizes).
+        rows: On a ``fully_shard`` model, this process's rows of the parameters
+            and of the joined gradient (:class:`cockpit.distributed.rows.Rows`),
+            which a quantity with ``shard_local = True`` reads instead of
+            ``params`` and ``gradients()``; ``None`` elsewhere.
     """
 
     global_step: int
@@ -97,6 +101,7 @@ class TrackContext:
     info: StepInfo
     comm: Any = None
     grads: Sequence[Tensor] | None = None
+    rows: Any = None
 
     def gradients(self) -> list[Tensor]:
         """The mini-batch gradient of every parameter (zeros where unused)."""
@@ -136,9 +141,20 @@ class Quantity(Protocol102, abc.ABC):
     #: through it) or ``compute`` (see ``__init_subclass__``).
     _own_track: ClassVar[bool] = False
     _tracks_itself: ClassVar[bool] = False
+    #: Whether the quantity computes from ``ctx.rows`` on a ``fully_shard`` model
+    #: (partial sums over this process's rows, added to the bucket in
+    #: :meth:`share`; :mod:`cockpit.distributed.rows`). Where a quantity of the
+    #: step does not, the cockpit joins the full parameters and gradient on every
+    #: process for it. A subclass that overrides the maths (``_compute``,
+    #: ``share``, ...) is not shard-local unless it says so itself.
+    shard_local: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        maths = ("_compute", "_compute_start", "_compute_end", "share", "track")
+        maths += ("compute", "accumulate", "track_step")
+        if "shard_local" not in cls.__dict__ and any(m in cls.__dict__ for m in maths):
+            cls.shard_local = False
         if callable(cls.__dict__.get("needs")):
             raise TypeError(
                 f"{cls.__name__}.needs must be data, not a method: declare "

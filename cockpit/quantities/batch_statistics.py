@@ -50,15 +50,26 @@ def squared_norm_entry(view: ParamView) -> tuple:
     return batch_l2.sum(), grad_sq, batch_l2.shape[0], spread
 
 
-def share_squared_norms(acc: PerParameter, n_global: int, bucket) -> None:
+def share_squared_norms(acc: PerParameter, ctx: TrackContext, bucket) -> None:
     """Data-parallel: sum ``sum_i ||g_i,p||^2`` over processes, in place.
 
-    ``||g_p||^2`` is then read from the joined batch's gradient.
+    ``||g_p||^2`` is then read from the joined batch's gradient; on a
+    ``fully_shard`` model (``ctx.rows``) summed over the processes' rows of it.
     """
+    n_global, rows = ctx.comm.n_global, ctx.rows
     for index, entry in acc.entries.items():
+        if rows is None:
 
-        def then(total, index=index):
-            acc.entries[index] = (total, None, n_global, None)
+            def then(total, index=index):
+                acc.entries[index] = (total, None, n_global, None)
+
+            bucket.sum(entry[0], then)
+            continue
+        grad = rows.grads[index]
+        square = bucket.sum((grad**2).sum())  # (its value is set before any then)
+
+        def then(total, index=index, square=square):
+            acc.entries[index] = (total, square.value, n_global, None)
 
         bucket.sum(entry[0], then)
 
@@ -168,6 +179,7 @@ class GramQuantity(SingleStepQuantity):
         joined: tuple | None = None
 
     needs = frozenset({Need.BATCH_L2, Need.PROJECTIONS, Need.GRADIENT})
+    shard_local = True
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Add the parameter's shares of the centred statistics to the sums."""
@@ -193,13 +205,20 @@ class GramQuantity(SingleStepQuantity):
         acc = self.acc
         joined = ctx.comm.common.get("gram projections")
         if joined is None:
-            grads = ctx.gradients()
+            rows = ctx.rows
+            grads = ctx.gradients() if rows is None else rows.grads
             norms, dots = 0, 0
             for index in sorted(acc.kept):
                 individual = acc.kept[index]
                 norms = norms + individual.batch_l2().detach()
-                dots = dots + ctx.comm.projection(index, individual, grads[index])
-            joined = (bucket.gather(norms), bucket.gather(dots))
+                if rows is None:
+                    dots = dots + ctx.comm.projection(index, individual, grads[index])
+                else:  # FSDP2: onto this parameter's full gradient, for the product
+                    dots = dots + rows.project(index, individual, grads[index])
+            squared = None  # ||g||^2: the processes' rows' squares (FSDP2)
+            if rows is not None:
+                squared = bucket.sum(sum((g**2).sum() for g in grads))
+            joined = (bucket.gather(norms), bucket.gather(dots), squared)
             ctx.comm.common["gram projections"] = joined
         acc.kept.clear()  # the per-sample gradients are freed here
         acc.joined = joined
@@ -213,8 +232,13 @@ class GramQuantity(SingleStepQuantity):
         acc = self.acc
         raw, centred = acc.raw, acc.centred
         if acc.joined is not None:
-            norms, dots = (slot.value for slot in acc.joined)
-            raw = [norms, dots, sum((g**2).sum() for g in ctx.gradients())]
+            norms, dots, squared = acc.joined
+            squared = (
+                sum((g**2).sum() for g in ctx.gradients())
+                if squared is None
+                else squared.value
+            )
+            raw = [norms.value, dots.value, squared]
         present = raw if raw is not None else centred
         dtype = present[0].dtype
         undefined = defined.samples(present[0].shape[0])
@@ -279,18 +303,31 @@ def share_snr(
 
     The joined batch's mean is known only then, so the variances are the
     difference ``sum_i g_i,d^2 - N g_d^2`` (clamped at 0), each within
-    ``ULPS eps sum_i g_i,d^2`` of the centred value.
+    ``ULPS eps sum_i g_i,d^2`` of the centred value. On a ``fully_shard`` model
+    each process reduces its rows (of the sums and of the joined gradient) and
+    the reductions are summed in a second round of the bucket.
     """
-    grads = ctx.gradients()
+    rows = ctx.rows
+    grads = ctx.gradients() if rows is None else rows.grads
     n = ctx.comm.n_global
     for index, (sum_grad_squared,) in list(acc.entries.items()):
 
         def then(total, index=index):
-            mean = grads[index]
+            mean, dim = grads[index], total.numel()
+            if rows is not None:  # FSDP2: this process's rows, summed in a next round
+                total = rows.take(index, total)
             spread = (total - n * mean**2).clamp(min=0)
             snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
             flag = defined.snr_finite(mean, total)
-            acc.entries[index] = (snr, total.numel(), n, flag)
+            if rows is None:
+                acc.entries[index] = (snr, dim, n, flag)
+                return
+            pair = torch.stack([defined.wide(snr), (~flag).to(torch.float64)])
+
+            def joined(v, index=index, dim=dim):
+                acc.entries[index] = (v[0].to(snr.dtype), dim, n, v[1] == 0)
+
+            bucket.sum(pair, joined)
 
         bucket.sum(sum_grad_squared, then)
 

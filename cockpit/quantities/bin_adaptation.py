@@ -71,6 +71,9 @@ class BinAdaptation(abc.ABC):
 
     #: What :meth:`reduce` reads on the policy's steps.
     needs: frozenset[Need] = frozenset()
+    #: Whether the policy reads the parameters after the backward pass (on a
+    #: ``fully_shard`` model the histogram then has them joined for it).
+    reads_parameters: bool = False
 
     def reduce(self, view: ParamView) -> Tensor | None:
         """Reduce one parameter's results to a small tensor inside the backward pass.
@@ -245,6 +248,8 @@ class ParamAbsMax(_AbsMax):
         padding: Relative margin added on both sides.
         min_size: The smallest width the range can shrink to.
     """
+
+    reads_parameters = True
 
     def _abs_max(self, ctx: TrackContext, reductions: Sequence[Tensor]) -> float:
         return _max_of([p.detach().abs().max() for p in ctx.params if p.numel()])

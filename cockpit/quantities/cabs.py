@@ -45,6 +45,7 @@ class CABS(SingleStepQuantity):
     needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
     info_keys = ("loss", "optimizer")
     Accumulator = PerParameter
+    shard_local = True
 
     def get_lr(self, optimizer) -> float:
         """The learning rate shared by all groups (1.0.2's helper).
@@ -72,7 +73,7 @@ class CABS(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum the per-sample squared norms over processes."""
-        share_squared_norms(self.acc, ctx.comm.n_global, bucket)
+        share_squared_norms(self.acc, ctx, bucket)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         optimizer = ctx.info.require("optimizer", self.key)

@@ -46,6 +46,7 @@ class EarlyStopping(SingleStepQuantity):
 
     needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
     Accumulator = PerParameter
+    shard_local = True
 
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)

@@ -138,6 +138,18 @@ class _Histogram(SingleStepQuantity):
                 needs |= policy.needs
         return frozenset(needs)
 
+    @property
+    def shard_local(self) -> bool:
+        """Counts of per-sample gradients, summed: shard-local (FSDP2).
+
+        Unless a range policy reads the parameters (``ParamAbsMax``, a 1.0.2
+        policy).
+        """
+        return not any(
+            getattr(p, "reads_parameters", False) or hasattr(p, "_get_abs_max")
+            for p in self._policies()
+        )
+
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Count this parameter's values and collect the policies' reductions."""
         with torch.no_grad():
@@ -252,6 +264,8 @@ class GradHist1d(_Histogram):
         TypeError: If ``adapt`` is not a policy.
     """
 
+    shard_local = _Histogram.shard_local
+
     def __init__(
         self,
         track_schedule: Callable[[int], bool],
@@ -333,6 +347,8 @@ class GradHist2d(_Histogram):
         ValueError: For malformed ``bins``, ``range`` or ``adapt``.
         TypeError: If an ``adapt`` entry is not a policy.
     """
+
+    shard_local = _Histogram.shard_local
 
     def __init__(
         self,

@@ -97,6 +97,8 @@ class HessMaxEV(NothingToShare, SingleStepQuantity):
         ValueError: For non-positive tolerances or budget.
     """
 
+    #: (computed before the backward pass, on the unsharded parameters)
+    shard_local = True
     needs = frozenset({Need.HESSIAN_VECTOR_PRODUCTS, Need.PARAMETERS})
 
     #: Weight of the random direction added to a warm start.

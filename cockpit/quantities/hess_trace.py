@@ -43,6 +43,8 @@ class HessTrace(SingleStepQuantity):
         ValueError: For an unknown ``curvature``, listing the valid ones.
     """
 
+    shard_local = True  # (sums of the per-sample results; no parameter read)
+
     Accumulator = PerParameter
     #: Where BackPACK has no exact curvature diagonal (a layer without a rule, a
     #: model that is not nn.Sequential), an unbiased estimate serves: the trace

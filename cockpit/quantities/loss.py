@@ -9,6 +9,7 @@ class Loss(NothingToShare, ByproductQuantity):
     """The mean-reduced mini-batch loss ``L`` as a float (reads ``info['loss']``)."""
 
     info_keys = ("loss",)
+    shard_local = True  # (reads no parameter)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         loss = ctx.info.require("loss", self.key)

@@ -41,6 +41,7 @@ class NormTest(SingleStepQuantity):
 
     needs = frozenset({Need.BATCH_L2, Need.GRADIENT})
     Accumulator = PerParameter
+    shard_local = True
 
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce the parameter to ``sum_i ||g_i,p||^2`` and ``||g_p||^2``."""
@@ -48,7 +49,7 @@ class NormTest(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum the per-sample squared norms over processes."""
-        share_squared_norms(self.acc, ctx.comm.n_global, bucket)
+        share_squared_norms(self.acc, ctx, bucket)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         spread, mean, n, dtype, conditions = total_spread(self.acc, ctx.gradients())

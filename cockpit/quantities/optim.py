@@ -30,6 +30,24 @@ _PLAIN_SGD_SETTINGS = (
 )
 
 
+def _elementwise_classes() -> tuple[type, ...]:
+    names = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop")
+    names += ("Adagrad", "Adadelta", "ASGD", "Rprop")
+    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
+
+def is_elementwise(optimizer) -> bool:
+    """Whether ``optimizer``'s update of each parameter element depends only on it.
+
+    That element, its gradient and its state, with the group's settings: the
+    ``torch.optim`` optimizers other than LBFGS, SparseAdam and Adafactor (whose
+    second moment is factored over rows and columns), of exactly those classes
+    (a subclass may change the update). Such an update can be replayed on any
+    rows of a parameter (FSDP2's shards).
+    """
+    return type(optimizer) in _elementwise_classes()
+
+
 class ReplayError(RuntimeError):
     """An optimizer step could not be replayed for a single parameter."""
 

@@ -66,6 +66,8 @@ class _TIC(SingleStepQuantity):
             or a negative ``epsilon``.
     """
 
+    shard_local = True  # (sums of the per-sample results; no parameter read)
+
     info_keys = ("batch_size",)
     #: Whether the value needs the diagonals elementwise (data-parallel runs
     #: then send whole diagonals; otherwise two sums per parameter).
@@ -193,6 +195,8 @@ class TICDiag(_TIC):
     by the trace and is estimated there.
     """
 
+    shard_local = True  # (sums of the per-sample results; no parameter read)
+
     #: Why no estimate serves where BackPACK computes no diagonal (the reason
     #: recorded with the missing value, and what to use instead).
     not_estimable = (
@@ -292,6 +296,8 @@ class TICTrace(_TIC):
     Raises:
         ValueError: For an unknown ``curvature`` or a negative ``epsilon``.
     """
+
+    shard_local = True  # (sums of the per-sample results; no parameter read)
 
     elementwise = False
 

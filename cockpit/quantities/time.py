@@ -10,5 +10,7 @@ from cockpit.quantities.base import ByproductQuantity, NothingToShare, TrackCont
 class Time(NothingToShare, ByproductQuantity):
     """Wall-clock time (``time.time()``, seconds since the epoch) when tracked."""
 
+    shard_local = True  # (reads no parameter)
+
     def _compute(self, global_step: int, ctx: TrackContext) -> float:
         return time.time()

@@ -2,27 +2,53 @@
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import Any
 
+from cockpit.distributed.rows import foreign_reason
 from cockpit.needs import Need
-from cockpit.quantities.base import NothingToShare, TrackContext, TwoStepQuantity
+from cockpit.quantities.base import Missing, TrackContext, TwoStepQuantity
+from cockpit.quantities.distance import (
+    RowSquares,
+    row_distances,
+    share_row_distances,
+)
 from cockpit.quantities.utils_params import norms, snapshot
 
 
-class UpdateSize(NothingToShare, TwoStepQuantity):
+class UpdateSize(TwoStepQuantity):
     """``||theta_{t+1},p - theta_t,p||_2`` per parameter tensor, stored under ``t``.
 
     ``theta_t`` is read when the cockpit context of step ``t`` is left (after the
     backward, before ``optimizer.step()``), so the value is the size of the step the
     optimizer took at ``t``. It needs step ``t + 1`` to pass through the cockpit.
+    On a ``fully_shard`` model each process keeps its rows of ``theta_t`` and adds
+    its rows' squares.
     """
 
     needs = frozenset({Need.PARAMETERS})
+    Accumulator = RowSquares
+    shard_local = True
     #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
     SAVE_SHIFT = 1
 
-    def _compute_start(self, global_step: int, ctx: TrackContext) -> list[Tensor]:
+    def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
+        """FSDP2: at an end, sum the squares of the rows' change."""
+        if ctx.rows is not None and self.finishes(global_step):
+            start = self._pending[global_step - 1]
+            if isinstance(start, dict):  # rows, with whose they are
+                rows, owner = start["rows"], start["owner"]
+            else:  # the full parameters (a run without fully_shard)
+                rows, owner = None, None
+            share_row_distances(ctx, rows, owner, self.acc, bucket)
+
+    def _compute_start(self, global_step: int, ctx: TrackContext) -> Any:
+        if ctx.rows is not None:
+            return {"rows": snapshot(ctx.rows.params), "owner": ctx.rows.owner}
         return snapshot(ctx.params)
 
-    def _compute_end(self, global_step, ctx, state: list[Tensor]) -> list[float]:
+    def _compute_end(self, global_step, ctx, state) -> list[float] | Missing:
+        if self.acc is not None and self.acc.squares is not None:
+            return row_distances(self.acc, self.key)
+        if isinstance(state, dict):  # rows of a fully_shard run
+            return Missing(foreign_reason(self.key))
         return norms([p.detach() - p0 for p, p0 in zip(ctx.params, state, strict=True)])

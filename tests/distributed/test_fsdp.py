@@ -189,6 +189,55 @@ def test_four_processes(tmp_path):
     _check(cases, results, 4)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"model": "transformer", "wrap": "units", "reshard": True},
+        # Adam's update replayed on each process's rows of the state
+        {"model": "mlp", "wrap": "root", "reshard": False, "optimizer": "adam"},
+        # Parameters reads the full tensors: the shards are joined for it
+        {"model": "mlp", "wrap": "units", "reshard": True, "extras": ["Parameters"]},
+    ],
+    ids=["transformer", "adam", "joined-for-parameters"],
+)
+def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
+    """Economy plus Variance compute from each process's rows: the full
+    parameters and gradient are never joined, and no collective of cockpit's
+    carries more numbers than the largest parameter holds (one parameter's full
+    gradient or step, joined for the projection of its per-sample gradients),
+    though the values equal one process's. A quantity that reads the full tensors
+    (Parameters) has them joined at each tracked step, and the values still
+    agree."""
+    case = dict(case, extras=case.get("extras", ["Variance"]))
+    want = _as_json(fsdp.train(case, None, 2).history.to_dict())
+    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, problems[:10]
+        assert not any("missing" in step for step in result["history"].values())
+        sizes, reduced = result["sizes"], [tuple(r) for r in result["reduced"]]
+        if "Parameters" in case["extras"]:
+            shards = ["the parameters' shards", "the gradient's shards"]
+            assert result["joined"] == shards * 2, result["joined"]
+            assert (shards[0], sum(sizes)) in reduced
+            continue
+        assert result["joined"] == []
+        # one parameter's full vector at a time, for a projection: step 0 the
+        # gradient (the tests' and, with SGD, Alpha's direction: one product), step
+        # 1 the gradient and Alpha's kept direction; Adam's directions are two more
+        joins = 5 if case.get("optimizer") == "adam" else 3
+        rows = [(f"the rows of parameter {i}", n) for i, n in enumerate(sizes)]
+        assert sorted(r for r in reduced if r[0].startswith("the rows")) == sorted(
+            rows * joins
+        )
+        sums = [n for what, n in reduced if what == "the step's sums"]
+        assert len(sums) + joins * len(sizes) == len(reduced), reduced
+        if case["model"] == "transformer":  # per-sample values, counts, scalars
+            assert max(sums) < sum(sizes), (sums, sum(sizes))
+
+
 def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
     """The vector the shards are joined in is made on the parameters' device, and
     each shard is copied into it there: during a tracked step (economy, Adam, whose
@@ -308,7 +357,9 @@ def test_a_resumed_run_keeps_each_ranks_warm_start(tmp_path):
     is each rank's piece, kept with the rows it holds). Loading rank 0's state on
     every rank (the pieces differ: 32 and 25 numbers) neither hangs nor mixes
     pieces: all ranks start cold alike and agree, HessMaxEV within Lanczos'
-    tolerance of the warm-started one."""
+    tolerance of the warm-started one. What is kept as each rank's rows across
+    steps (Distance's first parameters, UpdateSize's and Alpha's start) is then
+    another rank's on rank 1: recorded missing on every rank, with the fix."""
     case = {"model": "mlp", "wrap": "units", "reshard": True, "configuration": "full"}
     want = _as_json(fsdp.train(case, None, 2).history.to_dict())
     cases = [
@@ -325,6 +376,15 @@ def test_a_resumed_run_keeps_each_ranks_warm_start(tmp_path):
         got = first["1"]["HessMaxEV"]
         assert got == results[0]["cases"][1]["history"]["1"]["HessMaxEV"]
         assert math.isclose(got, want["1"]["HessMaxEV"], rel_tol=2e-3), got
+        missing = {step: first[step].get("missing", {}) for step in first}
+        assert {s: sorted(m) for s, m in missing.items()} == {
+            "0": ["Alpha", "UpdateSize"],
+            "1": ["Distance"],
+        }, missing
+        for reasons in missing.values():
+            for reason in reasons.values():
+                assert "another process's rows" in reason, reason
+                assert "save and load its own cockpit state" in reason, reason
 
 
 def test_the_shards_are_joined_exactly_in_the_parameters_dtype(tmp_path):

@@ -110,8 +110,18 @@ class Needy(torch.optim.SGD):
         self.token = token
 
 
-def make_quantities(label: str, curvature: str | None = None, power: bool = False):
-    """A configuration's quantities, tracked every step, plus Variance and MeanGSNR.
+#: What every case tracks beyond its configuration (``case["extras"]``).
+EXTRAS = ("Variance", "MeanGSNR")
+
+
+def make_quantities(
+    label: str,
+    curvature: str | None = None,
+    power: bool = False,
+    extras=(quantities.Variance, quantities.MeanGSNR),
+):
+    """A configuration's quantities, tracked every step, plus ``extras``
+    (Variance and MeanGSNR).
 
     ``curvature``: HessTrace's (e.g. ``"hutchinson"``, the Hessian's estimate);
     ``power``: HessMaxEV by power iteration (else Lanczos).
@@ -125,7 +135,7 @@ def make_quantities(label: str, curvature: str | None = None, power: bool = Fals
         chosen = [q for q in chosen if q.key != "HessMaxEV"]
         chosen.append(quantities.HessMaxEV(every, use_power=True))
     keys = {q.key for q in chosen}
-    for extra in (quantities.Variance, quantities.MeanGSNR):
+    for extra in extras:
         if extra.__name__ not in keys:
             chosen.append(extra(every))
     return chosen
@@ -197,6 +207,7 @@ def train(
                     case.get("configuration", "economy"),
                     case.get("curvature"),
                     case.get("solver") == "power",
+                    [getattr(quantities, name) for name in case.get("extras", EXTRAS)],
                 ),
                 diagnose=False,
                 timeout=60,
@@ -257,6 +268,34 @@ def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, A
             out.append({"error": f"{type(error).__name__}: {error}",
                         "traceback": traceback.format_exc()})  # fmt: skip
     return {"cases": out}
+
+
+def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Worker: train a case, watching cockpit's all-reduces; the history, each
+    all-reduce's ``(what, numbers)``, the joins of the full parameters
+    (:meth:`Sharding.gather`) and the largest parameter's and the model's sizes."""
+    from cockpit.distributed import process_group
+    from cockpit.distributed.sharded import Sharding
+
+    seen: dict[str, list] = {"reduced": [], "joined": []}
+    reduce, gather = process_group.Communicator.all_reduce, Sharding.gather
+
+    def watched(self, tensor, what, step, op="sum"):
+        seen["reduced"].append((what, int(tensor.numel())))
+        return reduce(self, tensor, what, step, op)
+
+    def joined(self, communicator, tensors, what, step):
+        seen["joined"].append(what)
+        return gather(self, communicator, tensors, what, step)
+
+    process_group.Communicator.all_reduce = watched
+    Sharding.gather = joined
+    try:
+        cockpit = train(case, rank, world)
+    finally:
+        process_group.Communicator.all_reduce, Sharding.gather = reduce, gather
+    sizes = [p.numel() for p in cockpit.params]
+    return {"history": cockpit.history.to_dict(), "sizes": sizes, **seen}
 
 
 def host_traffic(rank: int, world: int, case: dict[str, Any]) -> dict:
@@ -373,7 +412,8 @@ def joined_exactly(rank: int, world: int) -> dict:
         for unit in units:
             fully_shard(unit)
         fully_shard(model)
-        cockpit = Cockpit(model.named_parameters(), [quantities.GradNorm(linear(1))])
+        # Parameters reads the full tensors (not shard-local): the shards are joined
+        cockpit = Cockpit(model.named_parameters(), [quantities.Parameters(linear(1))])
         comm = cockpit._communicator
         seen = {"sent": [], "joined": []}
         reduce, gather = comm.all_reduce, comm.sharding.gather

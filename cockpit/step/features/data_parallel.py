@@ -18,8 +18,10 @@ from torch import Tensor
 from cockpit import distributed
 from cockpit.context import StepInfo
 from cockpit.curvature.hutchinson import sum_error, trace_errors
+from cockpit.distributed.rows import Rows
 from cockpit.needs import Need
 from cockpit.per_sample import sample_losses
+from cockpit.precision import upcast
 from cockpit.quantities.base import TrackContext
 from cockpit.quantities.utils_params import gradients
 from cockpit.step.features.base import StepFeature, register_feature
@@ -183,8 +185,9 @@ class DataParallel(StepFeature):
                 "uneven-shards", distributed.uneven_message(shared.counts, step)
             )
         sharding = self.comm.sharding
-        if sharding is not None:  # FSDP2: the full parameters and joined gradient
-            params, shared.gradients = self._sharded(sharding, shared, params)
+        rows = None
+        if sharding is not None:  # FSDP2: each process's rows; joined where needed
+            params, rows, info = self._shard_local(sharding, shared, params, info)
         elif self.comm.local:  # .grad is DDP's average: the shard's own
             shared.gradients = [
                 self._captured.get(i, torch.zeros_like(p)) for i, p in enumerate(params)
@@ -199,24 +202,9 @@ class DataParallel(StepFeature):
             self.comm, "checked_gradients", False
         ):  # inside no_sync() the processes' .grad differ by design
             self._check_synchronised(shared)
-        optimizer = info.get("optimizer")
-        if (  # (an optimizer that cannot be rebuilt: its readers are left out)
-            sharding is not None
-            and isinstance(optimizer, torch.optim.Optimizer)
-            and sharding.optimizer_unbuildable(optimizer) is None
-        ):
-            # the optimizer over the full parameters, its state joined for a replay
-            replays = any(
-                Need.OPTIMIZER_UPDATE in state.plan.needs_of(q)
-                for q in state.plan.active
-                if not state.ledger.out(q)
-            )
-            optimizer = sharding.full_optimizer(
-                self.comm, optimizer, params, step, state=replays
-            )
-            # the shard's info, but the optimizer over the full parameters
-            info = StepInfo(step, {**info.values, "optimizer": optimizer})
-        ctx = TrackContext(step, params, info, comm=shared, grads=shared.gradients)
+        ctx = TrackContext(
+            step, params, info, comm=shared, grads=shared.gradients, rows=rows
+        )
         bucket = distributed.Bucket(shared)
         joined = dict(info.values)
         if info.has("loss"):
@@ -248,16 +236,65 @@ class DataParallel(StepFeature):
         self.done = True  # this process's collectives of the step are over
         return Produced(context=replace(ctx, info=StepInfo(step, joined)))
 
-    def _sharded(self, sharding, shared, params):
+    def _shard_local(self, sharding, shared, params, info):
+        """FSDP2: this process's rows, and the full tensors only where needed.
+
+        The shard-local quantities (``shard_local``) read this process's rows of
+        the parameters and of the joined gradient (:class:`Rows`, no
+        communication); only where a quantity of the step is not one are the
+        full parameters and gradient joined on every process (:meth:`_joined`),
+        with an optimizer over them. With shards of different sizes (or inside
+        ``no_sync``) ``.grad`` is not the joined batch's gradient: it is joined
+        from each process's own and its rows taken.
+
+        Returns:
+            ``(params, rows, info)`` for the quantities' context.
+        """
+        state, step = self.state, shared.global_step
+        optimizer = info.get("optimizer")
+        joined = (
+            shared.uneven
+            or self.no_sync
+            or any(
+                not getattr(q, "shard_local", False)
+                for q in state.plan.active
+                if not state.ledger.out(q)
+            )
+        )
+        if joined:
+            params, shared.gradients = self._joined(sharding, shared, params)
+        rows = Rows(sharding, self.comm, step, optimizer=optimizer)
+        if shared.uneven or self.no_sync:  # the joined gradient's rows
+            rows.grads = [
+                upcast(rows.take(i, g)) for i, g in enumerate(shared.gradients)
+            ]
+        if (  # (an optimizer that cannot be rebuilt: its readers are left out)
+            joined
+            and isinstance(optimizer, torch.optim.Optimizer)
+            and sharding.optimizer_unbuildable(optimizer) is None
+        ):
+            # the optimizer over the full parameters, its state joined for a replay
+            replays = any(
+                Need.OPTIMIZER_UPDATE in state.plan.needs_of(q)
+                for q in state.plan.active
+                if not state.ledger.out(q) and not getattr(q, "shard_local", False)
+            )
+            optimizer = sharding.full_optimizer(
+                self.comm, optimizer, params, step, state=replays
+            )
+            # the shard's info, but the optimizer over the full parameters
+            info = StepInfo(step, {**info.values, "optimizer": optimizer})
+        return params, rows, info
+
+    def _joined(self, sharding, shared, params):
         """FSDP2: each process's rows of the parameters and joined gradient, joined.
 
         Two all-reduces of ``D`` numbers in the parameters' dtype
         (:meth:`Sharding.gather`), one for the parameters, one for the gradient:
         the full tensors are views of their vector, and a quantity that keeps the
-        gradient to the next step (Alpha's direction) keeps ``D`` numbers, not
-        ``2 D``. With shards of different sizes (or inside ``no_sync``) the joined
-        gradient is formed from each process's own gradient, caught at the
-        unsharded tensors.
+        gradient to the next step keeps ``D`` numbers, not ``2 D``. With shards of
+        different sizes (or inside ``no_sync``) the joined gradient is formed from
+        each process's own gradient, caught at the unsharded tensors.
         """
         step = shared.global_step
         grads = [p.grad for p in params]
