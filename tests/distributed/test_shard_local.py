@@ -71,4 +71,3 @@ def test_alpha_replays_on_rows_only_elementwise_updates(make, elementwise):
     alpha = quantities.Alpha(linear(1))
     alpha.prepare(0, StepInfo(0, {"optimizer": optimizer}))
     assert alpha.shard_local is elementwise
-
