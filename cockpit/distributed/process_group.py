@@ -261,6 +261,48 @@ class Communicator:
         self._wait(work, what, step)
         return buffer.to(tensor.device)
 
+    def reduce_scatter(self, tensor: Tensor, what: str, step: int | None) -> Tensor:
+        """This process's block of the sum of ``tensor`` over the group.
+
+        ``tensor`` holds one block per process, of equal sizes, in rank order;
+        each process receives only its block of the sum.
+        """
+        dist = _dist()
+        device = self._device(tensor)
+        buffer = tensor.detach().to(device).contiguous()
+        out = buffer.new_empty(buffer.numel() // self.size)
+        work = dist.reduce_scatter_tensor(
+            out, buffer, op=dist.ReduceOp.SUM, group=self._group(), async_op=True
+        )
+        self.calls += 1
+        self.bytes_sent += buffer.numel() * buffer.element_size()
+        self._wait_blocking(work, what, step)
+        return out.to(tensor.device)
+
+    def _wait_blocking(self, work, what: str, step: int | None) -> None:
+        """Wait for ``work`` in ``work.wait``, at most ``timeout``.
+
+        For collectives whose work says it is done only once waited for (gloo's
+        reduce-scatter): a process that failed is noticed at the timeout, not at
+        once (cockpit's reduce-scatter follows an all-reduce of the same step's
+        bucket, where a failure is noticed at once).
+        """
+        self.sync.check_alive()
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:  # timed out, or a process died
+            self.sync.fail(
+                f"a collective at step {step} ({what}) did not complete within "
+                f"{self.timeout:g} s: {str(error).splitlines()[0]}",
+                step,
+                doing=f"waiting for the others ({what})",
+                fix=distributed_sync.FIX_SILENT,
+            )
+        if done is False:
+            self.sync.fail(
+                f"a collective at step {step} ({what}) did not complete.", step
+            )
+
     def start_gather_ints(
         self, values: Sequence[int], what: str, step: int | None
     ) -> PendingGather:
@@ -338,6 +380,10 @@ class LocalCommunicator(Communicator):
 
     def all_reduce(self, tensor, what, step, op="sum"):
         """The tensor itself (one process)."""
+        return tensor.detach().clone()
+
+    def reduce_scatter(self, tensor, what, step):
+        """The tensor itself (one process holds the one block)."""
         return tensor.detach().clone()
 
     def start_gather_ints(self, values, what, step):

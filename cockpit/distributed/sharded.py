@@ -126,6 +126,22 @@ class Sharding:
         self.ranks = list(ranks)
         self._engine_params: list[Tensor] | None = None
 
+    def row_spans(self, index: int) -> list[tuple[int, int]]:
+        """Which rows of parameter ``index`` each process holds: ``(start, stop)``.
+
+        In mesh order, by DTensor's rule for ``Shard(0)`` (the first processes
+        hold ``ceil(rows / processes)`` rows each, the last ones fewer or none).
+        """
+        from torch.distributed.tensor import Shard
+
+        param, processes = self.params[index], len(self.ranks)
+        rows = param.shape[0] if param.dim() else 0
+        spans = []
+        for rank in range(processes):
+            size, offset = Shard.local_shard_size_and_offset(rows, processes, rank)
+            spans.append((offset, offset + size))
+        return spans
+
     def layout(self) -> str:
         """The layout for the set-up fingerprint: the same on every process.
 

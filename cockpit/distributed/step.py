@@ -26,6 +26,7 @@ class _Slot:
     tensor: Tensor
     then: Callable[[Tensor], None] | None
     value: Tensor | None = None
+    index: int | None = None  # the parameter whose rows it is (``Bucket.rows``)
 
 
 class Bucket:
@@ -38,7 +39,7 @@ class Bucket:
 
     def __init__(self, comm: StepComm):
         self.comm = comm
-        self._slots: dict[str, list[_Slot]] = {"sum": [], "max": []}
+        self._slots: dict[str, list[_Slot]] = {"sum": [], "max": [], "rows": []}
 
     def sum(self, tensor: Tensor, then: Callable[[Tensor], None] | None = None):
         """Add ``tensor``: its sum over processes goes to ``then``."""
@@ -50,6 +51,20 @@ class Bucket:
         """Add ``tensor``: its elementwise maximum over processes goes to ``then``."""
         slot = _Slot(torch.as_tensor(tensor), then)
         self._slots["max"].append(slot)
+        return slot
+
+    def rows(
+        self, tensor: Tensor, index: int, then: Callable[[Tensor], None] | None = None
+    ):
+        """Add a tensor shaped like parameter ``index`` (FSDP2): ``then`` receives
+        this process's rows of its sum over the processes.
+
+        For elementwise sums (``sum_i g_i^2``, a curvature diagonal) that each
+        process reduces on its rows: one reduce-scatter for all such slots, so no
+        process receives a full sum.
+        """
+        slot = _Slot(torch.as_tensor(tensor), then, index=index)
+        self._slots["rows"].append(slot)
         return slot
 
     def gather(self, per_sample: Tensor, then: Callable[[Tensor], None] | None = None):
@@ -81,9 +96,12 @@ class Bucket:
         """
         comm = self.comm
         while any(self._slots.values()):
-            rounds, self._slots = self._slots, {"sum": [], "max": []}
+            rounds, self._slots = self._slots, {"sum": [], "max": [], "rows": []}
             for op, slots in rounds.items():
                 if not slots:
+                    continue
+                if op == "rows":
+                    self._scatter(slots, what)
                     continue
                 device = slots[0].tensor.device
                 flat = torch.cat(
@@ -106,6 +124,47 @@ class Bucket:
                 for slot in slots:
                     if slot.then is not None:
                         slot.then(slot.value)
+
+    def _scatter(self, slots: list[_Slot], what: str) -> None:
+        """Reduce-scatter the ``rows`` slots: each process its rows of each sum.
+
+        Process ``q``'s block holds, for every slot, the elements of ``q``'s rows
+        padded to the largest process's rows of that parameter (float64).
+        """
+        comm = self.comm
+        communicator = comm.communicator
+        sharding = communicator.sharding
+        if sharding is None:  # a plain tensor on every process: the whole sum
+            for slot in slots:
+                slot.value = communicator.all_reduce(
+                    slot.tensor, what, comm.global_step
+                )
+            return
+        spans = [sharding.row_spans(slot.index) for slot in slots]
+        widths = []
+        for slot, span in zip(slots, spans, strict=True):
+            param = sharding.params[slot.index]
+            row = param.numel() // param.shape[0] if param.dim() else 1
+            widths.append((row, max(b - a for a, b in span) * row))
+        block = sum(width for _, width in widths)
+        device = slots[0].tensor.device
+        flat = torch.zeros(len(spans[0]) * block, dtype=torch.float64, device=device)
+        for q in range(len(spans[0])):
+            position = q * block
+            for slot, span, (row, width) in zip(slots, spans, widths, strict=True):
+                a, b = span[q]
+                piece = slot.tensor.detach().reshape(-1)[a * row : b * row]
+                flat[position : position + piece.numel()] = piece
+                position += width
+        mine = communicator.reduce_scatter(flat, what, comm.global_step)
+        del flat
+        position, rank = 0, communicator.rank
+        for slot, span, (row, width) in zip(slots, spans, widths, strict=True):
+            a, b = span[rank]
+            shape = (b - a, *slot.tensor.shape[1:])
+            piece = mine[position : position + (b - a) * row].reshape(shape)
+            slot.value = piece.to(slot.tensor.device, slot.tensor.dtype)
+            position += width
 
 
 class StepComm:

@@ -304,18 +304,18 @@ def share_snr(
     The joined batch's mean is known only then, so the variances are the
     difference ``sum_i g_i,d^2 - N g_d^2`` (clamped at 0), each within
     ``ULPS eps sum_i g_i,d^2`` of the centred value. On a ``fully_shard`` model
-    each process reduces its rows (of the sums and of the joined gradient) and
+    each process receives its rows of the sums (a reduce-scatter,
+    :meth:`Bucket.rows`), reduces them with its rows of the joined gradient, and
     the reductions are summed in a second round of the bucket.
     """
     rows = ctx.rows
     grads = ctx.gradients() if rows is None else rows.grads
     n = ctx.comm.n_global
     for index, (sum_grad_squared,) in list(acc.entries.items()):
+        dim = sum_grad_squared.numel()
 
-        def then(total, index=index):
-            mean, dim = grads[index], total.numel()
-            if rows is not None:  # FSDP2: this process's rows, summed in a next round
-                total = rows.take(index, total)
+        def then(total, index=index, dim=dim):
+            mean = grads[index]  # (FSDP2: this process's rows of both)
             spread = (total - n * mean**2).clamp(min=0)
             snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
             flag = defined.snr_finite(mean, total)
@@ -327,9 +327,12 @@ def share_snr(
             def joined(v, index=index, dim=dim):
                 acc.entries[index] = (v[0].to(snr.dtype), dim, n, v[1] == 0)
 
-            bucket.sum(pair, joined)
+            bucket.sum(pair, joined)  # (a next round of the bucket)
 
-        bucket.sum(sum_grad_squared, then)
+        if rows is None:
+            bucket.sum(sum_grad_squared, then)
+        else:  # FSDP2: each process receives its rows of the sum
+            bucket.rows(sum_grad_squared, index, then)
 
 
 def total_snr(acc: PerParameter, num_params: int) -> tuple:

@@ -126,6 +126,9 @@ class _TIC(SingleStepQuantity):
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` and ``n_r h_r`` over processes, then reduce."""
         acc, n = self.acc, ctx.comm.n_global
+        if ctx.rows is not None and self.elementwise:
+            self._share_rows(acc, n, bucket)
+            return
         for index, (squares, curvature) in list(acc.parts.items()):
             joined_squares = bucket.sum(squares)  # its value is set before any then
 
@@ -133,6 +136,22 @@ class _TIC(SingleStepQuantity):
                 acc.parts[index] = self._reduce(joined_squares.value / n**2, total / n)
 
             bucket.sum(curvature, then)
+        acc.seen_batch_size = n if acc.seen_batch_size is not None else None
+
+    def _share_rows(self, acc, n: int, bucket) -> None:
+        """FSDP2: each process reduces its rows of the joined elementwise sums.
+
+        Both sums arrive as this process's rows (one reduce-scatter); the
+        reductions, sums over elements, are summed in a next round.
+        """
+        for index, (squares, curvature) in list(acc.parts.items()):
+            joined_squares = bucket.rows(squares, index)
+
+            def then(total, index=index, joined_squares=joined_squares):
+                part = self._reduce(joined_squares.value / n**2, total / n)
+                bucket.sum(part, lambda v, i=index: acc.parts.__setitem__(i, v))
+
+            bucket.rows(curvature, index, then)
         acc.seen_batch_size = n if acc.seen_batch_size is not None else None
 
     def state_dict(self) -> dict:

@@ -193,19 +193,29 @@ def test_four_processes(tmp_path):
     "case",
     [
         {"model": "transformer", "wrap": "units", "reshard": True},
+        # elementwise sums (MeanGSNR's, TICDiag's): each process its rows of them
+        dict(
+            model="transformer",
+            wrap="units",
+            reshard=True,
+            configuration="business",
+            extras=["Variance", "MeanGSNR"],
+        ),
         # Adam's update replayed on each process's rows of the state
         {"model": "mlp", "wrap": "root", "reshard": False, "optimizer": "adam"},
         # Parameters reads the full tensors: the shards are joined for it
         {"model": "mlp", "wrap": "units", "reshard": True, "extras": ["Parameters"]},
     ],
-    ids=["transformer", "adam", "joined-for-parameters"],
+    ids=["transformer", "elementwise", "adam", "joined-for-parameters"],
 )
 def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
     """Economy plus Variance compute from each process's rows: the full
     parameters and gradient are never joined, and no collective of cockpit's
     carries more numbers than the largest parameter holds (one parameter's full
     gradient or step, joined for the projection of its per-sample gradients),
-    though the values equal one process's. A quantity that reads the full tensors
+    though the values equal one process's. Elementwise sums (MeanGSNR's
+    ``sum_i g_i^2``, TICDiag's and its curvature diagonal) are reduce-scattered:
+    each process receives its rows of them. A quantity that reads the full tensors
     (Parameters) has them joined at each tracked step, and the values still
     agree."""
     case = dict(case, extras=case.get("extras", ["Variance"]))
@@ -236,6 +246,13 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
         assert len(sums) + joins * len(sizes) == len(reduced), reduced
         if case["model"] == "transformer":  # per-sample values, counts, scalars
             assert max(sums) < sum(sizes), (sums, sum(sizes))
+        elementwise = case.get("configuration") == "business"
+        assert bool(result["scattered"]) is elementwise, result["scattered"]
+        for sent, received in result["scattered"]:
+            # three elementwise sums of D numbers; each process receives its half
+            # (padded to the larger process's rows), an all-reduce would give 3 D
+            assert received * 2 == sent, (sent, received)
+            assert 1.5 * sum(sizes) <= received < 0.6 * 3 * sum(sizes), received
 
 
 def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):

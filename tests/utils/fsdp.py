@@ -271,14 +271,21 @@ def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, A
 
 
 def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Worker: train a case, watching cockpit's all-reduces; the history, each
-    all-reduce's ``(what, numbers)``, the joins of the full parameters
-    (:meth:`Sharding.gather`) and the largest parameter's and the model's sizes."""
+    """Worker: train a case, watching cockpit's collectives; the history, each
+    all-reduce's ``(what, numbers)``, each reduce-scatter's ``(numbers sent,
+    numbers received)``, the joins of the full parameters
+    (:meth:`Sharding.gather`) and the parameters' sizes."""
     from cockpit.distributed import process_group
     from cockpit.distributed.sharded import Sharding
 
-    seen: dict[str, list] = {"reduced": [], "joined": []}
+    seen: dict[str, list] = {"reduced": [], "joined": [], "scattered": []}
     reduce, gather = process_group.Communicator.all_reduce, Sharding.gather
+    scatter = process_group.Communicator.reduce_scatter
+
+    def scattered(self, tensor, what, step):
+        out = scatter(self, tensor, what, step)
+        seen["scattered"].append((int(tensor.numel()), int(out.numel())))
+        return out
 
     def watched(self, tensor, what, step, op="sum"):
         seen["reduced"].append((what, int(tensor.numel())))
@@ -289,11 +296,13 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         return gather(self, communicator, tensors, what, step)
 
     process_group.Communicator.all_reduce = watched
+    process_group.Communicator.reduce_scatter = scattered
     Sharding.gather = joined
     try:
         cockpit = train(case, rank, world)
     finally:
         process_group.Communicator.all_reduce, Sharding.gather = reduce, gather
+        process_group.Communicator.reduce_scatter = scatter
     sizes = [p.numel() for p in cockpit.params]
     return {"history": cockpit.history.to_dict(), "sizes": sizes, **seen}
 
