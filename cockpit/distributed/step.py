@@ -56,10 +56,9 @@ class Bucket:
     def rows(
         self, tensor: Tensor, index: int, then: Callable[[Tensor], None] | None = None
     ):
-        """Add a tensor shaped like parameter ``index`` (FSDP2): ``then`` receives
-        this process's rows of its sum over the processes.
+        """Add a tensor shaped like parameter ``index`` (FSDP2): its rows, summed.
 
-        For elementwise sums (``sum_i g_i^2``, a curvature diagonal) that each
+        ``then`` receives this process's rows of its sum over the processes. For elementwise sums (``sum_i g_i^2``, a curvature diagonal) that each
         process reduces on its rows: one reduce-scatter for all such slots, so no
         process receives a full sum.
         """
