@@ -58,9 +58,10 @@ class Bucket:
     ):
         """Add a tensor shaped like parameter ``index`` (FSDP2): its rows, summed.
 
-        ``then`` receives this process's rows of its sum over the processes. For elementwise sums (``sum_i g_i^2``, a curvature diagonal) that each
-        process reduces on its rows: one reduce-scatter for all such slots, so no
-        process receives a full sum.
+        ``then`` receives this process's rows of its sum over the processes. For
+        elementwise sums (``sum_i g_i^2``, a curvature diagonal) that each
+        process reduces on its rows: one reduce-scatter for all such slots, so
+        no process receives a full sum.
         """
         slot = _Slot(torch.as_tensor(tensor), then, index=index)
         self._slots["rows"].append(slot)
