@@ -13,10 +13,11 @@ accumulates there is reduce-scattered into the sharded parameter's ``.grad`` (a
 * gives the engines the unsharded parameters (the tensors the modules use in the
   forward and backward pass, where per-sample results are formed on this process's
   samples, as in DDP), found by unsharding each unit once when the Cockpit is made;
-* joins the shards after the backward pass (:meth:`Sharding.gather`): each process
-  puts its rows of the parameters (and, in a second vector, of the joined
-  gradient) into a vector of the full size in their dtype, summed over the
-  processes in cockpit's own group;
+* joins the shards after the backward pass where a quantity needs the full
+  tensors (:meth:`Sharding.gather`; the shard-local ones read each process's rows,
+  :mod:`cockpit.distributed.rows`): each process puts its rows of the parameters
+  (and, in a second vector, of the joined gradient) into a vector of the full size
+  in their dtype, summed over the processes in cockpit's own group;
 * names the layout for the set-up fingerprint (:meth:`Sharding.layout`);
 * unshards every unit for cockpit's own second derivatives before the user's
   backward pass (:meth:`Sharding.unsharded`), and holds the eigensolvers' vectors

@@ -149,11 +149,11 @@ class Alpha(TwoStepQuantity):
         The direction is replayed on each process's rows (its rows of the
         optimizer's state) and kept as rows; each parameter's full direction is
         formed only for the projection of its per-sample gradients
-        (:meth:`cockpit.distributed.rows.Rows.project`). Other optimizers: on
-        the full parameters, joined for it.
+        (:meth:`cockpit.distributed.rows.Rows.project`). Other optimizers (and
+        before the step's optimizer is read): on the full parameters, joined for
+        it.
         """
-        optimizer = self._optimizer
-        return optimizer is None or is_elementwise(optimizer)
+        return is_elementwise(self._optimizer)
 
     #: As in 1.0.2: the value computed at step ``t + 1`` is stored under ``t``.
     SAVE_SHIFT = 1

@@ -25,6 +25,9 @@ def test_every_quantity_of_the_configurations_is_shard_local():
     chosen += [quantities.Variance(linear(1)), quantities.MeanGSNR(linear(1))]
     chosen += [quantities.CABS(linear(1)), quantities.EarlyStopping(linear(1))]
     chosen += [quantities.TICTrace(linear(1)), quantities.Time(linear(1))]
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    for quantity in chosen:  # (Alpha: once it knows the step's optimizer)
+        quantity.prepare(0, StepInfo(0, {"optimizer": sgd}))
     assert [q.key for q in chosen if not q.shard_local] == []
     assert not quantities.Parameters(linear(1)).shard_local  # the full tensors
 

@@ -1,7 +1,8 @@
 """FSDP2 steps: second derivatives on unsharded units; what cannot be joined, missing.
 
 With ``fully_shard`` parameters (:mod:`cockpit.distributed.sharded`) the
-first-order quantities are joined like DDP's. What needs second derivatives of the
+first-order quantities compute on each process's rows and are joined like DDP's
+(:mod:`cockpit.distributed.rows`). What needs second derivatives of the
 loss (HessMaxEV's Hessian-vector products, Hutchinson's estimate of a curvature
 diagonal) is formed as in DDP, from this process's loss before the user's backward
 pass, with respect to the unsharded parameters, inside :func:`derivatives`: every
