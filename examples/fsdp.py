@@ -5,7 +5,8 @@ with ``torch.distributed.fsdp.fully_shard`` (each ``Linear`` a unit, then the
 root). Each process trains on its own half of every batch; the cockpit on each
 process computes on its rows of the parameters and of the joined gradient and sums
 with the others, so every process holds the values one process would have
-computed on the joined batch (and none forms the model's full gradient). The loop is the single-process loop; what differs:
+computed on the joined batch (and none forms the model's full gradient). The loop
+is the single-process loop; what differs:
 
 1. ``fully_shard`` the model (``backpack.extend`` is not needed: cockpit serves
    sharded models with its ghost and autograd engines);
