@@ -25,7 +25,6 @@ the fix, on every process alike.
 from __future__ import annotations
 
 import copy
-import hashlib
 from typing import Sequence
 
 import torch
@@ -87,8 +86,9 @@ class Rows:
         self.grads = list(grads)
         #: The parameters' device (where the partial sums are made).
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        digest = hashlib.sha256(sharding.layout().encode()).hexdigest()[:16]
-        self.owner = f"rank {communicator.rank} of {communicator.size}, {digest}"
+        self.owner = f"rank {communicator.rank} of {communicator.size}, " + (
+            sharding.digest()
+        )
         self._optimizer = optimizer
         self._rows_optimizer = None
         self._projections: dict[int, list[tuple[Tensor, Tensor]]] = {}

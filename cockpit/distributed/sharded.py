@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import hashlib
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -126,6 +127,7 @@ class Sharding:
         self.shards = shards
         self.ranks = list(ranks)
         self._engine_params: list[Tensor] | None = None
+        self._digest: str | None = None
 
     def row_spans(self, index: int) -> list[tuple[int, int]]:
         """Which rows of parameter ``index`` each process holds: ``(start, stop)``.
@@ -142,6 +144,12 @@ class Sharding:
             size, offset = Shard.local_shard_size_and_offset(rows, processes, rank)
             spans.append((offset, offset + size))
         return spans
+
+    def digest(self) -> str:
+        """A short hash of :meth:`layout` (made once)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.layout().encode()).hexdigest()[:16]
+        return self._digest
 
     def layout(self) -> str:
         """The layout for the set-up fingerprint: the same on every process.
