@@ -147,6 +147,10 @@ CASES = [
     {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "adam"},
     # AdamW's defaults hold a setting its constructor does not take
     {"model": "mlp", "wrap": "units", "reshard": True, "optimizer": "adamw"},
+    # shards of different sizes: .grad is not the joined batch's gradient (its
+    # rows are taken from the joined one); one step (FSDP's update is not the
+    # joined batch's then)
+    {"model": "mlp", "wrap": "units", "reshard": True, "sizes": [3, 5], "steps": 1},
 ]
 
 

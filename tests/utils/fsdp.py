@@ -167,6 +167,7 @@ def train(
     e.g. :class:`tests.utils.syncs.FactoryCounter`) is active during the last step's
     ``with cockpit(...)`` block.
 
+    ``case["sizes"]``: each process's samples (default ``case["batch"]`` each);
     ``case["frozen"]``: a submodule's name whose parameters do not train;
     ``case["mixed"]``: FSDP2's mixed precision (bfloat16 compute).
     ``case["resume"]`` (``{"path": folder, "source": "own" or a rank}``): after
@@ -215,12 +216,14 @@ def train(
 
     cockpit = new_cockpit()
     n = case.get("batch", 4)  # samples per process; one process: all of them
+    sizes = case.get("sizes", [n] * world)  # (shards of different sizes)
     steps = case.get("steps", 2)
     for step in range(steps):
-        kwargs, y = batch(step, n * world)
+        kwargs, y = batch(step, sum(sizes))
         if rank is not None:
-            kwargs = {k: v[rank * n : rank * n + n] for k, v in kwargs.items()}
-            y = y[rank * n : rank * n + n]
+            start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+            kwargs = {k: v[start:stop] for k, v in kwargs.items()}
+            y = y[start:stop]
         optimizer.zero_grad()
         out = logits_of(model(**kwargs))
         loss = torch.nn.functional.cross_entropy(out, y)
