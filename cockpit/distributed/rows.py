@@ -76,14 +76,15 @@ class Rows:
 
         self.sharding, self.communicator, self.step = sharding, communicator, step
         self.params = [local(p).detach() for p in sharding.params]
-        if grads is None:
-            grads = [
-                upcast(local(p.grad).detach())
-                if p.grad is not None
-                else torch.zeros_like(r, dtype=compute_dtype(r.dtype))
-                for p, r in zip(sharding.params, self.params, strict=True)
-            ]
-        self.grads = list(grads)
+        #: Each parameter's rows of ``.grad``: what ``optimizer.step()`` will
+        #: see (with shards of different sizes not the joined batch's gradient).
+        self.steps = [
+            upcast(local(p.grad).detach())
+            if p.grad is not None
+            else torch.zeros_like(r, dtype=compute_dtype(r.dtype))
+            for p, r in zip(sharding.params, self.params, strict=True)
+        ]
+        self.grads = list(grads) if grads is not None else self.steps
         #: The parameters' device (where the partial sums are made).
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.owner = f"rank {communicator.rank} of {communicator.size}, " + (
@@ -118,7 +119,13 @@ class Rows:
         ``v`` is the full tensor of ``rows`` (:meth:`full`, freed after the
         product). The projection onto the same rows tensor (the gradient tests'
         and Alpha's SGD direction, both the gradient's rows) is formed once.
+        ``individual`` ``None`` (this process's hooks did not see the
+        parameter): the vector is joined all the same, as on the processes that
+        did see it, and ``None`` returned.
         """
+        if individual is None:
+            self.full(index, rows)
+            return None
         kept = self._projections.setdefault(index, [])
         for seen, dots in kept:
             if seen is rows:

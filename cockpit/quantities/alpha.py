@@ -45,11 +45,12 @@ class _StepParts:
     #: FSDP2 end steps: the per-sample gradients, projected after the backward
     #: pass onto each parameter's full direction (it is kept as rows).
     kept_end: dict[int, Any] = field(default_factory=dict)
-    #: FSDP2 start steps: the direction's rows and the slot of ``tau^2``.
-    rows_direction: list | None = None
+    #: FSDP2 start steps: the slot of ``tau^2`` (a sum over rows).
     tau_squared: Any = None
     #: FSDP2 end steps: whether a process's kept direction was another's.
     foreign: Any = None
+    #: FSDP2 start steps: on how many processes a replay failed (a slot).
+    failed: Any = None
 
 
 @dataclass
@@ -238,41 +239,52 @@ class Alpha(TwoStepQuantity):
     def _share_rows(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """FSDP2: the direction on this process's rows; projections; ``tau^2``.
 
-        Every process joins each parameter's full vector for the projections
-        (one collective per parameter, in the same order on every process,
-        whatever it found: a replay that failed or a foreign direction projects
-        zeros and is decided by the sums).
+        The direction is the update of ``.grad``'s rows (what ``optimizer.step()``
+        will see; with shards of different sizes not the joined batch's
+        gradient). Every process joins each parameter's full vector for the
+        projections and adds the same slots to the bucket, in the same order,
+        whatever it found (a parameter its hooks did not see, a replay that
+        failed, a foreign direction): what it found is decided by sums.
         """
         acc, rows = self.acc, ctx.rows
         optimizer = rows.optimizer
         self._optimizer = optimizer
-        for index in sorted(acc.kept):
-            individual = acc.kept.pop(index)
-            grad = rows.grads[index]
-            entry = self._start_entry(rows.params[index], grad, lambda v: None)
-            vector = entry.vector if entry.vector is not None else grad * 0
-            dots = rows.project(index, individual, vector)
-            if entry.kind != "failed":
+        count, n_local = len(rows.params), ctx.comm.n_local
+        if self.should_compute(global_step):  # a start
+            failed = 0
+            for index in range(count):
+                individual = acc.kept.pop(index, None)
+                grad = rows.steps[index]
+                entry = self._start_entry(rows.params[index], grad, lambda v: None)
+                vector = entry.vector if entry.vector is not None else grad * 0
+                dots = rows.project(index, individual, vector)
+                if dots is None:  # (no per-sample gradients of it here)
+                    dots = grad.new_zeros(n_local)
                 entry.dots = dots
+                failed += entry.kind == "failed"
                 bucket.gather(entry.dots, lambda v, e=entry: setattr(e, "dots", v))
-            acc.starts[index] = entry
-        if acc.starts:
-            entries = [acc.starts[i] for i in range(len(rows.params))]
+                acc.starts[index] = entry
+            entries = [acc.starts[i] for i in range(count)]
             found = self._direction(global_step, optimizer, entries, rows.params, False)
             partial = torch.zeros((), dtype=torch.float64, device=rows.device)
             if not isinstance(found, Missing):
-                acc.rows_direction = found[0]
                 partial = sum_of_squares(found[0])
             acc.tau_squared = bucket.sum(partial)
-        if acc.kept_end:
-            pending = self._pending[global_step - 1]
+            acc.failed = bucket.sum(torch.tensor(float(failed), device=rows.device))
+        pending = (
+            self._pending.get(global_step - 1) if self.finishes(global_step) else None
+        )
+        if pending is not None and "owner" in pending:  # an end, kept as rows
             foreign = is_foreign(pending["owner"], rows)
             direction = pending["direction"]
-            total = 0
-            for index in sorted(acc.kept_end):
+            total = torch.zeros(n_local, dtype=torch.float64, device=rows.device)
+            for index in range(count):
                 vector = rows.params[index] * 0 if foreign else direction[index]
                 vector = vector.to(compute_dtype(vector.dtype))
-                total = total + rows.project(index, acc.kept_end.pop(index), vector)
+                individual = acc.kept_end.pop(index, None)
+                dots = rows.project(index, individual, vector)
+                if dots is not None:
+                    total = total + dots.to(torch.float64)
             acc.end_dots = total
             flag = torch.tensor(float(foreign), dtype=torch.float64, device=rows.device)
             acc.foreign = bucket.sum(flag)
@@ -291,6 +303,16 @@ class Alpha(TwoStepQuantity):
         params = ctx.params
         if ctx.rows is not None and self.acc.tau_squared is not None:  # FSDP2 rows
             optimizer, params = ctx.rows.optimizer, ctx.rows.params
+        failed = self.acc.failed
+        if failed is not None and bool(failed.value > 0):  # (alike on every process)
+            return Missing(
+                f"{int(failed.value)} replays of the optimizer's update on the "
+                "processes' rows of the parameters failed (the warning of the "
+                "process that failed says why); Alpha needs the update each "
+                "parameter will receive. Fix: use an optimizer whose step treats "
+                "each parameter separately (every torch.optim optimizer except "
+                "LBFGS) and pass the same optimizer in info on every step"
+            )
         entries = [self.acc.starts[index] for index in range(len(params))]
         direction_and_dots = self._direction(global_step, optimizer, entries, params)
         if isinstance(direction_and_dots, Missing):  # recorded at this step
@@ -353,7 +375,7 @@ class Alpha(TwoStepQuantity):
         a fit without a minimiser becomes :class:`Missing`.
         """
         if "owner" in state and (
-            ctx.rows is None
+            self.rows_of(ctx) is None
             or self.acc.foreign is None
             or bool(self.acc.foreign.value > 0)
         ):  # rows of a fully_shard run, not this process's (or read without FSDP)

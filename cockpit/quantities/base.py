@@ -153,8 +153,14 @@ class Quantity(Protocol102, abc.ABC):
         super().__init_subclass__(**kwargs)
         maths = ("_compute", "_compute_start", "_compute_end", "share", "track")
         maths += ("compute", "accumulate", "track_step")
-        if "shard_local" not in cls.__dict__ and any(m in cls.__dict__ for m in maths):
-            cls.shard_local = False
+        # maths defined before (in the MRO) the class that says shard_local, by
+        # the subclass or a mixin it puts first, voids the claim
+        for klass in cls.__mro__:
+            if "shard_local" in klass.__dict__:
+                break
+            if any(m in klass.__dict__ for m in maths):
+                cls.shard_local = False
+                break
         if callable(cls.__dict__.get("needs")):
             raise TypeError(
                 f"{cls.__name__}.needs must be data, not a method: declare "
@@ -309,6 +315,14 @@ class Quantity(Protocol102, abc.ABC):
             warns once.
         """
         return NotImplemented
+
+    def rows_of(self, ctx: TrackContext):
+        """``ctx.rows`` for a shard-local quantity, else ``None`` (FSDP2).
+
+        A quantity that is not shard-local (a subclass that changed the maths)
+        computes on the full tensors joined for it, never on rows.
+        """
+        return ctx.rows if self.shard_local else None
 
     def abort_step(self, global_step: int) -> None:
         """Forget the partial results of a step that failed."""

@@ -50,13 +50,14 @@ def squared_norm_entry(view: ParamView) -> tuple:
     return batch_l2.sum(), grad_sq, batch_l2.shape[0], spread
 
 
-def share_squared_norms(acc: PerParameter, ctx: TrackContext, bucket) -> None:
+def share_squared_norms(acc: PerParameter, ctx: TrackContext, bucket, rows) -> None:
     """Data-parallel: sum ``sum_i ||g_i,p||^2`` over processes, in place.
 
     ``||g_p||^2`` is then read from the joined batch's gradient; on a
-    ``fully_shard`` model (``ctx.rows``) summed over the processes' rows of it.
+    ``fully_shard`` model (``rows``: the quantity's ``rows_of(ctx)``) summed over
+    the processes' rows of it.
     """
-    n_global, rows = ctx.comm.n_global, ctx.rows
+    n_global = ctx.comm.n_global
     for index, entry in acc.entries.items():
         if rows is None:
 
@@ -205,16 +206,21 @@ class GramQuantity(SingleStepQuantity):
         acc = self.acc
         joined = ctx.comm.common.get("gram projections")
         if joined is None:
-            rows = ctx.rows
+            rows = self.rows_of(ctx)
             grads = ctx.gradients() if rows is None else rows.grads
             norms, dots = 0, 0
-            for index in sorted(acc.kept):
-                individual = acc.kept[index]
-                norms = norms + individual.batch_l2().detach()
+            # (FSDP2: every parameter's gradient is joined on every process, for
+            # the product, whether its hooks saw it or not)
+            indices = sorted(acc.kept) if rows is None else range(len(grads))
+            for index in indices:
+                individual = acc.kept.get(index)
+                if individual is not None:
+                    norms = norms + individual.batch_l2().detach()
                 if rows is None:
                     dots = dots + ctx.comm.projection(index, individual, grads[index])
                 else:  # FSDP2: onto this parameter's full gradient, for the product
-                    dots = dots + rows.project(index, individual, grads[index])
+                    projected = rows.project(index, individual, grads[index])
+                    dots = dots if projected is None else dots + projected
             squared = None  # ||g||^2: the processes' rows' squares (FSDP2)
             if rows is not None:
                 squared = bucket.sum(sum((g**2).sum() for g in grads))
@@ -297,7 +303,7 @@ def snr_parts(view: ParamView, shared) -> tuple:
 
 
 def share_snr(
-    acc: PerParameter, ctx: TrackContext, bucket, epsilon: float, unbiased: bool
+    acc: PerParameter, ctx: TrackContext, bucket, epsilon: float, unbiased: bool, rows
 ) -> None:
     """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook.
 
@@ -308,7 +314,6 @@ def share_snr(
     :meth:`Bucket.rows`), reduces them with its rows of the joined gradient, and
     the reductions are summed in a second round of the bucket.
     """
-    rows = ctx.rows
     grads = ctx.gradients() if rows is None else rows.grads
     n = ctx.comm.n_global
     for index, (sum_grad_squared,) in list(acc.entries.items()):

@@ -25,14 +25,13 @@ class RowSquares:
     foreign: bool = False
 
 
-def share_row_distances(ctx: TrackContext, start, owner, acc, bucket) -> None:
-    """FSDP2: sum the squares of ``ctx.rows.params - start`` over the processes.
+def share_row_distances(rows, start, owner, acc, bucket) -> None:
+    """FSDP2: sum the squares of ``rows.params - start`` over the processes.
 
     ``start`` is a process's rows kept with ``owner``; where it is another
     process's (:func:`~cockpit.distributed.rows.is_foreign`) the process adds
     zeros and says so, so that every process records the value missing alike.
     """
-    rows = ctx.rows
     foreign = is_foreign(owner, rows)
     count, device = len(rows.params), rows.device
     if foreign:
@@ -81,7 +80,7 @@ class Distance(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """FSDP2: snapshot this process's rows on first sight; sum the squares."""
-        rows = ctx.rows
+        rows = self.rows_of(ctx)
         if rows is None:
             return
         if self._initial is None:
@@ -89,10 +88,12 @@ class Distance(SingleStepQuantity):
         elif self._owner is None and [p.numel() for p in self._initial] == [
             p.numel() for p in rows.sharding.params
         ]:  # a snapshot of the full parameters (one process, DDP): its rows
-            self._initial = [rows.take(i, p0) for i, p0 in enumerate(self._initial)]
+            self._initial = [
+                rows.take(i, p0).clone() for i, p0 in enumerate(self._initial)
+            ]
             self._owner = rows.owner
         if self.should_compute(global_step):
-            share_row_distances(ctx, self._initial, self._owner, self.acc, bucket)
+            share_row_distances(rows, self._initial, self._owner, self.acc, bucket)
 
     def track_step(self, global_step: int, ctx: TrackContext) -> list[tuple[int, Any]]:
         """Snapshot on first sight, then report the distance on scheduled steps."""

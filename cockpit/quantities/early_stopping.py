@@ -68,7 +68,7 @@ class EarlyStopping(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
-        share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=True)
+        share_snr(self.acc, ctx, bucket, self.epsilon, True, self.rows_of(ctx))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, n, dtype, conditions = total_snr(self.acc, len(ctx.params))

@@ -32,8 +32,9 @@ class GradNorm(ByproductQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """FSDP2: sum each process's rows' squares (else nothing to add)."""
-        if ctx.rows is not None:
-            squares = squared_norms(ctx.rows.grads)
+        rows = self.rows_of(ctx)
+        if rows is not None:
+            squares = squared_norms(rows.grads)
             bucket.sum(squares, lambda v: setattr(self.acc, "squares", v))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> list[float]:

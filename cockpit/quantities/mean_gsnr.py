@@ -62,7 +62,7 @@ class MeanGSNR(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
-        share_snr(self.acc, ctx, bucket, self.epsilon, unbiased=False)
+        share_snr(self.acc, ctx, bucket, self.epsilon, False, self.rows_of(ctx))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, _, dtype, conditions = total_snr(self.acc, len(ctx.params))

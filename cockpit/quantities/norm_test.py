@@ -49,7 +49,7 @@ class NormTest(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum the per-sample squared norms over processes."""
-        share_squared_norms(self.acc, ctx, bucket)
+        share_squared_norms(self.acc, ctx, bucket, self.rows_of(ctx))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         spread, mean, n, dtype, conditions = total_spread(self.acc, ctx.gradients())

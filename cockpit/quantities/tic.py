@@ -126,7 +126,7 @@ class _TIC(SingleStepQuantity):
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` and ``n_r h_r`` over processes, then reduce."""
         acc, n = self.acc, ctx.comm.n_global
-        if ctx.rows is not None and self.elementwise:
+        if self.rows_of(ctx) is not None and self.elementwise:
             self._share_rows(acc, n, bucket)
             return
         for index, (squares, curvature) in list(acc.parts.items()):

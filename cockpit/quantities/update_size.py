@@ -33,17 +33,24 @@ class UpdateSize(TwoStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """FSDP2: at an end, sum the squares of the rows' change."""
-        if ctx.rows is not None and self.finishes(global_step):
+        rows = self.rows_of(ctx)
+        if rows is not None and self.finishes(global_step):
             start = self._pending[global_step - 1]
             if isinstance(start, dict):  # rows, with whose they are
-                rows, owner = start["rows"], start["owner"]
-            else:  # the full parameters (a run without fully_shard)
-                rows, owner = None, None
-            share_row_distances(ctx, rows, owner, self.acc, bucket)
+                kept, owner = start["rows"], start["owner"]
+            elif [p.numel() for p in start] == [
+                p.numel() for p in rows.sharding.params
+            ]:  # the full parameters (a run without fully_shard): their rows
+                kept = [rows.take(i, p).clone() for i, p in enumerate(start)]
+                owner = rows.owner
+            else:
+                kept, owner = None, None
+            share_row_distances(rows, kept, owner, self.acc, bucket)
 
     def _compute_start(self, global_step: int, ctx: TrackContext) -> Any:
-        if ctx.rows is not None:
-            return {"rows": snapshot(ctx.rows.params), "owner": ctx.rows.owner}
+        rows = self.rows_of(ctx)
+        if rows is not None:
+            return {"rows": snapshot(rows.params), "owner": rows.owner}
         return snapshot(ctx.params)
 
     def _compute_end(self, global_step, ctx, state) -> list[float] | Missing:

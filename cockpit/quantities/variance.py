@@ -49,7 +49,7 @@ class Variance(SingleStepQuantity):
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i ||g_i,p||^2`` over processes (``N`` of the joined batch)."""
-        share_squared_norms(self.acc, ctx, bucket)
+        share_squared_norms(self.acc, ctx, bucket, self.rows_of(ctx))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         if not ctx.params:

@@ -14,6 +14,7 @@ import torch
 
 from cockpit import quantities
 from cockpit.context import StepInfo
+from cockpit.quantities.base import NothingToShare
 from cockpit.quantities.bin_adaptation import GradAbsMax, ParamAbsMax
 from cockpit.quantities.optim import is_elementwise
 from cockpit.utils.configuration import configuration
@@ -43,7 +44,11 @@ def test_a_subclass_that_changes_the_maths_must_say_it_is_shard_local():
     class Renamed(quantities.GradNorm):  # the maths unchanged
         """Another name."""
 
+    class Mixed(NothingToShare, quantities.GradNorm):  # a mixin's share first
+        """GradNorm that shares nothing."""
+
     assert not Doubled(linear(1)).shard_local
+    assert not Mixed(linear(1)).shard_local
     assert Said(linear(1)).shard_local
     assert Renamed(linear(1)).shard_local
 
