@@ -296,8 +296,8 @@ class Sharding:
             rebuilt(optimizer, probe)
         except Exception as error:  # any constructor's refusal
             return (
-                f"cockpit could not make a {type(optimizer).__name__} over the full "
-                f"parameters ({type(error).__name__}: {error})"
+                f"cockpit could not make a {type(optimizer).__name__} over copies "
+                f"of the parameters ({type(error).__name__}: {error})"
             )
         return None
 

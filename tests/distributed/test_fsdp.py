@@ -346,7 +346,7 @@ def test_an_optimizer_that_cannot_be_rebuilt_leaves_its_readers_out(tmp_path):
         for step in history.values():
             assert set(step["missing"]) == {"Alpha"}, step["missing"]
             reason = step["missing"]["Alpha"]
-            assert "could not make a Needy over the full parameters" in reason
+            assert "could not make a Needy over copies of the parameters" in reason
             assert "missing 1 required positional argument: 'token'" in reason
             assert "Fix:" in reason
             assert {"GradNorm", "Variance", "InnerTest"} <= set(step)

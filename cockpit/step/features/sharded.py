@@ -56,8 +56,9 @@ def sharded_optimizer_reason(key: str, why: str) -> str:
     """Why a quantity reading the optimizer is missing on a ``fully_shard`` model."""
     return (
         f"{key} reads the optimizer's learning rates (and replays its update), "
-        "which cockpit reads from a copy of the optimizer over the full "
-        f"parameters on fully_shard models, but {why}. Fix: give the optimizer's "
+        "which cockpit reads from a copy of the optimizer over each process's "
+        "rows of the parameters (or over the full tensors) on fully_shard "
+        f"models, but {why}. Fix: give the optimizer's "
         "class a constructor that takes the parameter groups alone (as "
         "torch.optim optimizers do), or track it in a run without fully_shard"
     )
