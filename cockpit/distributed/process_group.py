@@ -220,19 +220,36 @@ class Communicator:
             return torch.device("cuda", torch.cuda.current_device())
         return tensor.device
 
-    def _wait(self, work, what: str, step: int | None) -> None:
+    def _wait(self, work, what: str, step: int | None, polled: bool = True) -> None:
         """Wait for ``work``: at most ``timeout``, and no longer once a process failed.
+
+        ``polled=False`` for collectives whose work says it is done only once
+        waited for (gloo's reduce-scatter): it is waited for in ``work.wait``
+        with the timeout, so a process that failed is noticed at the timeout,
+        not at once (cockpit's reduce-scatter follows an all-reduce of the same
+        step's bucket, where a failure is noticed at once).
 
         Raises:
             DistributedError: On every process (see :meth:`StepSync.fail`).
         """
-        self.sync.wait_for(work.is_completed, what, step)
+        if polled:
+            self.sync.wait_for(work.is_completed, what, step)
+        else:
+            self.sync.check_alive()
         try:
-            done = work.wait()
-        except RuntimeError as error:  # a process died: its connection broke
+            if polled:
+                done = work.wait()
+            else:
+                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:  # a process died (or, not polled, timed out)
+            broke = (
+                f"the connection to another process broke at step {step} ({what})"
+                if polled
+                else f"a collective at step {step} ({what}) did not complete "
+                f"within {self.timeout:g} s"
+            )
             self.sync.fail(
-                f"the connection to another process broke at step {step} ({what}): "
-                f"{str(error).splitlines()[0]}",
+                f"{broke}: {str(error).splitlines()[0]}",
                 step,
                 doing=f"waiting for the others ({what})",
                 fix=distributed_sync.FIX_SILENT,
@@ -276,32 +293,8 @@ class Communicator:
         )
         self.calls += 1
         self.bytes_sent += buffer.numel() * buffer.element_size()
-        self._wait_blocking(work, what, step)
+        self._wait(work, what, step, polled=False)
         return out.to(tensor.device)
-
-    def _wait_blocking(self, work, what: str, step: int | None) -> None:
-        """Wait for ``work`` in ``work.wait``, at most ``timeout``.
-
-        For collectives whose work says it is done only once waited for (gloo's
-        reduce-scatter): a process that failed is noticed at the timeout, not at
-        once (cockpit's reduce-scatter follows an all-reduce of the same step's
-        bucket, where a failure is noticed at once).
-        """
-        self.sync.check_alive()
-        try:
-            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:  # timed out, or a process died
-            self.sync.fail(
-                f"a collective at step {step} ({what}) did not complete within "
-                f"{self.timeout:g} s: {str(error).splitlines()[0]}",
-                step,
-                doing=f"waiting for the others ({what})",
-                fix=distributed_sync.FIX_SILENT,
-            )
-        if done is False:
-            self.sync.fail(
-                f"a collective at step {step} ({what}) did not complete.", step
-            )
 
     def start_gather_ints(
         self, values: Sequence[int], what: str, step: int | None

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from cockpit.precision import compute_dtype, upcast
-from cockpit.quantities.optim import rebuilt
+from cockpit.quantities.optim import rebuilt_over
 
 
 def is_foreign(owner, rows: Rows | None) -> bool:
@@ -159,15 +159,9 @@ def over_rows(optimizer, sharding, rows: Sequence[Tensor]):
     """
     from cockpit.distributed.sharded import is_dtensor, local
 
-    by_id = {id(p): r for p, r in zip(sharding.params, rows, strict=True)}
-    groups = []
-    for group in optimizer.param_groups:
-        held = [by_id[id(p)] for p in group["params"] if id(p) in by_id]
-        if held:
-            groups.append({**group, "params": held})
-    if not groups:
+    twin = rebuilt_over(optimizer, sharding.params, rows)
+    if twin is None:
         return None
-    twin = rebuilt(optimizer, groups)
     for param, row in zip(sharding.params, rows, strict=True):
         state = optimizer.state.get(param)
         if state:

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from cockpit.quantities.optim import rebuilt
+from cockpit.quantities.optim import rebuilt, rebuilt_over
 
 #: What a refusal says to do.
 FIX = (
@@ -251,15 +251,9 @@ class Sharding:
         (:meth:`gather`), the rest (a step count) copied. Parameters it does not
         hold stay out.
         """
-        by_id = {id(p): f for p, f in zip(self.params, full_params, strict=True)}
-        groups = []
-        for group in optimizer.param_groups:
-            held = [by_id[id(p)] for p in group["params"] if id(p) in by_id]
-            if held:
-                groups.append({**group, "params": held})
-        if not groups:
+        twin = rebuilt_over(optimizer, self.params, full_params)
+        if twin is None:
             return optimizer
-        twin = rebuilt(optimizer, groups)
         if not state:
             return twin
         states = [optimizer.state.get(p) or {} for p in self.params]

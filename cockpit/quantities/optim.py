@@ -147,6 +147,22 @@ def rebuilt(optimizer, groups: list[dict]):
         return cls(groups, **defaults)
 
 
+def rebuilt_over(optimizer, params: Sequence[Tensor], tensors: Sequence[Tensor]):
+    """:func:`rebuilt` with each of ``params`` replaced by its twin in ``tensors``.
+
+    The groups keep their settings and hold the twins of the parameters they
+    own (FSDP2: the full tensors, or a process's rows); ``None`` if no group
+    holds any of ``params``.
+    """
+    by_id = {id(p): t for p, t in zip(params, tensors, strict=True)}
+    groups = []
+    for group in optimizer.param_groups:
+        held = [by_id[id(p)] for p in group["params"] if id(p) in by_id]
+        if held:
+            groups.append({**group, "params": held})
+    return rebuilt(optimizer, groups) if groups else None
+
+
 def replay_update(optimizer, param: Tensor, grad: Tensor) -> Tensor:
     """Return the change ``optimizer.step()`` would make to ``param`` given ``grad``.
 
