@@ -288,7 +288,9 @@ class Communicator:
         device = self._device(tensor)
         buffer = tensor.detach().to(device).contiguous()
         out = buffer.new_empty(buffer.numel() // self.size)
-        work = dist.reduce_scatter_tensor(
+        # (torch 2.13 names it reduce_scatter_single; reduce_scatter_tensor warns)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        work = scatter(
             out, buffer, op=dist.ReduceOp.SUM, group=self._group(), async_op=True
         )
         self.calls += 1

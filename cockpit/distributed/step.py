@@ -60,8 +60,10 @@ class Bucket:
 
         ``then`` receives this process's rows of its sum over the processes. For
         elementwise sums (``sum_i g_i^2``, a curvature diagonal) that each
-        process reduces on its rows: one reduce-scatter for all such slots, so
-        no process receives a full sum.
+        process reduces on its rows: reduce-scatters of all such slots
+        (:meth:`_scatter`), so no process receives a full sum. The bucket lets
+        ``tensor`` go once it is sent: a caller that drops its own reference
+        frees each sum as soon as it is on its way.
         """
         slot = _Slot(torch.as_tensor(tensor), then, index=index)
         self._slots["rows"].append(slot)
@@ -128,8 +130,12 @@ class Bucket:
     def _scatter(self, slots: list[_Slot], what: str) -> None:
         """Reduce-scatter the ``rows`` slots: each process its rows of each sum.
 
-        Process ``q``'s block holds, for every slot, the elements of ``q``'s rows
-        padded to the largest process's rows of that parameter (float64).
+        In consecutive runs of slots, each packed into one float64 vector of at
+        most :data:`SCATTER_ELEMENTS` numbers (a slot larger than that alone):
+        process ``q``'s block holds, for every slot of the run, the elements of
+        ``q``'s rows padded to the largest process's rows of that parameter.
+        A slot's tensor is let go once packed, so the sums not yet sent, one
+        packed run and the rows received are what the bucket holds.
         """
         comm = self.comm
         communicator = comm.communicator
@@ -140,31 +146,55 @@ class Bucket:
                     slot.tensor, what, comm.global_step
                 )
             return
-        spans = [sharding.row_spans(slot.index) for slot in slots]
-        widths = []
-        for slot, span in zip(slots, spans, strict=True):
+        processes = len(sharding.ranks)
+        run: list[tuple[_Slot, list, int, int]] = []
+        size = 0
+        for slot in slots:
+            span = sharding.row_spans(slot.index)
             param = sharding.params[slot.index]
             row = param.numel() // param.shape[0] if param.dim() else 1
-            widths.append((row, max(b - a for a, b in span) * row))
-        block = sum(width for _, width in widths)
-        device = slots[0].tensor.device
-        flat = torch.zeros(len(spans[0]) * block, dtype=torch.float64, device=device)
-        for q in range(len(spans[0])):
-            position = q * block
-            for slot, span, (row, width) in zip(slots, spans, widths, strict=True):
-                a, b = span[q]
-                piece = slot.tensor.detach().reshape(-1)[a * row : b * row]
-                flat[position : position + piece.numel()] = piece
-                position += width
+            width = max(b - a for a, b in span) * row
+            if run and (size + width) * processes > SCATTER_ELEMENTS:
+                self._scatter_run(run, what)
+                run, size = [], 0
+            run.append((slot, span, row, width))
+            size += width
+        if run:
+            self._scatter_run(run, what)
+
+    def _scatter_run(self, run: list, what: str) -> None:
+        """One reduce-scatter of a run of slots (see :meth:`_scatter`)."""
+        comm = self.comm
+        communicator = comm.communicator
+        block = sum(width for *_, width in run)
+        processes = len(run[0][1])
+        device = run[0][0].tensor.device
+        flat = torch.zeros(processes * block, dtype=torch.float64, device=device)
+        kept = []  # (shape, dtype, device) of each slot's tensor, let go below
+        offset = 0  # where the slot's rows start in each process's block
+        for slot, span, row, width in run:
+            tensor, slot.tensor = slot.tensor.detach(), None
+            values = tensor.reshape(-1)
+            for q, (a, b) in enumerate(span):
+                start = q * block + offset
+                flat[start : start + (b - a) * row] = values[a * row : b * row]
+            kept.append((tensor.shape, tensor.dtype, tensor.device))
+            offset += width
+            del tensor, values
         mine = communicator.reduce_scatter(flat, what, comm.global_step)
         del flat
         position, rank = 0, communicator.rank
-        for slot, span, (row, width) in zip(slots, spans, widths, strict=True):
+        for (slot, span, row, width), (shape, dtype, device) in zip(
+            run, kept, strict=True
+        ):
             a, b = span[rank]
-            shape = (b - a, *slot.tensor.shape[1:])
-            piece = mine[position : position + (b - a) * row].reshape(shape)
-            slot.value = piece.to(slot.tensor.device, slot.tensor.dtype)
+            piece = mine[position : position + (b - a) * row]
+            slot.value = piece.reshape(b - a, *shape[1:]).to(device, dtype)
             position += width
+
+
+#: The most float64 numbers one reduce-scatter of :meth:`Bucket.rows` packs (16 MiB).
+SCATTER_ELEMENTS = 1 << 21
 
 
 class StepComm:

@@ -51,6 +51,8 @@ class _StepParts:
     foreign: Any = None
     #: FSDP2 start steps: on how many processes a replay failed (a slot).
     failed: Any = None
+    #: FSDP2 start steps: the direction on this process's rows (formed once).
+    direction: list[Tensor] | None = None
 
 
 @dataclass
@@ -268,6 +270,7 @@ class Alpha(TwoStepQuantity):
             found = self._direction(global_step, optimizer, entries, rows.params, False)
             partial = torch.zeros((), dtype=torch.float64, device=rows.device)
             if not isinstance(found, Missing):
+                acc.direction = found[0]
                 partial = sum_of_squares(found[0])
             acc.tau_squared = bucket.sum(partial)
             acc.failed = bucket.sum(torch.tensor(float(failed), device=rows.device))
@@ -314,7 +317,9 @@ class Alpha(TwoStepQuantity):
                 "LBFGS) and pass the same optimizer in info on every step"
             )
         entries = [self.acc.starts[index] for index in range(len(params))]
-        direction_and_dots = self._direction(global_step, optimizer, entries, params)
+        direction_and_dots = self._direction(
+            global_step, optimizer, entries, params, known=self.acc.direction
+        )
         if isinstance(direction_and_dots, Missing):  # recorded at this step
             return direction_and_dots
         direction, dots = direction_and_dots
@@ -337,15 +342,19 @@ class Alpha(TwoStepQuantity):
             kept["owner"] = ctx.rows.owner
         return kept
 
-    def _direction(self, global_step, optimizer, entries, params, dots=True):
+    def _direction(
+        self, global_step, optimizer, entries, params, dots=True, known=None
+    ):
         """The step ``d`` per parameter and ``sum_p g_i,p . d_p`` (``dots``).
 
-        Or why there is none (:class:`Missing`).
+        Or why there is none (:class:`Missing`). ``known``: the direction formed
+        earlier in the step from the same entries (FSDP2's ``tau^2``), not formed
+        again.
         """
         kinds = {entry.kind for entry in entries}
         if kinds == {"sgd"} and is_plain_sgd(optimizer):
             factors = [-lr for lr in learning_rates(optimizer, params)]
-            direction = [c * e.vector for c, e in zip(factors, entries)]
+            direction = known or [c * e.vector for c, e in zip(factors, entries)]
             if not dots:
                 return direction, None
             dots = torch.stack([c * e.dots for c, e in zip(factors, entries)])
@@ -374,6 +383,8 @@ class Alpha(TwoStepQuantity):
         (:class:`~cockpit.utils.host.Deferred`), where the warning is given and
         a fit without a minimiser becomes :class:`Missing`.
         """
+        if "owner" in state and ctx.rows is not None and self.rows_of(ctx) is None:
+            return Missing(self._left_rows_reason(global_step))
         if "owner" in state and (
             self.rows_of(ctx) is None
             or self.acc.foreign is None
@@ -400,6 +411,18 @@ class Alpha(TwoStepQuantity):
         finite = torch.isfinite(observed).all() & torch.isfinite(variances).all()
         flags = torch.stack([defined, zero.any() & moved, finite])
         return Deferred((alpha, flags), lambda host: self._decided(global_step, *host))
+
+    def _left_rows_reason(self, global_step: int) -> str:
+        """Why a start kept as rows cannot end at a step on the full tensors."""
+        optimizer = type(self._optimizer).__name__
+        return (
+            f"the step taken at step {global_step - 1} was kept as each process's "
+            "rows of the fully_shard model (the optimizer's update replayed on "
+            f"them), and at step {global_step} the optimizer is a {optimizer}, "
+            "whose update cockpit replays only on the full tensors. Fix: keep one "
+            "elementwise torch.optim optimizer (SGD, Adam, AdamW, ...) from a step "
+            "where Alpha starts to the next, or track Alpha where it does not change"
+        )
 
     def _decided(self, global_step: int, alpha: float, flags: list) -> float | Missing:
         defined, floored, finite = flags

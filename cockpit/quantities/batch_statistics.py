@@ -337,6 +337,7 @@ def share_snr(
         if rows is None:
             bucket.sum(sum_grad_squared, then)
         else:  # FSDP2: each process receives its rows of the sum
+            del acc.entries[index]  # (``then`` puts it back: freed once sent)
             bucket.rows(sum_grad_squared, index, then)
 
 

@@ -145,6 +145,7 @@ class _TIC(SingleStepQuantity):
         reductions, sums over elements, are summed in a next round.
         """
         for index, (squares, curvature) in list(acc.parts.items()):
+            del acc.parts[index]  # (``then`` puts it back: freed once sent)
             joined_squares = bucket.rows(squares, index)
 
             def then(total, index=index, joined_squares=joined_squares):

@@ -205,12 +205,27 @@ def test_four_processes(tmp_path):
             configuration="business",
             extras=["Variance", "MeanGSNR"],
         ),
+        # the same, the sums sent in runs of at most 200 numbers (else one slot)
+        dict(
+            model="transformer",
+            wrap="units",
+            reshard=True,
+            configuration="business",
+            extras=["Variance", "MeanGSNR"],
+            scatter_elements=200,
+        ),
         # Adam's update replayed on each process's rows of the state
         {"model": "mlp", "wrap": "root", "reshard": False, "optimizer": "adam"},
         # Parameters reads the full tensors: the shards are joined for it
         {"model": "mlp", "wrap": "units", "reshard": True, "extras": ["Parameters"]},
     ],
-    ids=["transformer", "elementwise", "adam", "joined-for-parameters"],
+    ids=[
+        "transformer",
+        "elementwise",
+        "elementwise-runs",
+        "adam",
+        "joined-for-parameters",
+    ],
 )
 def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
     """Economy plus Variance compute from each process's rows: the full
@@ -252,11 +267,20 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
             assert max(sums) < sum(sizes), (sums, sum(sizes))
         elementwise = case.get("configuration") == "business"
         assert bool(result["scattered"]) is elementwise, result["scattered"]
-        for sent, received in result["scattered"]:
+        by_step: dict[int, list] = {}
+        for sent, received, step in result["scattered"]:
+            assert received * 2 == sent, (sent, received)
+            by_step.setdefault(step, []).append(sent)
+        cap = case.get("scatter_elements")
+        for step, sent in by_step.items():
             # three elementwise sums of D numbers; each process receives its half
             # (padded to the larger process's rows), an all-reduce would give 3 D
-            assert received * 2 == sent, (sent, received)
-            assert 1.5 * sum(sizes) <= received < 0.6 * 3 * sum(sizes), received
+            assert 1.5 * sum(sizes) <= sum(sent) / 2 < 0.6 * 3 * sum(sizes), sent
+            if cap is None:  # one reduce-scatter for the step
+                assert len(sent) == 1, (step, sent)
+            else:  # runs of slots of at most `cap` numbers, or one larger slot
+                assert len(sent) > 3, (step, sent)
+                assert all(n <= max(cap, 2 * max(sizes)) for n in sent), sent
 
 
 def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
@@ -406,6 +430,31 @@ def test_a_resumed_run_keeps_each_ranks_warm_start(tmp_path):
             for reason in reasons.values():
                 assert "another process's rows" in reason, reason
                 assert "save and load its own cockpit state" in reason, reason
+
+
+def test_alpha_started_on_rows_and_ended_on_full_tensors_says_why(tmp_path):
+    """Alpha starts on each process's rows (SGD's step) and the next step's
+    optimizer is a subclass of SGD, replayed only on the full tensors: the value
+    is missing on every rank with that cause and the fix (not the reason for
+    another process's state), and every other value equals one process's."""
+    case = {"model": "mlp", "wrap": "units", "reshard": True, "switch": True}
+    want = _as_json(fsdp.train(case, None, 2).history.to_dict())
+    assert "Alpha" in want["0"], want["0"]
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, cases=[case])
+    for result in results:
+        (got,) = (c.get("history", c) for c in result["cases"])
+        assert "error" not in got, got.get("traceback", got["error"])
+        missing = {step: got[step].get("missing", {}) for step in got}
+        assert {s: sorted(m) for s, m in missing.items() if m} == {"0": ["Alpha"]}
+        reason = missing["0"]["Alpha"]
+        assert "the optimizer is a OwnSGD" in reason, reason
+        assert "replays only on the full tensors" in reason, reason
+        assert "another process's rows" not in reason, reason
+        problems: list[str] = []
+        expected = {step: dict(values) for step, values in want.items()}
+        expected["0"].pop("Alpha")
+        _compare(expected, got, f"rank {result['rank']}", problems)
+        assert not problems, problems[:10]
 
 
 def test_the_shards_are_joined_exactly_in_the_parameters_dtype(tmp_path):

@@ -110,6 +110,10 @@ class Needy(torch.optim.SGD):
         self.token = token
 
 
+class OwnSGD(torch.optim.SGD):
+    """A subclass of SGD: its update is replayed on the full tensors, not on rows."""
+
+
 #: What every case tracks beyond its configuration (``case["extras"]``).
 EXTRAS = ("Variance", "MeanGSNR")
 
@@ -169,7 +173,8 @@ def train(
 
     ``case["sizes"]``: each process's samples (default ``case["batch"]`` each);
     ``case["frozen"]``: a submodule's name whose parameters do not train;
-    ``case["mixed"]``: FSDP2's mixed precision (bfloat16 compute).
+    ``case["mixed"]``: FSDP2's mixed precision (bfloat16 compute);
+    ``case["switch"]``: from step 1 on, the optimizer is an :class:`OwnSGD`.
     ``case["resume"]`` (``{"path": folder, "source": "own" or a rank}``): after
     step 0 every process saves its cockpit's state there, and a new Cockpit goes on
     from the state of this process (``"own"``) or of the rank given."""
@@ -235,6 +240,8 @@ def train(
             with cockpit(step, info=info):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
+        if step == 0 and case.get("switch"):
+            optimizer = OwnSGD(model.parameters(), lr=0.1)
         if step == 0 and case.get("resume"):
             cockpit = _resumed(cockpit, new_cockpit, rank, case["resume"])
     return cockpit
@@ -276,10 +283,15 @@ def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, A
 def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """Worker: train a case, watching cockpit's collectives; the history, each
     all-reduce's ``(what, numbers)``, each reduce-scatter's ``(numbers sent,
-    numbers received)``, the joins of the full parameters
-    (:meth:`Sharding.gather`) and the parameters' sizes."""
+    numbers received, step)``, the joins of the full parameters
+    (:meth:`Sharding.gather`) and the parameters' sizes. ``case["scatter_elements"]``
+    replaces :data:`cockpit.distributed.step.SCATTER_ELEMENTS`."""
     from cockpit.distributed import process_group
+    from cockpit.distributed import step as distributed_step
     from cockpit.distributed.sharded import Sharding
+
+    if "scatter_elements" in case:
+        distributed_step.SCATTER_ELEMENTS = case["scatter_elements"]
 
     seen: dict[str, list] = {"reduced": [], "joined": [], "scattered": []}
     reduce, gather = process_group.Communicator.all_reduce, Sharding.gather
@@ -287,7 +299,7 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 
     def scattered(self, tensor, what, step):
         out = scatter(self, tensor, what, step)
-        seen["scattered"].append((int(tensor.numel()), int(out.numel())))
+        seen["scattered"].append((int(tensor.numel()), int(out.numel()), step))
         return out
 
     def watched(self, tensor, what, step, op="sum"):
