@@ -20,7 +20,10 @@ float32 parameters (``--width``; per-``Linear`` units and the root wrapped with
 * **Memory**: peak resident memory per rank (``ru_maxrss``) of a fresh set of
   processes running only one variant, after building the model, minus what the
   model and one plain warm-up step took (malloc keeps freed memory with the
-  settings above, so the peak is the high-water mark).
+  settings above, so the peak is the high-water mark); with ``--memory-runs k``
+  the median per rank of ``k`` such sets (the peak moves by up to a few hundred
+  MB between sets on a model of tens of millions of parameters).
+  ``--depth``: the hidden layers (each its own unit).
 
 Results go to ``benchmarks/results/fsdp.json`` (``--out``) with the commit and the
 machine.
@@ -42,13 +45,12 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _model(width: int) -> torch.nn.Module:
+def _model(width: int, depth: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(width, width), torch.nn.Tanh(),
-        torch.nn.Linear(width, width), torch.nn.Tanh(),
-        torch.nn.Linear(width, 10),
-    )  # fmt: skip
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
 
 
 def _worker(rank, world, rendezvous, args, mode, label, out):
@@ -62,7 +64,7 @@ def _worker(rank, world, rendezvous, args, mode, label, out):
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world
     )
-    model = _model(args.width)
+    model = _model(args.width, args.depth)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -126,13 +128,27 @@ def _run(world, args, mode, label=None):
     return rows
 
 
+def _peaks(world, args, mode, label=None) -> dict:
+    """Per rank, the peak of ``--memory-runs`` fresh process sets and its median."""
+    runs = [
+        [r["peak_mb"] for r in _run(world, args, mode, label)]
+        for _ in range(args.memory_runs)
+    ]
+    return {"runs": runs, "median": [statistics.median(r) for r in zip(*runs)]}
+
+
 def main() -> None:
     """Measure at 2 and 4 processes; write the results file and print a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1200)
+    parser.add_argument("--depth", type=int, default=2, help="hidden layers")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument(
+        "--memory-runs", type=int, default=1,
+        help="fresh process sets per variant for the peak (median per rank)",
+    )  # fmt: skip
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--configurations", default="economy,full")
     parser.add_argument("--quick", action="store_true")
@@ -140,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.width, args.rounds, args.memory_steps = 600, 5, 2
-    params = sum(p.numel() for p in _model(args.width).parameters())
+    params = sum(p.numel() for p in _model(args.width, args.depth).parameters())
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -152,12 +168,12 @@ def main() -> None:
           "| peak MB plain | peak MB tracked |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for world in [int(w) for w in args.worlds.split(",")]:
-        plain_mem = _run(world, args, "plain")
-        row = {"peak_mb_plain": [r["peak_mb"] for r in plain_mem],
-               "configurations": {}}  # fmt: skip
+        plain_mem = _peaks(world, args, "plain")
+        row = {"peak_mb_plain": plain_mem["median"], "peak_mb_plain_runs":
+               plain_mem["runs"], "configurations": {}}  # fmt: skip
         for label in args.configurations.split(","):
             timed = _run(world, args, "time", label)
-            tracked_mem = _run(world, args, "tracked", label)
+            tracked_mem = _peaks(world, args, "tracked", label)
             plain = statistics.median(r["plain"] for r in timed)
             tracked = statistics.median(r["tracked"] for r in timed)
             row["configurations"][label] = cell = {
@@ -165,7 +181,8 @@ def main() -> None:
                 "plain_ms": 1e3 * plain,
                 "tracked_ms": 1e3 * tracked,
                 "ratio": tracked / plain,
-                "peak_mb_tracked": [r["peak_mb"] for r in tracked_mem],
+                "peak_mb_tracked": tracked_mem["median"],
+                "peak_mb_tracked_runs": tracked_mem["runs"],
             }
             print(f"| {world} | {label} | {cell['plain_ms']:.1f} | "
                   f"{cell['tracked_ms']:.1f} | {cell['ratio']:.2f} | "

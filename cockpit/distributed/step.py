@@ -29,6 +29,24 @@ class _Slot:
     index: int | None = None  # the parameter whose rows it is (``Bucket.rows``)
 
 
+@dataclass
+class _Piece:
+    """Whole rows of one slot that go into one reduce-scatter (``Bucket._scatter``).
+
+    ``spans``: per process, the rows of the parameter in this piece; ``row``: the
+    elements of a row; ``width``: the largest process's elements in it;
+    ``start``: where the piece starts in each process's rows; ``last``: the
+    slot's last piece.
+    """
+
+    slot: _Slot
+    spans: list[tuple[int, int]]
+    row: int
+    width: int
+    start: int
+    last: bool
+
+
 class Bucket:
     """Partial sums of one step, reduced together in one collective (per operation).
 
@@ -130,12 +148,13 @@ class Bucket:
     def _scatter(self, slots: list[_Slot], what: str) -> None:
         """Reduce-scatter the ``rows`` slots: each process its rows of each sum.
 
-        In consecutive runs of slots, each packed into one float64 vector of at
-        most :data:`SCATTER_ELEMENTS` numbers (a slot larger than that alone):
-        process ``q``'s block holds, for every slot of the run, the elements of
-        ``q``'s rows padded to the largest process's rows of that parameter.
-        A slot's tensor is let go once packed, so the sums not yet sent, one
-        packed run and the rows received are what the bucket holds.
+        The slots are cut into pieces of whole rows (a parameter larger than
+        :data:`SCATTER_ELEMENTS` float64 numbers over the processes into several)
+        and consecutive pieces packed into one float64 vector of at most that
+        many numbers: process ``q``'s block holds, for every piece, the elements
+        of ``q``'s rows in it, padded to the largest process's. A slot's tensor
+        is let go once its last piece is packed, so the sums not yet sent, one
+        packed vector and the rows received are what the bucket holds.
         """
         comm = self.comm
         communicator = comm.communicator
@@ -146,51 +165,65 @@ class Bucket:
                     slot.tensor, what, comm.global_step
                 )
             return
-        processes = len(sharding.ranks)
-        run: list[tuple[_Slot, list, int, int]] = []
-        size = 0
+        processes, rank = len(sharding.ranks), communicator.rank
+        pieces: list[_Piece] = []
         for slot in slots:
-            span = sharding.row_spans(slot.index)
+            spans = sharding.row_spans(slot.index)
             param = sharding.params[slot.index]
             row = param.numel() // param.shape[0] if param.dim() else 1
-            width = max(b - a for a, b in span) * row
-            if run and (size + width) * processes > SCATTER_ELEMENTS:
+            most = max(b - a for a, b in spans)
+            rows = max(1, SCATTER_ELEMENTS // (processes * row))
+            first, stop = spans[rank]
+            tensor = slot.tensor
+            slot.value = tensor.new_empty((stop - first, *tensor.shape[1:]))
+            starts = range(0, most, rows) if most else [0]
+            for start in starts:
+                sub = [(min(a + start, b), min(a + start + rows, b)) for a, b in spans]
+                width = min(rows, most - start) * row
+                pieces.append(_Piece(slot, sub, row, width, start, start == starts[-1]))
+        run: list[_Piece] = []
+        size = 0
+        for piece in pieces:
+            if run and (size + piece.width) * processes > SCATTER_ELEMENTS:
                 self._scatter_run(run, what)
                 run, size = [], 0
-            run.append((slot, span, row, width))
-            size += width
+            run.append(piece)
+            size += piece.width
         if run:
             self._scatter_run(run, what)
 
-    def _scatter_run(self, run: list, what: str) -> None:
-        """One reduce-scatter of a run of slots (see :meth:`_scatter`)."""
+    def _scatter_run(self, run: list[_Piece], what: str) -> None:
+        """One reduce-scatter of a run of pieces (see :meth:`_scatter`)."""
         comm = self.comm
         communicator = comm.communicator
-        block = sum(width for *_, width in run)
-        processes = len(run[0][1])
-        device = run[0][0].tensor.device
+        block = sum(piece.width for piece in run)
+        processes, rank = len(run[0].spans), communicator.rank
+        device = run[0].slot.value.device
         flat = torch.zeros(processes * block, dtype=torch.float64, device=device)
-        kept = []  # (shape, dtype, device) of each slot's tensor, let go below
-        offset = 0  # where the slot's rows start in each process's block
-        for slot, span, row, width in run:
-            tensor, slot.tensor = slot.tensor.detach(), None
-            values = tensor.reshape(-1)
-            for q, (a, b) in enumerate(span):
+        offset = 0  # where the piece starts in each process's block
+        for piece in run:
+            values = piece.slot.tensor.detach().reshape(-1)
+            row = piece.row
+            for q, (a, b) in enumerate(piece.spans):
                 start = q * block + offset
                 flat[start : start + (b - a) * row] = values[a * row : b * row]
-            kept.append((tensor.shape, tensor.dtype, tensor.device))
-            offset += width
-            del tensor, values
-        mine = communicator.reduce_scatter(flat, what, comm.global_step)
+            offset += piece.width
+            del values
+            if piece.last:  # (the slot's sum is let go)
+                piece.slot.tensor = None
+        if block:
+            mine = communicator.reduce_scatter(flat, what, comm.global_step)
+        else:  # (only empty rows)
+            mine = flat
         del flat
-        position, rank = 0, communicator.rank
-        for (slot, span, row, width), (shape, dtype, device) in zip(
-            run, kept, strict=True
-        ):
-            a, b = span[rank]
-            piece = mine[position : position + (b - a) * row]
-            slot.value = piece.reshape(b - a, *shape[1:]).to(device, dtype)
-            position += width
+        position = 0
+        for piece in run:
+            a, b = piece.spans[rank]
+            count = (b - a) * piece.row  # (this process's rows of the piece)
+            into = piece.start * piece.row
+            value = piece.slot.value.reshape(-1)
+            value[into : into + count] = mine[position : position + count]
+            position += piece.width
 
 
 #: The most float64 numbers one reduce-scatter of :meth:`Bucket.rows` packs (16 MiB).
@@ -242,6 +275,10 @@ class StepComm:
             self.n_local = int(n_local)
         self.gradients: list[Tensor] | None = None
         self.graph_gradients: list[Tensor] | None = None
+        #: FSDP2: the elementwise sums sent unit by unit during the backward pass
+        #: (:class:`cockpit.distributed.unit_sums.UnitSums`), where a quantity
+        #: forms them.
+        self.unit_sums = None
         #: What several quantities of the step compute alike (e.g. the Gram
         #: tests' projections), computed and sent once: ``name -> result``.
         self.common: dict[str, Any] = {}

@@ -302,37 +302,69 @@ def snr_parts(view: ParamView, shared) -> tuple:
     return (view.sum_grad_squared(shared.n_local).detach(),)
 
 
+def keep_snr_parts(acc: PerParameter, view: ParamView, shared, key: str) -> None:
+    """Data-parallel: keep :func:`snr_parts`, or send it with its unit (FSDP2).
+
+    Where the step sends ``key``'s sums unit by unit
+    (:class:`cockpit.distributed.unit_sums.UnitSums`), the sum goes there and is
+    reduce-scattered when its unit's backward pass ends.
+    """
+    (sum_grad_squared,) = snr_parts(view, shared)
+    units = shared.unit_sums
+    if units is not None and units.carries(key):
+        units.put(key, view.index, sum_grad_squared)
+    else:
+        acc.entries[view.index] = (sum_grad_squared,)
+
+
 def share_snr(
-    acc: PerParameter, ctx: TrackContext, bucket, epsilon: float, unbiased: bool, rows
+    acc: PerParameter,
+    ctx: TrackContext,
+    bucket,
+    epsilon: float,
+    unbiased: bool,
+    rows,
+    key: str | None = None,
 ) -> None:
     """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook.
 
     The joined batch's mean is known only then, so the variances are the
     difference ``sum_i g_i,d^2 - N g_d^2`` (clamped at 0), each within
     ``ULPS eps sum_i g_i,d^2`` of the centred value. On a ``fully_shard`` model
-    each process receives its rows of the sums (a reduce-scatter,
+    each process receives its rows of the sums (reduce-scattered unit by unit
+    during the backward pass where the step sends ``key``'s sums so,
+    :class:`cockpit.distributed.unit_sums.UnitSums`; else in the bucket,
     :meth:`Bucket.rows`), reduces them with its rows of the joined gradient, and
-    the reductions are summed in a second round of the bucket.
+    the reductions are summed in a next round of the bucket.
     """
     grads = ctx.gradients() if rows is None else rows.grads
     n = ctx.comm.n_global
+
+    def reduced(index, dim, total):
+        mean = grads[index]  # (FSDP2: this process's rows of both)
+        spread = (total - n * mean**2).clamp(min=0)
+        snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
+        flag = defined.snr_finite(mean, total)
+        if rows is None:
+            acc.entries[index] = (snr, dim, n, flag)
+            return
+        pair = torch.stack([defined.wide(snr), (~flag).to(torch.float64)])
+
+        def joined(v):
+            acc.entries[index] = (v[0].to(snr.dtype), dim, n, v[1] == 0)
+
+        bucket.sum(pair, joined)  # (a next round of the bucket)
+
+    units = ctx.comm.unit_sums if rows is not None else None
+    if units is not None and units.carries(key):  # sent during the backward pass
+        sizes = [p.numel() for p in ctx.params]
+        units.deliver(key, bucket, lambda i, total: reduced(i, sizes[i], total))
+        return
     for index, (sum_grad_squared,) in list(acc.entries.items()):
         dim = sum_grad_squared.numel()
 
         def then(total, index=index, dim=dim):
-            mean = grads[index]  # (FSDP2: this process's rows of both)
-            spread = (total - n * mean**2).clamp(min=0)
-            snr = F.snr_sum_centered(mean, spread, n, epsilon, unbiased=unbiased)
-            flag = defined.snr_finite(mean, total)
-            if rows is None:
-                acc.entries[index] = (snr, dim, n, flag)
-                return
-            pair = torch.stack([defined.wide(snr), (~flag).to(torch.float64)])
-
-            def joined(v, index=index, dim=dim):
-                acc.entries[index] = (v[0].to(snr.dtype), dim, n, v[1] == 0)
-
-            bucket.sum(pair, joined)  # (a next round of the bucket)
+            reduced(index, dim, total)
 
         if rows is None:
             bucket.sum(sum_grad_squared, then)

@@ -9,9 +9,9 @@ from cockpit.quantities import functional as F
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
+    keep_snr_parts,
     share_snr,
     snr_entry,
-    snr_parts,
     total_snr,
 )
 from cockpit.quantities.compat import Alias102
@@ -47,6 +47,8 @@ class EarlyStopping(SingleStepQuantity):
     needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
     Accumulator = PerParameter
     shard_local = True
+    #: FSDP2: ``sum_i g_i^2`` reduce-scattered unit by unit in the backward pass.
+    sums_in_backward = True
 
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -62,13 +64,14 @@ class EarlyStopping(SingleStepQuantity):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (s_d^2 + epsilon)`` over the parameter's coordinates."""
         if self.shared is not None:  # the joined batch's g is known only later
-            self.acc.entries[view.index] = snr_parts(view, self.shared)
+            keep_snr_parts(self.acc, view, self.shared, self.key)
             return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=True)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
-        share_snr(self.acc, ctx, bucket, self.epsilon, True, self.rows_of(ctx))
+        rows = self.rows_of(ctx)
+        share_snr(self.acc, ctx, bucket, self.epsilon, True, rows, self.key)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, n, dtype, conditions = total_snr(self.acc, len(ctx.params))

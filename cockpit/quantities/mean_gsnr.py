@@ -8,9 +8,9 @@ from cockpit.quantities import defined
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
     PerParameter,
+    keep_snr_parts,
     share_snr,
     snr_entry,
-    snr_parts,
     total_snr,
 )
 from cockpit.quantities.compat import Alias102
@@ -46,6 +46,8 @@ class MeanGSNR(SingleStepQuantity):
     needs = frozenset({Need.INDIVIDUAL_GRADIENTS})
     Accumulator = PerParameter
     shard_local = True
+    #: FSDP2: ``sum_i g_i^2`` reduce-scattered unit by unit in the backward pass.
+    sums_in_backward = True
 
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -56,13 +58,14 @@ class MeanGSNR(SingleStepQuantity):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (v_d + epsilon)`` over the parameter's coordinates."""
         if self.shared is not None:  # the joined batch's g is known only later
-            self.acc.entries[view.index] = snr_parts(view, self.shared)
+            keep_snr_parts(self.acc, view, self.shared, self.key)
             return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=False)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
-        share_snr(self.acc, ctx, bucket, self.epsilon, False, self.rows_of(ctx))
+        rows = self.rows_of(ctx)
+        share_snr(self.acc, ctx, bucket, self.epsilon, False, rows, self.key)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, _, dtype, conditions = total_snr(self.acc, len(ctx.params))

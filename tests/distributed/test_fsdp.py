@@ -205,14 +205,15 @@ def test_four_processes(tmp_path):
             configuration="business",
             extras=["Variance", "MeanGSNR"],
         ),
-        # the same, the sums sent in runs of at most 200 numbers (else one slot)
+        # the same, the sums sent in runs of at most 40 numbers (rows of a
+        # larger parameter in pieces)
         dict(
             model="transformer",
             wrap="units",
             reshard=True,
             configuration="business",
             extras=["Variance", "MeanGSNR"],
-            scatter_elements=200,
+            scatter_elements=40,
         ),
         # Adam's update replayed on each process's rows of the state
         {"model": "mlp", "wrap": "root", "reshard": False, "optimizer": "adam"},
@@ -267,20 +268,104 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
             assert max(sums) < sum(sizes), (sums, sum(sizes))
         elementwise = case.get("configuration") == "business"
         assert bool(result["scattered"]) is elementwise, result["scattered"]
-        by_step: dict[int, list] = {}
-        for sent, received, step in result["scattered"]:
+        by_step: dict[tuple[int, bool], list] = {}
+        for sent, received, step, what, inside in result["scattered"]:
             assert received * 2 == sent, (sent, received)
-            by_step.setdefault(step, []).append(sent)
-        cap = case.get("scatter_elements")
-        for step, sent in by_step.items():
-            # three elementwise sums of D numbers; each process receives its half
-            # (padded to the larger process's rows), an all-reduce would give 3 D
-            assert 1.5 * sum(sizes) <= sum(sent) / 2 < 0.6 * 3 * sum(sizes), sent
+            unit = what == "the elementwise sums of a unit"
+            by_step.setdefault((step, unit), []).append((sent, inside))
+        cap, steps = case.get("scatter_elements"), case.get("steps", 2)
+        if elementwise:
+            assert sorted(by_step) == [(s, u) for s in range(steps) for u in (0, 1)]
+            # when a unit's sums are sent, cockpit holds no other unit's but the
+            # root's (sent last, at the end of the backward pass, as FSDP
+            # reduces the root's gradient): never the whole model's
+            sent = [todo for todo, _, _ in result["held"] if todo]
+            assert len(sent) == steps * result["units"], result["held"]
+            root = set(sent[result["units"] - 1])
+            for todo, held, numbers in result["held"]:
+                assert set(held) <= set(todo) | root, (todo, held)
+                assert numbers == sum(sizes[i] for i in held), (held, numbers)
+            largest = max(sum(sizes[i] for i in todo) for todo in sent)
+            most = max(n for *_, n in result["held"])
+            assert most <= largest + sum(sizes[i] for i in root) < sum(sizes)
+        for (step, unit), scattered in by_step.items():
+            sent = [n for n, _ in scattered]
+            # each process receives its half (padded to the larger process's rows)
+            # of D numbers per sum (an all-reduce would give D)
+            received = sum(sent) / 2
+            if unit:  # MeanGSNR's: one reduce-scatter per unit as it finishes,
+                # inside the backward pass (the root's at its end, in FSDP's
+                # final callback, where autograd runs no node)
+                inside = sum(inside for _, inside in scattered)
+                if cap is None:
+                    assert len(sent) == result["units"], (step, sent)
+                    assert inside == len(sent) - 1, scattered
+                else:  # (each unit's in runs of at most `cap`, as in the bucket)
+                    assert len(sent) > result["units"], (step, sent)
+                    assert all(n <= cap for n in sent), sent
+                    assert 0 < inside < len(sent), scattered
+                assert 0.5 * sum(sizes) <= received < 0.6 * sum(sizes), sent
+                continue
+            # TICDiag's two, in the bucket after the backward pass
+            assert 1.0 * sum(sizes) <= received < 0.6 * 2 * sum(sizes), sent
             if cap is None:  # one reduce-scatter for the step
                 assert len(sent) == 1, (step, sent)
-            else:  # runs of slots of at most `cap` numbers, or one larger slot
+            else:  # runs of at most `cap` numbers (a larger parameter in pieces)
                 assert len(sent) > 3, (step, sent)
-                assert all(n <= max(cap, 2 * max(sizes)) for n in sent), sent
+                assert all(n <= cap for n in sent), sent
+
+
+def test_a_sum_formed_after_its_unit_was_sent_joins_after_the_backward_pass(
+    tmp_path,
+):
+    """MeanGSNR's sums are sent unit by unit in the backward pass. Where one
+    process forms a parameter's sum only after its unit was sent (rank 0 holds
+    parameter 0's back until after the backward pass), that process had sent
+    zeros; every process then sends its late sums (or zeros) in a next round of
+    the bucket, and the values equal one process's on both ranks."""
+    case = {"model": "transformer", "wrap": "units", "reshard": True, "late": True,
+            "extras": ["MeanGSNR", "EarlyStopping"]}  # fmt: skip
+    want = _as_json(fsdp.train(case, None, 2).history.to_dict())
+    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, problems[:10]
+        assert not any("missing" in step for step in result["history"].values())
+        late = [
+            (sent, step)
+            for sent, _, step, what, _ in result["scattered"]
+            if what == "the step's sums"
+        ]
+        # the next round: both quantities' sums of every parameter, once per
+        # step; each process receives its half of the two (padded to the larger
+        # process's rows)
+        assert [step for _, step in late] == [0, 1], late
+        for sent, _ in late:
+            assert sum(result["sizes"]) <= sent / 2 < 1.2 * sum(result["sizes"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_with_another_plan_stops_every_rank_after_the_backward_pass(
+    tmp_path, rank
+):
+    """At step 1 one rank tracks with a plan of its own (``no_sync``): the first
+    to claim the step goes on into its backward pass, where MeanGSNR's sums are
+    sent unit by unit, the other stops after its backward pass and sends
+    nothing. The one that went on waits for the step's header at its first unit,
+    sees the other's failure, makes no collective for the rest of its backward
+    pass (FSDP's own stay matched) and raises after it: every rank raises the
+    same DistributedError, well within the limit (no hang)."""
+    case = {"model": "transformer", "wrap": "units", "reshard": True,
+            "extras": ["MeanGSNR"], "apart": [1, rank]}  # fmt: skip
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, limit=90, cases=[case])
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        (outcome,) = result["cases"]
+        error = outcome.get("error", "")
+        assert error.startswith("DistributedError"), (result["rank"], outcome)
+        assert "plan different work at step 1" in error, error
 
 
 def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
@@ -296,7 +381,12 @@ def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
         assert "error" not in result, result.get("traceback", result["error"])
         assert result["created"] == {}, result["created"]
         joined = [where for where in result["synced"] if "distributed/" in where]
-        assert joined == [], result["synced"]
+        # one number: whether a process formed an elementwise sum (MeanGSNR's)
+        # after its unit was sent in the backward pass, which adds a round
+        assert [w.split(":")[0] for w in joined] == [
+            "__float__ at distributed/unit_sums.py"
+        ], result["synced"]
+        assert result["synced"][joined[0]] == 1, result["synced"]
         # what is left: the step's two health checks (as in one process) and the
         # replayed Adam step reading its step counter, a host tensor in torch.optim
         assert "step/checks.py" in " ".join(result["synced"]), result["synced"]

@@ -174,7 +174,12 @@ def train(
     ``case["sizes"]``: each process's samples (default ``case["batch"]`` each);
     ``case["frozen"]``: a submodule's name whose parameters do not train;
     ``case["mixed"]``: FSDP2's mixed precision (bfloat16 compute);
-    ``case["switch"]``: from step 1 on, the optimizer is an :class:`OwnSGD`.
+    ``case["switch"]``: from step 1 on, the optimizer is an :class:`OwnSGD`;
+    ``case["apart"]`` (``[step, rank]``): that rank tracks that step with
+    ``no_sync=True``, a plan the others do not have;
+    ``case["late"]``: on rank 0, the elementwise sums of parameter 0 reach
+    :class:`~cockpit.distributed.unit_sums.UnitSums` only after the backward pass
+    (after their unit was sent), :func:`_late_sums`.
     ``case["resume"]`` (``{"path": folder, "source": "own" or a rank}``): after
     step 0 every process saves its cockpit's state there, and a new Cockpit goes on
     from the state of this process (``"own"``) or of the rank given."""
@@ -220,6 +225,8 @@ def train(
             )
 
     cockpit = new_cockpit()
+    if case.get("late") and rank == 0:
+        _late_sums()
     n = case.get("batch", 4)  # samples per process; one process: all of them
     sizes = case.get("sizes", [n] * world)  # (shards of different sizes)
     steps = case.get("steps", 2)
@@ -237,7 +244,8 @@ def train(
                 "optimizer": optimizer}  # fmt: skip
         counted = counter is not None and step == steps - 1
         with counter if counted else contextlib.nullcontext():
-            with cockpit(step, info=info):
+            apart = case.get("apart") == [step, rank]  # (a plan of its own)
+            with cockpit(step, info=info, no_sync=apart):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
         if step == 0 and case.get("switch"):
@@ -245,6 +253,28 @@ def train(
         if step == 0 and case.get("resume"):
             cockpit = _resumed(cockpit, new_cockpit, rank, case["resume"])
     return cockpit
+
+
+def _late_sums() -> None:
+    """Hold back parameter 0's sums from :meth:`UnitSums.put` until
+    :meth:`UnitSums.finish` (after the backward pass): as a hook that ran after
+    FSDP's post-backward of the unit would give them (for this process only)."""
+    from cockpit.distributed.unit_sums import UnitSums
+
+    put, finish = UnitSums.put, UnitSums.finish
+
+    def held(self, channel, index, tensor):
+        if index == 0:
+            self.__dict__.setdefault("held", []).append((channel, index, tensor))
+            return
+        put(self, channel, index, tensor)
+
+    def released(self):
+        for args in self.__dict__.pop("held", []):
+            put(self, *args)
+        finish(self)
+
+    UnitSums.put, UnitSums.finish = held, released
 
 
 def _resumed(cockpit, new_cockpit, rank, resume) -> Cockpit:
@@ -283,9 +313,12 @@ def histories(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str, A
 def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """Worker: train a case, watching cockpit's collectives; the history, each
     all-reduce's ``(what, numbers)``, each reduce-scatter's ``(numbers sent,
-    numbers received, step)``, the joins of the full parameters
-    (:meth:`Sharding.gather`) and the parameters' sizes. ``case["scatter_elements"]``
-    replaces :data:`cockpit.distributed.step.SCATTER_ELEMENTS`."""
+    numbers received, step, what, whether inside a backward pass)``, the joins of the
+    full parameters (:meth:`Sharding.gather`), at each unit's sending of its
+    elementwise sums the parameters sent, those whose sums were held and their
+    numbers (``"held"``), the parameters' sizes and the number of FSDP units
+    holding them. ``case["scatter_elements"]`` replaces
+    :data:`cockpit.distributed.step.SCATTER_ELEMENTS`."""
     from cockpit.distributed import process_group
     from cockpit.distributed import step as distributed_step
     from cockpit.distributed.sharded import Sharding
@@ -293,13 +326,27 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     if "scatter_elements" in case:
         distributed_step.SCATTER_ELEMENTS = case["scatter_elements"]
 
-    seen: dict[str, list] = {"reduced": [], "joined": [], "scattered": []}
+    from cockpit.distributed.unit_sums import UnitSums
+
+    seen: dict[str, list] = {"reduced": [], "joined": [], "scattered": [],
+                             "held": []}  # fmt: skip
     reduce, gather = process_group.Communicator.all_reduce, Sharding.gather
-    scatter = process_group.Communicator.reduce_scatter
+    scatter, send = process_group.Communicator.reduce_scatter, UnitSums.send
+
+    def sending(self, indices):  # the sums held when a unit is sent
+        todo = sorted(set(indices) - self._sent)
+        held = sorted({index for _, index in self._pending})
+        seen["held"].append(
+            (todo, held, sum(t.numel() for t in self._pending.values()))
+        )
+        send(self, indices)
 
     def scattered(self, tensor, what, step):
         out = scatter(self, tensor, what, step)
-        seen["scattered"].append((int(tensor.numel()), int(out.numel()), step))
+        inside = torch._C._current_autograd_node() is not None  # a backward pass
+        seen["scattered"].append(
+            (int(tensor.numel()), int(out.numel()), step, what, inside)
+        )
         return out
 
     def watched(self, tensor, what, step, op="sum"):
@@ -312,14 +359,17 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 
     process_group.Communicator.all_reduce = watched
     process_group.Communicator.reduce_scatter = scattered
-    Sharding.gather = joined
+    Sharding.gather, UnitSums.send = joined, sending
     try:
         cockpit = train(case, rank, world)
     finally:
         process_group.Communicator.all_reduce, Sharding.gather = reduce, gather
-        process_group.Communicator.reduce_scatter = scatter
+        process_group.Communicator.reduce_scatter, UnitSums.send = scatter, send
     sizes = [p.numel() for p in cockpit.params]
-    return {"history": cockpit.history.to_dict(), "sizes": sizes, **seen}
+    units = sum(bool(g.fsdp_params) for s in cockpit._communicator.sharding._states()
+                for g in s._fsdp_param_groups)  # fmt: skip
+    return {"history": cockpit.history.to_dict(), "sizes": sizes, "units": units,
+            **seen}  # fmt: skip
 
 
 def host_traffic(rank: int, world: int, case: dict[str, Any]) -> dict:

@@ -19,6 +19,7 @@ from cockpit import distributed
 from cockpit.context import StepInfo
 from cockpit.curvature.hutchinson import sum_error, trace_errors
 from cockpit.distributed.rows import Rows
+from cockpit.distributed.unit_sums import UnitSums
 from cockpit.needs import Need
 from cockpit.per_sample import sample_losses
 from cockpit.precision import upcast
@@ -93,7 +94,27 @@ class DataParallel(StepFeature):
         except BaseException as error:  # e.g. no batch_size: the others must know
             self.comm.left(state.step, error)
             raise
+        self.shared.unit_sums = self._unit_sums()
         return Produced(comm=self.shared)
+
+    def _unit_sums(self) -> UnitSums | None:
+        """FSDP2: the channels of the elementwise sums sent unit by unit, if any.
+
+        Each shard-local quantity that declares ``sums_in_backward`` (MeanGSNR,
+        EarlyStopping) has one; none at a step that stops after the backward
+        pass (it makes no collective).
+        """
+        state, sharding = self.state, self.comm.sharding
+        if sharding is None or self.comm.stopping:
+            return None
+        channels = [
+            q.key
+            for q in state.plan.active
+            if q.shard_local
+            and getattr(q, "sums_in_backward", False)
+            and not state.ledger.out(q)
+        ]
+        return UnitSums(self.shared, sharding, channels) if channels else None
 
     def _exchange_header(self) -> distributed.StepComm:
         """Send the step, this shard's size and the plan to the other processes."""
@@ -155,6 +176,8 @@ class DataParallel(StepFeature):
             hooked = params if sharding is None else sharding.engine_params()
             for index, param in enumerate(hooked):
                 self._hooks.append(param.register_hook(self._catcher(index)))
+        if shared.unit_sums is not None:  # (after cockpit's own backward passes)
+            shared.unit_sums.arm()
         return Produced(early=tuple(early.items())) if early else None
 
     def _catcher(self, index: int):
@@ -180,6 +203,8 @@ class DataParallel(StepFeature):
         self._unhook()
         self.comm.after_backward()  # a conflict found at the start stops here
         shared.settle()
+        if shared.unit_sums is not None:  # the units FSDP left; a failure kept
+            shared.unit_sums.finish()
         if shared.uneven:
             state.checks.warn_once(
                 "uneven-shards", distributed.uneven_message(shared.counts, step)
@@ -338,6 +363,8 @@ class DataParallel(StepFeature):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.shared is not None and self.shared.unit_sums is not None:
+            self.shared.unit_sums.disarm()
 
     def close(self) -> None:
         """Remove what the feature hooked; say so if the step ends half-way.

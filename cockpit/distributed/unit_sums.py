@@ -1,0 +1,203 @@
+"""Elementwise sums of a ``fully_shard`` model, reduce-scattered unit by unit.
+
+A quantity such as MeanGSNR forms, in each parameter's hook, this process's
+elementwise sum over its samples (``sum_i g_i^2``, the full parameter's shape)
+and reduces it on its rows of the joined sum. Kept until the step's bucket, these
+sums would hold ``D`` numbers each on every process. :class:`UnitSums` sends them
+as FSDP does the gradient: when a unit's backward pass ends (FSDP's
+post-backward of each parameter group, wrapped while the user's backward pass
+runs), one reduce-scatter of that unit's sums; each process keeps only its rows.
+
+Collectives inside the backward pass must be made by every process, in the same
+order, or not at all:
+
+* every process wraps the same groups and FSDP runs their post-backward in the
+  same order (its own reduce-scatter there relies on it), once each (a group
+  already sent is not sent again);
+* each unit sends, for every channel and every parameter of the unit, the sum
+  this process formed or zeros where its hooks formed none;
+* the step's header is waited for first (it names the quantities, so every
+  process has the same channels); if that or a reduce-scatter fails, the failure
+  is kept, no further collective is made in the backward pass (so the processes'
+  FSDP collectives stay matched), and it is raised after the backward pass;
+* a sum formed after its unit was sent (a hook later than FSDP's post-backward)
+  is sent after the backward pass, on every process alike (one summed count
+  decides whether a second reduce-scatter is needed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from cockpit.precision import compute_dtype
+
+#: What cockpit's communicator calls these collectives.
+WHAT = "the elementwise sums of a unit"
+
+
+class UnitSums:
+    """This step's elementwise sums, sent unit by unit (see the module).
+
+    Args:
+        comm: The step (:class:`cockpit.distributed.step.StepComm`).
+        sharding: The layout (:class:`cockpit.distributed.sharded.Sharding`).
+        channels: One name per sum a parameter has (the quantities' keys), the
+            same on every process.
+    """
+
+    def __init__(self, comm, sharding, channels):
+        self.comm = comm
+        self.sharding = sharding
+        self.channels = sorted(channels)
+        self._pending: dict[tuple[str, int], Tensor] = {}
+        self._late: dict[tuple[str, int], Tensor] = {}
+        self._received: dict[tuple[str, int], Tensor] = {}
+        self._sent: set[int] = set()
+        self._wrapped: list = []
+        self._delivering: dict[str, Callable[[int, Tensor], None]] = {}
+        #: The failure of a collective in the backward pass, raised after it.
+        self.broken: BaseException | None = None
+
+    def carries(self, channel: str) -> bool:
+        """Whether ``channel``'s sums go through here."""
+        return channel in self.channels
+
+    def put(self, channel: str, index: int, tensor: Tensor) -> None:
+        """Parameter ``index``'s sum for ``channel``, sent with its unit."""
+        key = (channel, index)
+        if index in self._sent:
+            self._late[key] = tensor
+        else:
+            self._pending[key] = tensor
+
+    # --- during the user's backward pass -----------------------------------------
+    def arm(self) -> None:
+        """Send each unit's sums when FSDP's post-backward of its group ran."""
+        index_of = {id(s.record): i for i, s in enumerate(self.sharding.shards)}
+        for state in self.sharding._states():
+            for group in state._fsdp_param_groups:
+                indices = sorted(
+                    index_of[id(record)]
+                    for record in group.fsdp_params
+                    if id(record) in index_of
+                )
+                if indices:
+                    group.post_backward = self._wrap(group.post_backward, indices)
+                    self._wrapped.append(group)
+
+    def disarm(self) -> None:
+        """Give FSDP its post-backward back (whatever happened)."""
+        for group in self._wrapped:
+            group.__dict__.pop("post_backward", None)
+        self._wrapped = []
+
+    def _wrap(self, post_backward: Callable, indices: list[int]) -> Callable:
+        def sent_after(*args, **kwargs):
+            out = post_backward(*args, **kwargs)
+            self.send(indices)
+            return out
+
+        return sent_after
+
+    def send(self, indices) -> None:
+        """One reduce-scatter of the sums of ``indices`` not sent yet."""
+        todo = [index for index in indices if index not in self._sent]
+        if not todo:
+            return
+        self._sent.update(todo)
+        if self.broken is not None:
+            return
+        try:
+            self.comm.settle()  # (the header names the channels: all agree)
+            self._scatter(todo)
+        except Exception as error:  # raised after the backward pass
+            self.broken = error
+
+    def _scatter(self, indices) -> None:
+        """Reduce-scatter the pending sums of ``indices`` (zeros where none)."""
+        from cockpit.distributed.step import Bucket
+
+        bucket = Bucket(self.comm)
+        slots = []
+        for index in indices:
+            for channel in self.channels:
+                tensor = self._pending.pop((channel, index), None)
+                slot = bucket.rows(self._as_sent(index, tensor), index)
+                slots.append(((channel, index), slot))
+                tensor = None  # (the bucket lets it go once packed)
+        bucket.reduce(WHAT)
+        for key, slot in slots:
+            self._received[key] = slot.value
+
+    def _as_sent(self, index: int, tensor: Tensor | None) -> Tensor:
+        """A sum in the dtype every process sends for ``index`` (zeros for none)."""
+        param = self.sharding.params[index]
+        dtype = compute_dtype(param.dtype)
+        if tensor is None:
+            return torch.zeros(param.shape, dtype=dtype, device=self._device)
+        return tensor.to(dtype)
+
+    @property
+    def _device(self) -> torch.device:
+        from cockpit.distributed.sharded import local
+
+        return local(self.sharding.params[0]).device
+
+    # --- after the backward pass --------------------------------------------------
+    def finish(self) -> None:
+        """Send the units FSDP did not post-process; raise a failure kept.
+
+        Every process calls it after the backward pass, with the same units left.
+        """
+        self.disarm()
+        if self.broken is not None:
+            raise self.broken
+        self.send(range(len(self.sharding.params)))
+        if self.broken is not None:
+            raise self.broken
+
+    def deliver(
+        self, channel: str, bucket, then: Callable[[int, Tensor], None]
+    ) -> None:
+        """``then(index, rows)`` for every parameter, with the bucket's reduce.
+
+        ``rows``: this process's rows of ``channel``'s sum over the processes.
+        Sums formed after their unit was sent (by any process: their count, over
+        every channel, is summed in the bucket and read on the host, one number
+        per step) are reduce-scattered in a next round of the bucket, on every
+        process alike.
+        """
+        first = not self._delivering
+        self._delivering[channel] = then
+        if not first:
+            return
+        count = torch.tensor(
+            float(len(self._late)), dtype=torch.float64, device=self._device
+        )
+        bucket.sum(count, lambda total: self._delivered(bucket, float(total) > 0))
+
+    def _delivered(self, bucket, late: bool) -> None:
+        """Hand each parameter's rows on; first the late sums' round, if any.
+
+        The late round carries every channel's sums, delivered or not, so that
+        every process adds the same slots.
+        """
+        indices = range(len(self.sharding.params))
+        for channel in self.channels:
+            then = self._delivering.get(channel)
+            for index in indices:
+                early = self._received.pop((channel, index))
+                if not late:
+                    if then is not None:
+                        then(index, early)
+                    continue
+                tensor = self._late.pop((channel, index), None)
+
+                def joined(value, index=index, early=early, then=then):
+                    if then is not None:
+                        then(index, early + value.to(early.dtype))
+
+                bucket.rows(self._as_sent(index, tensor), index, joined)
