@@ -103,6 +103,7 @@ def test_only_internals_imports_cockpit():
             "tracker_overhead.py",
             "centered_spread.py",
             "serve.py",
+            "fsdp_hvp_designs.py",
         ):
             continue  # validation, step trace: the public API; kernels, curvature_cost
             # (a converged Lanczos reference) and ggn_estimate_se measure internals;
@@ -110,7 +111,8 @@ def test_only_internals_imports_cockpit():
             # and after_step_floor time the per-sample parts alone; tracker_overhead
             # times the trackers' public API (log_to) on the demo's digits run;
             # centered_spread times the old spread (internals) against the new;
-            # serve writes its logs with cockpit's own stream writer
+            # serve writes its logs with cockpit's own stream writer;
+            # fsdp_hvp_designs forms products with cockpit's FSDP layout (Sharding)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

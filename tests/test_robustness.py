@@ -1,5 +1,6 @@
 """Bad inputs end in messages that name the problem and the fix (issue 5, part 1)."""
 
+import contextlib
 import math
 import warnings
 
@@ -566,13 +567,24 @@ class _WithUnusedLayer(torch.nn.Module):
         return self.used(x)
 
 
-def test_parameters_without_gradient_count_as_zero_and_warn_once():
+@pytest.mark.parametrize("engines", ["default", "sharded"])
+def test_parameters_without_gradient_count_as_zero_and_warn_once(engines):
+    """Also with only the engines that serve FSDP2 models (the ghost engine),
+    which before showed an unused parameter no per-sample gradients and raised
+    "No per-sample gradients for parameter #2 ... declare the matching Need"."""
+    from tests.utils.fsdp import sharded_engines
+
     def quantities():
         return [Q.Variance(EVERY), Q.GradNorm(EVERY), _NeedsIndividual(EVERY)]
 
     torch.manual_seed(0)
-    model, cockpit = _mse_setup(_WithUnusedLayer(), quantities())
-    reference = Cockpit(model.used.parameters(), quantities())
+    chosen = sharded_engines() if engines == "sharded" else contextlib.nullcontext()
+    with chosen:
+        model, cockpit = _mse_setup(_WithUnusedLayer(), quantities())
+        reference = Cockpit(model.used.parameters(), quantities())
+    if engines == "sharded":
+        routes = {row.route.engine for row in cockpit.coverage().params}
+        assert "backpack" not in routes, routes
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for step in range(3):

@@ -220,36 +220,19 @@ class Communicator:
             return torch.device("cuda", torch.cuda.current_device())
         return tensor.device
 
-    def _wait(self, work, what: str, step: int | None, polled: bool = True) -> None:
+    def _wait(self, work, what: str, step: int | None) -> None:
         """Wait for ``work``: at most ``timeout``, and no longer once a process failed.
-
-        ``polled=False`` for collectives whose work says it is done only once
-        waited for (gloo's reduce-scatter): it is waited for in ``work.wait``
-        with the timeout, so a process that failed is noticed at the timeout,
-        not at once (cockpit's reduce-scatter follows an all-reduce of the same
-        step's bucket, where a failure is noticed at once).
 
         Raises:
             DistributedError: On every process (see :meth:`StepSync.fail`).
         """
-        if polled:
-            self.sync.wait_for(work.is_completed, what, step)
-        else:
-            self.sync.check_alive()
+        self.sync.wait_for(work.is_completed, what, step)
         try:
-            if polled:
-                done = work.wait()
-            else:
-                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:  # a process died (or, not polled, timed out)
-            broke = (
-                f"the connection to another process broke at step {step} ({what})"
-                if polled
-                else f"a collective at step {step} ({what}) did not complete "
-                f"within {self.timeout:g} s"
-            )
+            done = work.wait()
+        except RuntimeError as error:  # a process died
             self.sync.fail(
-                f"{broke}: {str(error).splitlines()[0]}",
+                f"the connection to another process broke at step {step} ({what}): "
+                f"{str(error).splitlines()[0]}",
                 step,
                 doing=f"waiting for the others ({what})",
                 fix=distributed_sync.FIX_SILENT,
@@ -282,12 +265,21 @@ class Communicator:
         """This process's block of the sum of ``tensor`` over the group.
 
         ``tensor`` holds one block per process, of equal sizes, in rank order;
-        each process receives only its block of the sum.
+        each process receives only its block of the sum. Waited for as every
+        collective is (a process that fails is noticed at once): over gloo, whose
+        reduce-scatter says it is done only once waited for, as an all-reduce of
+        ``tensor`` (cockpit cuts what it scatters into pieces of at most
+        ``SCATTER_ELEMENTS`` numbers, so that is a piece's size); elsewhere a
+        reduce-scatter.
         """
         dist = _dist()
         device = self._device(tensor)
+        size = tensor.numel() // self.size
+        if self.backend == "gloo":
+            total = self.all_reduce(tensor, what, step)
+            return total[self.rank * size : (self.rank + 1) * size].clone()
         buffer = tensor.detach().to(device).contiguous()
-        out = buffer.new_empty(buffer.numel() // self.size)
+        out = buffer.new_empty(size)
         # (torch 2.13 names it reduce_scatter_single; reduce_scatter_tensor warns)
         scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
         work = scatter(
@@ -295,7 +287,7 @@ class Communicator:
         )
         self.calls += 1
         self.bytes_sent += buffer.numel() * buffer.element_size()
-        self._wait(work, what, step, polled=False)
+        self._wait(work, what, step)
         return out.to(tensor.device)
 
     def start_gather_ints(

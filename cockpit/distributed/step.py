@@ -27,6 +27,8 @@ class _Slot:
     then: Callable[[Tensor], None] | None
     value: Tensor | None = None
     index: int | None = None  # the parameter whose rows it is (``Bucket.rows``)
+    #: ``(shape, dtype, device)`` of a slot of zeros (``tensor`` is ``None``)
+    like: tuple | None = None
 
 
 @dataclass
@@ -84,6 +86,19 @@ class Bucket:
         frees each sum as soon as it is on its way.
         """
         slot = _Slot(torch.as_tensor(tensor), then, index=index)
+        self._slots["rows"].append(slot)
+        return slot
+
+    def zero_rows(
+        self, index: int, dtype, device, then: Callable[[Tensor], None] | None = None
+    ):
+        """:meth:`rows` of zeros shaped like parameter ``index``, never allocated.
+
+        For a process with no sum where the others have one (every process adds
+        the same slots).
+        """
+        shape = tuple(self.comm.communicator.sharding.params[index].shape)
+        slot = _Slot(None, then, index=index, like=(shape, dtype, device))
         self._slots["rows"].append(slot)
         return slot
 
@@ -175,7 +190,14 @@ class Bucket:
             rows = max(1, SCATTER_ELEMENTS // (processes * row))
             first, stop = spans[rank]
             tensor = slot.tensor
-            slot.value = tensor.new_empty((stop - first, *tensor.shape[1:]))
+            if tensor is None:  # zeros (``Bucket.zero_rows``): nothing to copy
+                shape, dtype, device = slot.like
+            else:
+                shape, dtype, device = tensor.shape, tensor.dtype, tensor.device
+                slot.tensor = tensor.detach().reshape(-1)  # (copied once, if at all)
+            del tensor
+            shape = (stop - first, *shape[1:])
+            slot.value = torch.empty(shape, dtype=dtype, device=device)
             starts = range(0, most, rows) if most else [0]
             for start in starts:
                 sub = [(min(a + start, b), min(a + start + rows, b)) for a, b in spans]
@@ -202,9 +224,8 @@ class Bucket:
         flat = torch.zeros(processes * block, dtype=torch.float64, device=device)
         offset = 0  # where the piece starts in each process's block
         for piece in run:
-            values = piece.slot.tensor.detach().reshape(-1)
-            row = piece.row
-            for q, (a, b) in enumerate(piece.spans):
+            values, row = piece.slot.tensor, piece.row  # (flat; None: zeros)
+            for q, (a, b) in enumerate(piece.spans if values is not None else ()):
                 start = q * block + offset
                 flat[start : start + (b - a) * row] = values[a * row : b * row]
             offset += piece.width

@@ -66,7 +66,13 @@ class UnitSums:
         return channel in self.channels
 
     def put(self, channel: str, index: int, tensor: Tensor) -> None:
-        """Parameter ``index``'s sum for ``channel``, sent with its unit."""
+        """Parameter ``index``'s sum for ``channel``, sent with its unit.
+
+        After a failure nothing more is kept (the step raises after the
+        backward pass).
+        """
+        if self.broken is not None:
+            return
         key = (channel, index)
         if index in self._sent:
             self._late[key] = tensor
@@ -84,26 +90,47 @@ class UnitSums:
                     for record in group.fsdp_params
                     if id(record) in index_of
                 )
-                if indices:
-                    group.post_backward = self._wrap(group.post_backward, indices)
-                    self._wrapped.append(group)
+                if not indices:
+                    continue
+                missing = object()
+                before = group.__dict__.get("post_backward", missing)
+                wrapper = self._wrap(group.post_backward, indices)
+                group.post_backward = wrapper
+                self._wrapped.append((group, before, wrapper, missing))
 
     def disarm(self) -> None:
-        """Give FSDP its post-backward back (whatever happened)."""
-        for group in self._wrapped:
-            group.__dict__.pop("post_backward", None)
+        """Give FSDP its post-backward back (whatever happened).
+
+        Only where this step's wrapper is still in place (what was there before
+        is put back); a wrapper someone kept sends nothing once disarmed.
+        """
+        self._armed = False
+        for group, before, wrapper, missing in self._wrapped:
+            if group.__dict__.get("post_backward") is wrapper:
+                if before is missing:
+                    del group.post_backward
+                else:
+                    group.post_backward = before
         self._wrapped = []
 
     def _wrap(self, post_backward: Callable, indices: list[int]) -> Callable:
+        self._armed = True
+
         def sent_after(*args, **kwargs):
             out = post_backward(*args, **kwargs)
-            self.send(indices)
+            if self._armed:
+                self.send(indices)
             return out
 
         return sent_after
 
     def send(self, indices) -> None:
-        """One reduce-scatter of the sums of ``indices`` not sent yet."""
+        """One reduce-scatter of the sums of ``indices`` not sent yet.
+
+        A failure is kept (raised after the backward pass, so that FSDP's own
+        collectives stay matched); one of this process only is told to the
+        others at once, whose waits then fail too.
+        """
         todo = [index for index in indices if index not in self._sent]
         if not todo:
             return
@@ -115,6 +142,8 @@ class UnitSums:
             self._scatter(todo)
         except Exception as error:  # raised after the backward pass
             self.broken = error
+            self._pending.clear()
+            self.comm.communicator.left(self.comm.global_step, error)
 
     def _scatter(self, indices) -> None:
         """Reduce-scatter the pending sums of ``indices`` (zeros where none)."""
@@ -125,20 +154,21 @@ class UnitSums:
         for index in indices:
             for channel in self.channels:
                 tensor = self._pending.pop((channel, index), None)
-                slot = bucket.rows(self._as_sent(index, tensor), index)
-                slots.append(((channel, index), slot))
+                slots.append(((channel, index), self._add(bucket, index, tensor)))
                 tensor = None  # (the bucket lets it go once packed)
         bucket.reduce(WHAT)
         for key, slot in slots:
             self._received[key] = slot.value
 
-    def _as_sent(self, index: int, tensor: Tensor | None) -> Tensor:
-        """A sum in the dtype every process sends for ``index`` (zeros for none)."""
-        param = self.sharding.params[index]
-        dtype = compute_dtype(param.dtype)
+    def _add(self, bucket, index: int, tensor: Tensor | None, then=None):
+        """Add a sum to ``bucket`` in the dtype every process sends for ``index``.
+
+        ``None``: zeros (no sum formed here), never allocated.
+        """
+        dtype = compute_dtype(self.sharding.params[index].dtype)
         if tensor is None:
-            return torch.zeros(param.shape, dtype=dtype, device=self._device)
-        return tensor.to(dtype)
+            return bucket.zero_rows(index, dtype, self._device, then)
+        return bucket.rows(tensor.to(dtype), index, then)
 
     @property
     def _device(self) -> torch.device:
@@ -165,32 +195,36 @@ class UnitSums:
         """``then(index, rows)`` for every parameter, with the bucket's reduce.
 
         ``rows``: this process's rows of ``channel``'s sum over the processes.
-        Sums formed after their unit was sent (by any process: their count, over
-        every channel, is summed in the bucket and read on the host, one number
-        per step) are reduce-scattered in a next round of the bucket, on every
-        process alike.
+        Sums formed after their unit was sent, on any process (a parameter the
+        backward pass did not reach, shown zero results after it; a hook later
+        than FSDP's post-backward), are reduce-scattered in a next round of the
+        bucket, on every process alike: which parameters have one is summed in
+        the bucket (one number per parameter) and read on the host, once per
+        step.
         """
         first = not self._delivering
         self._delivering[channel] = then
         if not first:
             return
-        count = torch.tensor(
-            float(len(self._late)), dtype=torch.float64, device=self._device
+        flags = torch.zeros(
+            len(self.sharding.params), dtype=torch.float64, device=self._device
         )
-        bucket.sum(count, lambda total: self._delivered(bucket, float(total) > 0))
+        for _, index in self._late:
+            flags[index] = 1
+        bucket.sum(flags, lambda total: self._delivered(bucket, total.tolist()))
 
-    def _delivered(self, bucket, late: bool) -> None:
+    def _delivered(self, bucket, late: list[float]) -> None:
         """Hand each parameter's rows on; first the late sums' round, if any.
 
-        The late round carries every channel's sums, delivered or not, so that
-        every process adds the same slots.
+        The late round carries, for every parameter some process formed a late
+        sum of, every channel's (zeros where this process has none), delivered
+        or not, so that every process adds the same slots.
         """
-        indices = range(len(self.sharding.params))
         for channel in self.channels:
             then = self._delivering.get(channel)
-            for index in indices:
+            for index, flagged in enumerate(late):
                 early = self._received.pop((channel, index))
-                if not late:
+                if not flagged:
                     if then is not None:
                         then(index, early)
                     continue
@@ -200,4 +234,4 @@ class UnitSums:
                     if then is not None:
                         then(index, early + value.to(early.dtype))
 
-                bucket.rows(self._as_sent(index, tensor), index, joined)
+                self._add(bucket, index, tensor, joined)

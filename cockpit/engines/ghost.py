@@ -63,7 +63,7 @@ from cockpit.engines.modules import batch_mixing, batchnorms, describe, roots_of
 from cockpit.needs import Need
 from cockpit.param_view import ParamResults
 from cockpit.per_sample import DenseGradients, OuterProductGradients, OuterTerm
-from cockpit.precision import upcast
+from cockpit.precision import compute_dtype, upcast
 from cockpit.torch_state import autocast_on, in_transform
 
 #: The engine's name in the coverage report.
@@ -196,6 +196,10 @@ class GhostEngine(Engine):
         self._batchnorms: list | None = None
         self._failures: list[str] = []
         self._shown: set[int] = set()
+
+    def zero_results(self, index: int, batch_size: int | None):
+        """Exact zero results of a parameter the loss does not depend on: ``_zeros``."""
+        return _zeros(self.params[index], batch_size, index in self._owners)
 
     # --- the forward pass -------------------------------------------------------------
     def returned(self, module, args, kwargs, output) -> None:
@@ -594,3 +598,15 @@ def layer_results(param, owners, calls, grad, dense_up_to: int) -> ParamResults:
 
 def _own(module: Module) -> list[Tensor]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def _zeros(param: Tensor, batch_size: int | None, served: bool):
+    """Zero per-sample gradients of ``param``, one zero expanded over ``[N, *shape]``.
+
+    (No memory per sample.) ``None`` without ``batch_size`` or for a parameter
+    the ghost engine does not serve.
+    """
+    if batch_size is None or not served:
+        return None
+    zero = param.new_zeros((), dtype=compute_dtype(param.dtype))
+    return ParamResults(DenseGradients(zero.expand(batch_size, *param.shape), 1))

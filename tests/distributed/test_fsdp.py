@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from cockpit.errors import CockpitWarning
 from tests.utils import expected_warnings as expected
 from tests.utils import fsdp
 
@@ -269,8 +271,7 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
         elementwise = case.get("configuration") == "business"
         assert bool(result["scattered"]) is elementwise, result["scattered"]
         by_step: dict[tuple[int, bool], list] = {}
-        for sent, received, step, what, inside in result["scattered"]:
-            assert received * 2 == sent, (sent, received)
+        for sent, _, step, what, inside in result["scattered"]:
             unit = what == "the elementwise sums of a unit"
             by_step.setdefault((step, unit), []).append((sent, inside))
         cap, steps = case.get("scatter_elements"), case.get("steps", 2)
@@ -282,9 +283,8 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
             sent = [todo for todo, _, _ in result["held"] if todo]
             assert len(sent) == steps * result["units"], result["held"]
             root = set(sent[result["units"] - 1])
-            for todo, held, numbers in result["held"]:
+            for todo, held, _ in result["held"]:
                 assert set(held) <= set(todo) | root, (todo, held)
-                assert numbers == sum(sizes[i] for i in held), (held, numbers)
             largest = max(sum(sizes[i] for i in todo) for todo in sent)
             most = max(n for *_, n in result["held"])
             assert most <= largest + sum(sizes[i] for i in root) < sum(sizes)
@@ -297,13 +297,12 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
                 # inside the backward pass (the root's at its end, in FSDP's
                 # final callback, where autograd runs no node)
                 inside = sum(inside for _, inside in scattered)
+                assert 0 < inside, scattered
                 if cap is None:
                     assert len(sent) == result["units"], (step, sent)
-                    assert inside == len(sent) - 1, scattered
                 else:  # (each unit's in runs of at most `cap`, as in the bucket)
                     assert len(sent) > result["units"], (step, sent)
                     assert all(n <= cap for n in sent), sent
-                    assert 0 < inside < len(sent), scattered
                 assert 0.5 * sum(sizes) <= received < 0.6 * sum(sizes), sent
                 continue
             # TICDiag's two, in the bucket after the backward pass
@@ -321,8 +320,9 @@ def test_a_sum_formed_after_its_unit_was_sent_joins_after_the_backward_pass(
     """MeanGSNR's sums are sent unit by unit in the backward pass. Where one
     process forms a parameter's sum only after its unit was sent (rank 0 holds
     parameter 0's back until after the backward pass), that process had sent
-    zeros; every process then sends its late sums (or zeros) in a next round of
-    the bucket, and the values equal one process's on both ranks."""
+    zeros; every process then sends its late sums of that parameter (or zeros)
+    in a next round of the bucket, and the values equal one process's on both
+    ranks."""
     case = {"model": "transformer", "wrap": "units", "reshard": True, "late": True,
             "extras": ["MeanGSNR", "EarlyStopping"]}  # fmt: skip
     want = _as_json(fsdp.train(case, None, 2).history.to_dict())
@@ -338,12 +338,12 @@ def test_a_sum_formed_after_its_unit_was_sent_joins_after_the_backward_pass(
             for sent, _, step, what, _ in result["scattered"]
             if what == "the step's sums"
         ]
-        # the next round: both quantities' sums of every parameter, once per
-        # step; each process receives its half of the two (padded to the larger
-        # process's rows)
+        # the next round, once per step: only parameter 0 (the embedding, 23
+        # rows of 8), both quantities' sums; each process its rows of the two,
+        # padded to the larger process's (12 rows): 2 x 96 numbers
         assert [step for _, step in late] == [0, 1], late
-        for sent, _ in late:
-            assert sum(result["sizes"]) <= sent / 2 < 1.2 * sum(result["sizes"])
+        assert result["sizes"][0] == 23 * 8, result["sizes"]
+        assert all(sent == 2 * 2 * 12 * 8 for sent, _ in late), late
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -359,13 +359,38 @@ def test_a_rank_with_another_plan_stops_every_rank_after_the_backward_pass(
     same DistributedError, well within the limit (no hang)."""
     case = {"model": "transformer", "wrap": "units", "reshard": True,
             "extras": ["MeanGSNR"], "apart": [1, rank]}  # fmt: skip
+    start = time.monotonic()
     results = fsdp.launch(fsdp.histories, 2, tmp_path, limit=90, cases=[case])
+    assert time.monotonic() - start < 40, "waited for cockpit's 60 s timeout"
     for result in results:
         assert "error" not in result, result.get("traceback", result["error"])
         (outcome,) = result["cases"]
         error = outcome.get("error", "")
         assert error.startswith("DistributedError"), (result["rank"], outcome)
         assert "plan different work at step 1" in error, error
+
+
+def test_a_parameter_the_backward_pass_never_reaches_joins_after_it(tmp_path):
+    """A Linear layer the forward pass never uses: its unit (the root's) is sent
+    with zeros for it, the zero results it is shown after the backward pass are
+    late on every process, and only its two parameters go in the next round of
+    the bucket; the values equal one process's (which shows it the same zeros)."""
+    case = {"model": "transformer", "wrap": "units", "reshard": True,
+            "spare": True, "extras": ["MeanGSNR"]}  # fmt: skip
+    with pytest.warns(CockpitWarning, match="'spare.weight'.*received no gradient"):
+        want = _as_json(fsdp.train(case, None, 2).history.to_dict())
+    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, problems[:10]
+        late = [
+            s for s, _, _, what, _ in result["scattered"] if what == "the step's sums"
+        ]
+        spare = result["sizes"][-2:]  # (the weight, 3 x 2, and the bias, 3)
+        # each process's rows of both, padded to the larger process's: 2 and 2
+        assert late == [2 * (2 * 2 + 2)] * 2 and spare == [6, 3], (late, spare)
 
 
 def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
@@ -383,8 +408,8 @@ def test_joining_the_shards_stays_on_the_parameters_device(tmp_path):
         joined = [where for where in result["synced"] if "distributed/" in where]
         # one number: whether a process formed an elementwise sum (MeanGSNR's)
         # after its unit was sent in the backward pass, which adds a round
-        assert [w.split(":")[0] for w in joined] == [
-            "__float__ at distributed/unit_sums.py"
+        assert [w.split(" at ")[1].split(":")[0] for w in joined] == [
+            "distributed/unit_sums.py"
         ], result["synced"]
         assert result["synced"][joined[0]] == 1, result["synced"]
         # what is left: the step's two health checks (as in one process) and the

@@ -177,6 +177,8 @@ def train(
     ``case["switch"]``: from step 1 on, the optimizer is an :class:`OwnSGD`;
     ``case["apart"]`` (``[step, rank]``): that rank tracks that step with
     ``no_sync=True``, a plan the others do not have;
+    ``case["spare"]``: the model has a Linear layer its forward pass never uses
+    (its parameters are shown zero results after the backward pass);
     ``case["late"]``: on rank 0, the elementwise sums of parameter 0 reach
     :class:`~cockpit.distributed.unit_sums.UnitSums` only after the backward pass
     (after their unit was sent), :func:`_late_sums`.
@@ -186,6 +188,8 @@ def train(
     from torch.distributed.fsdp import fully_shard
 
     model, units, batch, logits_of = make(case["model"])
+    if case.get("spare"):  # (in the root's unit)
+        model.spare = torch.nn.Linear(2, 3).to(DTYPE)
     if case.get("frozen"):  # a module left out of training (and of the cockpit)
         model.get_submodule(case["frozen"]).requires_grad_(False)
     if rank is not None:
@@ -341,8 +345,14 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         )
         send(self, indices)
 
+    nested = []  # (gloo's reduce-scatter is an all-reduce: not counted twice)
+
     def scattered(self, tensor, what, step):
-        out = scatter(self, tensor, what, step)
+        nested.append(True)
+        try:
+            out = scatter(self, tensor, what, step)
+        finally:
+            nested.pop()
         inside = torch._C._current_autograd_node() is not None  # a backward pass
         seen["scattered"].append(
             (int(tensor.numel()), int(out.numel()), step, what, inside)
@@ -350,7 +360,8 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         return out
 
     def watched(self, tensor, what, step, op="sum"):
-        seen["reduced"].append((what, int(tensor.numel())))
+        if not nested:
+            seen["reduced"].append((what, int(tensor.numel())))
         return reduce(self, tensor, what, step, op)
 
     def joined(self, communicator, tensors, what, step):

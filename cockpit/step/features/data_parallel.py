@@ -89,34 +89,35 @@ class DataParallel(StepFeature):
         if not self.tracked:  # did another process track this step?
             self.comm.untracked(state.step)
             return None
+        channels = self._unit_channels()
         try:
-            self.shared = self._exchange_header()
+            self.shared = self._exchange_header(channels)
         except BaseException as error:  # e.g. no batch_size: the others must know
             self.comm.left(state.step, error)
             raise
-        self.shared.unit_sums = self._unit_sums()
+        if channels and not self.comm.stopping:  # (a stopping step sends nothing)
+            self.shared.unit_sums = UnitSums(self.shared, self.comm.sharding, channels)
         return Produced(comm=self.shared)
 
-    def _unit_sums(self) -> UnitSums | None:
-        """FSDP2: the channels of the elementwise sums sent unit by unit, if any.
+    def _unit_channels(self) -> list[str]:
+        """FSDP2: the channels of the elementwise sums sent unit by unit.
 
         Each shard-local quantity that declares ``sums_in_backward`` (MeanGSNR,
-        EarlyStopping) has one; none at a step that stops after the backward
-        pass (it makes no collective).
+        EarlyStopping) has one; they are part of the step's plan in the header,
+        so the processes' collectives inside the backward pass agree.
         """
-        state, sharding = self.state, self.comm.sharding
-        if sharding is None or self.comm.stopping:
-            return None
-        channels = [
+        state = self.state
+        if self.comm.sharding is None:
+            return []
+        return [
             q.key
             for q in state.plan.active
             if q.shard_local
             and getattr(q, "sums_in_backward", False)
             and not state.ledger.out(q)
         ]
-        return UnitSums(self.shared, sharding, channels) if channels else None
 
-    def _exchange_header(self) -> distributed.StepComm:
+    def _exchange_header(self, channels=()) -> distributed.StepComm:
         """Send the step, this shard's size and the plan to the other processes."""
         state = self.state
         info, step = state.info, state.step
@@ -131,6 +132,8 @@ class DataParallel(StepFeature):
             for q in state.plan.active
         )
         plan_text += f";no_sync={self.no_sync}"  # the joined gradient's collective
+        if channels:  # (sent unit by unit in the backward pass)
+            plan_text += f";unit_sums={','.join(sorted(channels))}"
         return distributed.start_header(self.comm, step, n_local, plan_text)
 
     def before_backward(self) -> Produced | None:
