@@ -148,6 +148,15 @@ class Quantity(Protocol102, abc.ABC):
     #: process for it. A subclass that overrides the maths (``_compute``,
     #: ``share``, ...) is not shard-local unless it says so itself.
     shard_local: ClassVar[bool] = False
+    #: FSDP2, for a shard-local quantity: the names of its per-parameter
+    #: elementwise sums that are reduce-scattered unit by unit during the
+    #: backward pass (:class:`cockpit.distributed.unit_sums.UnitSums`), each a
+    #: channel ``"<key>/<name>"``; ``()``: none.
+    sums_in_backward: ClassVar[tuple[str, ...]] = ()
+
+    def channel(self, name: str) -> str:
+        """The :class:`~cockpit.distributed.unit_sums.UnitSums` channel of a sum."""
+        return f"{self.key}/{name}"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -302,17 +302,21 @@ def snr_parts(view: ParamView, shared) -> tuple:
     return (view.sum_grad_squared(shared.n_local).detach(),)
 
 
-def keep_snr_parts(acc: PerParameter, view: ParamView, shared, key: str) -> None:
+#: The name of MeanGSNR's and EarlyStopping's sum (``sums_in_backward``).
+SUM = "sum_grad_squared"
+
+
+def keep_snr_parts(acc: PerParameter, view: ParamView, shared, channel: str) -> None:
     """Data-parallel: keep :func:`snr_parts`, or send it with its unit (FSDP2).
 
-    Where the step sends ``key``'s sums unit by unit
+    Where the step sends ``channel``'s sums unit by unit
     (:class:`cockpit.distributed.unit_sums.UnitSums`), the sum goes there and is
     reduce-scattered when its unit's backward pass ends.
     """
     (sum_grad_squared,) = snr_parts(view, shared)
     units = shared.unit_sums
-    if units is not None and units.carries(key):
-        units.put(key, view.index, sum_grad_squared)
+    if units is not None and units.carries(channel):
+        units.put(channel, view.index, sum_grad_squared)
     else:
         acc.entries[view.index] = (sum_grad_squared,)
 
@@ -324,7 +328,7 @@ def share_snr(
     epsilon: float,
     unbiased: bool,
     rows,
-    key: str | None = None,
+    channel: str | None = None,
 ) -> None:
     """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook.
 
@@ -332,7 +336,7 @@ def share_snr(
     difference ``sum_i g_i,d^2 - N g_d^2`` (clamped at 0), each within
     ``ULPS eps sum_i g_i,d^2`` of the centred value. On a ``fully_shard`` model
     each process receives its rows of the sums (reduce-scattered unit by unit
-    during the backward pass where the step sends ``key``'s sums so,
+    during the backward pass where the step sends ``channel``'s sums so,
     :class:`cockpit.distributed.unit_sums.UnitSums`; else in the bucket,
     :meth:`Bucket.rows`), reduces them with its rows of the joined gradient, and
     the reductions are summed in a next round of the bucket.
@@ -356,9 +360,9 @@ def share_snr(
         bucket.sum(pair, joined)  # (a next round of the bucket)
 
     units = ctx.comm.unit_sums if rows is not None else None
-    if units is not None and units.carries(key):  # sent during the backward pass
+    if units is not None and units.carries(channel):  # sent in the backward pass
         sizes = [p.numel() for p in ctx.params]
-        units.deliver(key, bucket, lambda i, total: reduced(i, sizes[i], total))
+        units.deliver(channel, bucket, lambda i, total: reduced(i, sizes[i], total))
         return
     for index, (sum_grad_squared,) in list(acc.entries.items()):
         dim = sum_grad_squared.numel()

@@ -8,6 +8,7 @@ from cockpit.quantities import defined
 from cockpit.quantities import functional as F
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
+    SUM,
     PerParameter,
     keep_snr_parts,
     share_snr,
@@ -48,7 +49,7 @@ class EarlyStopping(SingleStepQuantity):
     Accumulator = PerParameter
     shard_local = True
     #: FSDP2: ``sum_i g_i^2`` reduce-scattered unit by unit in the backward pass.
-    sums_in_backward = True
+    sums_in_backward = ("sum_grad_squared",)
 
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -64,14 +65,14 @@ class EarlyStopping(SingleStepQuantity):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (s_d^2 + epsilon)`` over the parameter's coordinates."""
         if self.shared is not None:  # the joined batch's g is known only later
-            keep_snr_parts(self.acc, view, self.shared, self.key)
+            keep_snr_parts(self.acc, view, self.shared, self.channel(SUM))
             return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=True)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         rows = self.rows_of(ctx)
-        share_snr(self.acc, ctx, bucket, self.epsilon, True, rows, self.key)
+        share_snr(self.acc, ctx, bucket, self.epsilon, True, rows, self.channel(SUM))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, n, dtype, conditions = total_snr(self.acc, len(ctx.params))

@@ -7,6 +7,7 @@ from cockpit.param_view import ParamView
 from cockpit.quantities import defined
 from cockpit.quantities.base import Missing, SingleStepQuantity, TrackContext
 from cockpit.quantities.batch_statistics import (
+    SUM,
     PerParameter,
     keep_snr_parts,
     share_snr,
@@ -47,7 +48,7 @@ class MeanGSNR(SingleStepQuantity):
     Accumulator = PerParameter
     shard_local = True
     #: FSDP2: ``sum_i g_i^2`` reduce-scattered unit by unit in the backward pass.
-    sums_in_backward = True
+    sums_in_backward = ("sum_grad_squared",)
 
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)
@@ -58,14 +59,14 @@ class MeanGSNR(SingleStepQuantity):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (v_d + epsilon)`` over the parameter's coordinates."""
         if self.shared is not None:  # the joined batch's g is known only later
-            keep_snr_parts(self.acc, view, self.shared, self.key)
+            keep_snr_parts(self.acc, view, self.shared, self.channel(SUM))
             return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=False)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         rows = self.rows_of(ctx)
-        share_snr(self.acc, ctx, bucket, self.epsilon, False, rows, self.key)
+        share_snr(self.acc, ctx, bucket, self.epsilon, False, rows, self.channel(SUM))
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, _, dtype, conditions = total_snr(self.acc, len(ctx.params))

@@ -104,14 +104,28 @@ class _TIC(SingleStepQuantity):
     _curvature = Alias102("curvature")
     _epsilon = Alias102("epsilon")
 
+    @property
+    def sums_in_backward(self) -> tuple[str, ...]:
+        """FSDP2: the elementwise sums sent unit by unit (TICDiag's two)."""
+        return ("squares", "curvature") if self.elementwise else ()
+
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Reduce this parameter's second moment and curvature to scalars."""
         with torch.no_grad():
             scaled = view.scaled_sum_grad_squared().detach()
             diag = view.curvature(self.curvature).detach()
-            self.acc.parts[view.index] = self._part(scaled, diag)
+            self._keep(view.index, self._part(scaled, diag))
         if view.has_individual_gradients:
             self.acc.seen_batch_size = view.batch_size
+
+    def _keep(self, index: int, part) -> None:
+        """Keep a parameter's part, or (FSDP2) send its two sums with its unit."""
+        units = self.shared.unit_sums if self.shared is not None else None
+        if units is not None and units.carries(self.channel("squares")):
+            for name, tensor in zip(("squares", "curvature"), part, strict=True):
+                units.put(self.channel(name), index, tensor)
+        else:
+            self.acc.parts[index] = part
 
     def _part(self, scaled, diag):
         """One parameter's part: reduced, or (data-parallel) the sums to join."""
@@ -141,9 +155,14 @@ class _TIC(SingleStepQuantity):
     def _share_rows(self, acc, n: int, bucket) -> None:
         """FSDP2: each process reduces its rows of the joined elementwise sums.
 
-        Both sums arrive as this process's rows (one reduce-scatter); the
+        Both sums arrive as this process's rows (reduce-scattered unit by unit
+        in the backward pass, ``sums_in_backward``, or in the bucket); the
         reductions, sums over elements, are summed in a next round.
         """
+        units = self.shared.unit_sums if self.shared is not None else None
+        if units is not None and units.carries(self.channel("squares")):
+            self._deliver(units, acc, n, bucket)
+            return
         for index, (squares, curvature) in list(acc.parts.items()):
             del acc.parts[index]  # (``then`` puts it back: freed once sent)
             joined_squares = bucket.rows(squares, index)
@@ -153,6 +172,25 @@ class _TIC(SingleStepQuantity):
                 bucket.sum(part, lambda v, i=index: acc.parts.__setitem__(i, v))
 
             bucket.rows(curvature, index, then)
+        acc.seen_batch_size = n if acc.seen_batch_size is not None else None
+
+    def _deliver(self, units, acc, n: int, bucket) -> None:
+        """Each parameter's rows of both sums, sent in the backward pass, reduced."""
+        got: dict[int, dict] = {}
+
+        def take(name):
+            def then(index, rows):
+                both = got.setdefault(index, {})
+                both[name] = rows
+                if len(both) == 2:
+                    del got[index]
+                    part = self._reduce(both["squares"] / n**2, both["curvature"] / n)
+                    bucket.sum(part, lambda v, i=index: acc.parts.__setitem__(i, v))
+
+            return then
+
+        for name in ("squares", "curvature"):
+            units.deliver(self.channel(name), bucket, take(name))
         acc.seen_batch_size = n if acc.seen_batch_size is not None else None
 
     def state_dict(self) -> dict:
@@ -261,7 +299,7 @@ class TICDiag(_TIC):
             self.acc.seen_batch_size = view.batch_size
         if entry[0] is not None and entry[1] is not None:
             scaled, diag = self.acc.pending.pop(view.index)
-            self.acc.parts[view.index] = self._part(scaled, diag.to(scaled.dtype))
+            self._keep(view.index, self._part(scaled, diag.to(scaled.dtype)))
 
     def estimate_error(self, global_step: int, errors=None):
         """An exact GGN diagonal (the only one taken): standard error 0."""

@@ -236,8 +236,9 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
     carries more numbers than the largest parameter holds (one parameter's full
     gradient or step, joined for the projection of its per-sample gradients),
     though the values equal one process's. Elementwise sums (MeanGSNR's
-    ``sum_i g_i^2``, TICDiag's and its curvature diagonal) are reduce-scattered:
-    each process receives its rows of them. A quantity that reads the full tensors
+    ``sum_i g_i^2``, TICDiag's and its curvature diagonal) are reduce-scattered
+    unit by unit during the backward pass: each process receives its rows of
+    them. A quantity that reads the full tensors
     (Parameters) has them joined at each tracked step, and the values still
     agree."""
     case = dict(case, extras=case.get("extras", ["Variance"]))
@@ -275,8 +276,8 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
             unit = what == "the elementwise sums of a unit"
             by_step.setdefault((step, unit), []).append((sent, inside))
         cap, steps = case.get("scatter_elements"), case.get("steps", 2)
-        if elementwise:
-            assert sorted(by_step) == [(s, u) for s in range(steps) for u in (0, 1)]
+        if elementwise:  # every sum sent unit by unit, none late
+            assert sorted(by_step) == [(s, True) for s in range(steps)], by_step
             # when a unit's sums are sent, cockpit holds no other unit's but the
             # root's (sent last, at the end of the backward pass, as FSDP
             # reduces the root's gradient): never the whole model's
@@ -286,31 +287,24 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
             for todo, held, _ in result["held"]:
                 assert set(held) <= set(todo) | root, (todo, held)
             largest = max(sum(sizes[i] for i in todo) for todo in sent)
-            most = max(n for *_, n in result["held"])
-            assert most <= largest + sum(sizes[i] for i in root) < sum(sizes)
-        for (step, unit), scattered in by_step.items():
+            most = max(n for *_, n in result["held"])  # (of the three sums)
+            assert most <= 3 * (largest + sum(sizes[i] for i in root)), most
+            assert most < 3 * sum(sizes), most
+        for (step, _), scattered in by_step.items():
             sent = [n for n, _ in scattered]
-            # each process receives its half (padded to the larger process's rows)
-            # of D numbers per sum (an all-reduce would give D)
+            # three elementwise sums (MeanGSNR's, TICDiag's two) of D numbers:
+            # each process receives its half (padded to the larger process's
+            # rows), an all-reduce would give 3 D; one reduce-scatter per unit as
+            # it finishes, inside the backward pass (the root's at its end, in
+            # FSDP's final callback, where autograd runs no node)
             received = sum(sent) / 2
-            if unit:  # MeanGSNR's: one reduce-scatter per unit as it finishes,
-                # inside the backward pass (the root's at its end, in FSDP's
-                # final callback, where autograd runs no node)
-                inside = sum(inside for _, inside in scattered)
-                assert 0 < inside, scattered
-                if cap is None:
-                    assert len(sent) == result["units"], (step, sent)
-                else:  # (each unit's in runs of at most `cap`, as in the bucket)
-                    assert len(sent) > result["units"], (step, sent)
-                    assert all(n <= cap for n in sent), sent
-                assert 0.5 * sum(sizes) <= received < 0.6 * sum(sizes), sent
-                continue
-            # TICDiag's two, in the bucket after the backward pass
-            assert 1.0 * sum(sizes) <= received < 0.6 * 2 * sum(sizes), sent
-            if cap is None:  # one reduce-scatter for the step
-                assert len(sent) == 1, (step, sent)
-            else:  # runs of at most `cap` numbers (a larger parameter in pieces)
-                assert len(sent) > 3, (step, sent)
+            assert 1.5 * sum(sizes) <= received < 0.6 * 3 * sum(sizes), sent
+            assert 0 < sum(inside for _, inside in scattered), scattered
+            if cap is None:
+                assert len(sent) == result["units"], (step, sent)
+            else:  # each unit's in runs of at most `cap` (a larger parameter in
+                # pieces of whole rows)
+                assert len(sent) > result["units"], (step, sent)
                 assert all(n <= cap for n in sent), sent
 
 

@@ -102,19 +102,19 @@ class DataParallel(StepFeature):
     def _unit_channels(self) -> list[str]:
         """FSDP2: the channels of the elementwise sums sent unit by unit.
 
-        Each shard-local quantity that declares ``sums_in_backward`` (MeanGSNR,
-        EarlyStopping) has one; they are part of the step's plan in the header,
-        so the processes' collectives inside the backward pass agree.
+        One per sum a shard-local quantity names in ``sums_in_backward``
+        (MeanGSNR's, EarlyStopping's, TICDiag's two); they are part of the step's
+        plan in the header, so the processes' collectives inside the backward
+        pass agree.
         """
         state = self.state
         if self.comm.sharding is None:
             return []
         return [
-            q.key
+            q.channel(name)
             for q in state.plan.active
-            if q.shard_local
-            and getattr(q, "sums_in_backward", False)
-            and not state.ledger.out(q)
+            if q.shard_local and not state.ledger.out(q)
+            for name in getattr(q, "sums_in_backward", ())
         ]
 
     def _exchange_header(self, channels=()) -> distributed.StepComm:
