@@ -1,7 +1,8 @@
 """Elementwise sums of a ``fully_shard`` model, reduce-scattered unit by unit.
 
 A quantity such as MeanGSNR forms, in each parameter's hook, this process's
-elementwise sum over its samples (``sum_i g_i^2``, the full parameter's shape)
+elementwise sums over its samples (``sum_i g_i^2``, the full parameter's shape;
+TICDiag's two; the channels, ``Quantity.sums_in_backward``)
 and reduces it on its rows of the joined sum. Kept until the step's bucket, these
 sums would hold ``D`` numbers each on every process. :class:`UnitSums` sends them
 as FSDP does the gradient: when a unit's backward pass ends (FSDP's
@@ -16,13 +17,15 @@ order, or not at all:
   already sent is not sent again);
 * each unit sends, for every channel and every parameter of the unit, the sum
   this process formed or zeros where its hooks formed none;
-* the step's header is waited for first (it names the quantities, so every
-  process has the same channels); if that or a reduce-scatter fails, the failure
-  is kept, no further collective is made in the backward pass (so the processes'
-  FSDP collectives stay matched), and it is raised after the backward pass;
-* a sum formed after its unit was sent (a hook later than FSDP's post-backward)
-  is sent after the backward pass, on every process alike (one summed count
-  decides whether a second reduce-scatter is needed).
+* the step's header is waited for first (its plan names the channels, so the
+  claim and the header catch processes that differ); if that or a reduce-scatter
+  fails, the failure is kept, no further collective is made in the backward pass
+  (so the processes' FSDP collectives stay matched), and it is raised after the
+  backward pass; a failure of this process only is told to the others at once;
+* a sum formed after its unit was sent (zero results of a parameter the backward
+  pass did not reach, shown after it; a hook later than FSDP's post-backward)
+  is sent after the backward pass, on every process alike (a flag per parameter,
+  summed in the bucket, says which go in a next round).
 """
 
 from __future__ import annotations

@@ -195,6 +195,22 @@ def test_four_processes(tmp_path):
     _check(cases, results, 4)
 
 
+def _watched(tmp_path, case, want=None) -> list[dict]:
+    """Train ``case`` on 2 processes, watching cockpit's collectives
+    (:func:`fsdp.collectives`): each rank's values equal one process's (``want``,
+    trained here if not given) and none is missing. The ranks' results."""
+    if want is None:
+        want = _as_json(fsdp.train(case, None, 2).history.to_dict())
+    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        problems: list[str] = []
+        _compare(want, result["history"], f"rank {result['rank']}", problems)
+        assert not problems, problems[:10]
+        assert not any("missing" in step for step in result["history"].values())
+    return results
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -242,14 +258,7 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
     (Parameters) has them joined at each tracked step, and the values still
     agree."""
     case = dict(case, extras=case.get("extras", ["Variance"]))
-    want = _as_json(fsdp.train(case, None, 2).history.to_dict())
-    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
-    for result in results:
-        assert "error" not in result, result.get("traceback", result["error"])
-        problems: list[str] = []
-        _compare(want, result["history"], f"rank {result['rank']}", problems)
-        assert not problems, problems[:10]
-        assert not any("missing" in step for step in result["history"].values())
+    for result in _watched(tmp_path, case):
         sizes, reduced = result["sizes"], [tuple(r) for r in result["reduced"]]
         if "Parameters" in case["extras"]:
             shards = ["the parameters' shards", "the gradient's shards"]
@@ -319,14 +328,7 @@ def test_a_sum_formed_after_its_unit_was_sent_joins_after_the_backward_pass(
     ranks."""
     case = {"model": "transformer", "wrap": "units", "reshard": True, "late": True,
             "extras": ["MeanGSNR", "EarlyStopping"]}  # fmt: skip
-    want = _as_json(fsdp.train(case, None, 2).history.to_dict())
-    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
-    for result in results:
-        assert "error" not in result, result.get("traceback", result["error"])
-        problems: list[str] = []
-        _compare(want, result["history"], f"rank {result['rank']}", problems)
-        assert not problems, problems[:10]
-        assert not any("missing" in step for step in result["history"].values())
+    for result in _watched(tmp_path, case):
         late = [
             (sent, step)
             for sent, _, step, what, _ in result["scattered"]
@@ -373,12 +375,7 @@ def test_a_parameter_the_backward_pass_never_reaches_joins_after_it(tmp_path):
             "spare": True, "extras": ["MeanGSNR"]}  # fmt: skip
     with pytest.warns(CockpitWarning, match="'spare.weight'.*received no gradient"):
         want = _as_json(fsdp.train(case, None, 2).history.to_dict())
-    results = fsdp.launch(fsdp.collectives, 2, tmp_path, case=case)
-    for result in results:
-        assert "error" not in result, result.get("traceback", result["error"])
-        problems: list[str] = []
-        _compare(want, result["history"], f"rank {result['rank']}", problems)
-        assert not problems, problems[:10]
+    for result in _watched(tmp_path, case, want):
         late = [
             s for s, _, _, what, _ in result["scattered"] if what == "the step's sums"
         ]
