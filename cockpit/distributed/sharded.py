@@ -98,6 +98,11 @@ def _refuse(label: str, what: str) -> ValueError:
     )
 
 
+def row_size(param: Tensor) -> int:
+    """The elements of one row of ``param`` (its first dimension; 1 for a scalar)."""
+    return param.numel() // max(1, param.shape[0]) if param.dim() else 1
+
+
 @dataclass
 class _Shard:
     """One sharded parameter: its FSDP record and where its rows sit."""
@@ -109,7 +114,7 @@ class _Shard:
 
     def elements(self, param: Tensor) -> tuple[int, int]:
         """Where this process's rows sit in ``param`` flattened: ``(start, stop)``."""
-        row = param.numel() // max(1, param.shape[0]) if param.dim() else 1
+        row = row_size(param)
         return self.offset * row, (self.offset + self.rows) * row
 
 

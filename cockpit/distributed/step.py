@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from cockpit.distributed.process_group import Communicator, PendingGather, _digest
-from cockpit.distributed.sharded import Pieces
+from cockpit.distributed.sharded import Pieces, row_size
 from cockpit.distributed.sync import DistributedError
 
 
@@ -185,7 +185,7 @@ class Bucket:
         for slot in slots:
             spans = sharding.row_spans(slot.index)
             param = sharding.params[slot.index]
-            row = param.numel() // param.shape[0] if param.dim() else 1
+            row = row_size(param)
             most = max(b - a for a, b in spans)
             rows = max(1, SCATTER_ELEMENTS // (processes * row))
             first, stop = spans[rank]

@@ -158,6 +158,19 @@ class Quantity(Protocol102, abc.ABC):
         """The :class:`~cockpit.distributed.unit_sums.UnitSums` channel of a sum."""
         return f"{self.key}/{name}"
 
+    @property
+    def unit_sums(self):
+        """The step's ``UnitSums`` where they carry this quantity's sums.
+
+        (:class:`~cockpit.distributed.unit_sums.UnitSums`, FSDP2, for the names
+        in ``sums_in_backward``); else ``None``.
+        """
+        units = getattr(self.shared, "unit_sums", None)
+        names = self.sums_in_backward
+        if units is None or not names or not units.carries(self.channel(names[0])):
+            return None
+        return units
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         maths = ("_compute", "_compute_start", "_compute_end", "share", "track")

@@ -306,16 +306,17 @@ def snr_parts(view: ParamView, shared) -> tuple:
 SUM = "sum_grad_squared"
 
 
-def keep_snr_parts(acc: PerParameter, view: ParamView, shared, channel: str) -> None:
+def keep_snr_parts(
+    acc: PerParameter, view: ParamView, shared, units, channel: str
+) -> None:
     """Data-parallel: keep :func:`snr_parts`, or send it with its unit (FSDP2).
 
-    Where the step sends ``channel``'s sums unit by unit
-    (:class:`cockpit.distributed.unit_sums.UnitSums`), the sum goes there and is
+    With ``units`` (the step's :class:`cockpit.distributed.unit_sums.UnitSums`,
+    ``Quantity.unit_sums``) the sum goes there as ``channel`` and is
     reduce-scattered when its unit's backward pass ends.
     """
     (sum_grad_squared,) = snr_parts(view, shared)
-    units = shared.unit_sums
-    if units is not None and units.carries(channel):
+    if units is not None:
         units.put(channel, view.index, sum_grad_squared)
     else:
         acc.entries[view.index] = (sum_grad_squared,)
@@ -328,6 +329,7 @@ def share_snr(
     epsilon: float,
     unbiased: bool,
     rows,
+    units=None,
     channel: str | None = None,
 ) -> None:
     """Data-parallel: sum ``sum_i g_i^2`` over processes, then reduce as in a hook.
@@ -336,7 +338,7 @@ def share_snr(
     difference ``sum_i g_i,d^2 - N g_d^2`` (clamped at 0), each within
     ``ULPS eps sum_i g_i,d^2`` of the centred value. On a ``fully_shard`` model
     each process receives its rows of the sums (reduce-scattered unit by unit
-    during the backward pass where the step sends ``channel``'s sums so,
+    during the backward pass with ``units``, as ``channel``,
     :class:`cockpit.distributed.unit_sums.UnitSums`; else in the bucket,
     :meth:`Bucket.rows`), reduces them with its rows of the joined gradient, and
     the reductions are summed in a next round of the bucket.
@@ -359,8 +361,7 @@ def share_snr(
 
         bucket.sum(pair, joined)  # (a next round of the bucket)
 
-    units = ctx.comm.unit_sums if rows is not None else None
-    if units is not None and units.carries(channel):  # sent in the backward pass
+    if units is not None:  # sent in the backward pass
         sizes = [p.numel() for p in ctx.params]
         units.deliver(channel, bucket, lambda i, total: reduced(i, sizes[i], total))
         return

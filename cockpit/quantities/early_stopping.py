@@ -65,14 +65,16 @@ class EarlyStopping(SingleStepQuantity):
     def accumulate(self, global_step: int, view: ParamView) -> None:
         """Sum ``g_d^2 / (s_d^2 + epsilon)`` over the parameter's coordinates."""
         if self.shared is not None:  # the joined batch's g is known only later
-            keep_snr_parts(self.acc, view, self.shared, self.channel(SUM))
+            units, channel = self.unit_sums, self.channel(SUM)
+            keep_snr_parts(self.acc, view, self.shared, units, channel)
             return
         self.acc.entries[view.index] = snr_entry(view, self.epsilon, unbiased=True)
 
     def share(self, global_step: int, ctx: TrackContext, bucket) -> None:
         """Sum ``sum_i g_i^2`` over processes; reduce with the joined ``g``."""
         rows = self.rows_of(ctx)
-        share_snr(self.acc, ctx, bucket, self.epsilon, True, rows, self.channel(SUM))
+        units, channel = self.unit_sums, self.channel(SUM)
+        share_snr(self.acc, ctx, bucket, self.epsilon, True, rows, units, channel)
 
     def _compute(self, global_step: int, ctx: TrackContext) -> Deferred | Missing:
         snr, dim, n, dtype, conditions = total_snr(self.acc, len(ctx.params))

@@ -120,8 +120,8 @@ class _TIC(SingleStepQuantity):
 
     def _keep(self, index: int, part) -> None:
         """Keep a parameter's part, or (FSDP2) send its two sums with its unit."""
-        units = self.shared.unit_sums if self.shared is not None else None
-        if units is not None and units.carries(self.channel("squares")):
+        units = self.unit_sums
+        if units is not None:
             for name, tensor in zip(("squares", "curvature"), part, strict=True):
                 units.put(self.channel(name), index, tensor)
         else:
@@ -159,8 +159,8 @@ class _TIC(SingleStepQuantity):
         in the backward pass, ``sums_in_backward``, or in the bucket); the
         reductions, sums over elements, are summed in a next round.
         """
-        units = self.shared.unit_sums if self.shared is not None else None
-        if units is not None and units.carries(self.channel("squares")):
+        units = self.unit_sums
+        if units is not None:
             self._deliver(units, acc, n, bucket)
             return
         for index, (squares, curvature) in list(acc.parts.items()):

@@ -211,28 +211,25 @@ def _watched(tmp_path, case, want=None) -> list[dict]:
     return results
 
 
+#: A transformer stack tracking business with Variance and MeanGSNR.
+_ELEMENTWISE = dict(
+    model="transformer",
+    wrap="units",
+    reshard=True,
+    configuration="business",
+    extras=["Variance", "MeanGSNR"],
+)
+
+
 @pytest.mark.parametrize(
     "case",
     [
         {"model": "transformer", "wrap": "units", "reshard": True},
         # elementwise sums (MeanGSNR's, TICDiag's): each process its rows of them
-        dict(
-            model="transformer",
-            wrap="units",
-            reshard=True,
-            configuration="business",
-            extras=["Variance", "MeanGSNR"],
-        ),
+        _ELEMENTWISE,
         # the same, the sums sent in runs of at most 40 numbers (rows of a
         # larger parameter in pieces)
-        dict(
-            model="transformer",
-            wrap="units",
-            reshard=True,
-            configuration="business",
-            extras=["Variance", "MeanGSNR"],
-            scatter_elements=40,
-        ),
+        dict(_ELEMENTWISE, scatter_elements=40),
         # Adam's update replayed on each process's rows of the state
         {"model": "mlp", "wrap": "root", "reshard": False, "optimizer": "adam"},
         # Parameters reads the full tensors: the shards are joined for it
