@@ -10,7 +10,10 @@ step* is agreed in the process group's key-value store (the c10d store every
   a process whose n-th tracked step is another step, or the same step with other
   work, knows before its backward pass;
 * at an untracked step a process **looks** whether another process already claimed
-  a tracked step at or before this one (a step this process did not track);
+  a tracked step at or before this one (a step this process did not track), and
+  leaves a **pass** in the claim it has not made yet (``u|step|rank``, the latest
+  step passed): a process that claims a step another already passed untracked
+  knows before its backward pass, whichever came first;
 * a process that cannot go on (it found a disagreement, left a step with an error,
   or waited in vain) writes a **note** (where it is, what happened) and raises the
   **failed** flag; every process waiting in cockpit polls that flag, writes its own
@@ -27,6 +30,8 @@ from __future__ import annotations
 import json
 import time
 from typing import Any, Callable, NoReturn
+
+from cockpit.distributed import passes
 
 #: A value no key of cockpit's holds (read without waiting, see StepSync._read).
 _ABSENT = "\x00absent"
@@ -103,6 +108,12 @@ class StepSync:
         self.on_break: Callable[[], None] | None = None
         #: A conflict found before the backward pass: ``(cause, step, fix)``.
         self.pending: tuple[str, int, str] | None = None
+        #: ``(claim number, value)``: what this process last found at its next
+        #: claim's key when it left a pass there (:func:`passes.leave`).
+        self._seen: tuple[int, str] = (-1, "")
+        #: The steps this process passed untracked since its last claim (a pass
+        #: of one of them is no conflict: the steps were counted down).
+        self._untracked: set[int] = set()
 
     # --- keys ---------------------------------------------------------------------
     def _key(self, *parts: Any) -> str:
@@ -161,11 +172,20 @@ class StepSync:
         self.claimed += 1
         self.position = (step, True)
         mine = f"{step}|{plan}|{self.rank}"
-        there = self.store.compare_set(self._key("claim", number), "", mine).decode()
+        key = self._key("claim", number)
+        there, skipped = passes.claim_over(self.store, key, mine, step, self.rank)
+        passed_too, self._untracked = self._untracked, set()
+        if skipped is not None and skipped[0] in passed_too:  # (steps counted down)
+            skipped = None
         if self.rank == 0 and number >= 2:  # every process is past that one
             self.store.delete_key(self._key("claim", number - 2))
         if there == _STOPPED:  # another process stopped: say why, before the backward
             self.fail(None, step, doing="starting the step")
+        if skipped is not None and there == mine:  # passed untracked: it is in or
+            other_step, other = skipped  # past its backward pass, not in cockpit
+            cause = _parted(self.rank, step, other, other_step, tracked=False)
+            self._defer(cause, min(other_step, step), FIX_STEPS)
+            return False
         other_step, other_plan, other = (int(x) for x in there.split("|"))
         if (other_step, other_plan) == (step, plan):
             return True
@@ -200,7 +220,11 @@ class StepSync:
         """
         self.check_alive()
         self.position = (step, False)
-        there = self._read(self._key("claim", self.claimed))
+        self._untracked.add(step)
+        number, key = self.claimed, self._key("claim", self.claimed)
+        seen = self._seen[1] if self._seen[0] == number else ""
+        there, seen = passes.leave(self.store, key, step, self.rank, seen)
+        self._seen = (number, seen)
         if there is None:
             return
         if there == _STOPPED:
@@ -219,7 +243,7 @@ class StepSync:
         """
         self.raise_pending()
         there = self._read(self._key("claim", self.claimed))
-        if there is None:
+        if there is None or passes.passed(there) is not None:  # (untracked too)
             return
         if there == _STOPPED:
             self.fail(None, step, doing="ending the step")
@@ -245,7 +269,10 @@ class StepSync:
         """
         if other_step != step and self._waits(other, number):
             self.fail(cause, min(other_step, step), fix=fix)
-        at = min(other_step, step)
+        self._defer(cause, min(other_step, step), fix)
+
+    def _defer(self, cause: str, at: int, fix: str) -> None:
+        """Stop after this backward pass; tell the others now (the failed flag)."""
         self.pending = (cause, at, fix)
         note = self._note(at, cause, "finishing its backward pass first", fix)
         self.store.compare_set(self._key("failed"), "", note)  # (claims: after it)
@@ -281,7 +308,8 @@ class StepSync:
         """
         self.store.compare_set(self._key("failed"), "", note)
         for number in (self.claimed, self.claimed + 1):
-            self.store.compare_set(self._key("claim", number), "", _STOPPED)
+            key = self._key("claim", number)
+            passes.claim_over(self.store, key, _STOPPED, 0, self.rank)
 
     def failed(self) -> bool:
         """Whether some process has raised the failed flag (one look, no wait).

@@ -363,6 +363,36 @@ def test_a_rank_with_another_plan_stops_every_rank_after_the_backward_pass(
         assert "plan different work at step 1" in error, error
 
 
+@pytest.mark.parametrize("extra", ["MeanGSNR", "HessMaxEV"])
+@pytest.mark.parametrize("slow", [0, 1], ids=["tracker-late", "skipper-late"])
+def test_a_rank_that_skips_a_tracked_step_stops_every_rank_in_time(
+    tmp_path, slow, extra
+):
+    """Rank 1's schedule skips step 1, which rank 0 tracks with collectives of
+    cockpit's inside its backward pass (MeanGSNR's sums, unit by unit) or before
+    it (HessMaxEV's products), with no other quantity (none of step 0 goes on
+    into step 1); one rank enters the step a second after the other. Rank 1
+    first: rank 0's claim finds its pass of the step, and rank 0 runs its
+    backward pass without cockpit's collectives (FSDP's pair). Rank 0 first:
+    rank 1 finds the claim and raises the failed flag, which rank 0 sees while
+    it waits for the step's header. Either way every rank raises the same
+    DistributedError well within cockpit's 60 s timeout (before passes, the
+    first order waited for it)."""
+    case = {"model": "transformer", "wrap": "units", "reshard": True,
+            "configuration": None, "extras": [extra],
+            "skip": [1, 1, slow]}  # fmt: skip
+    start = time.monotonic()
+    results = fsdp.launch(fsdp.histories, 2, tmp_path, limit=90, cases=[case])
+    assert time.monotonic() - start < 40, "waited for cockpit's 60 s timeout"
+    for result in results:
+        assert "error" not in result, result.get("traceback", result["error"])
+        (outcome,) = result["cases"]
+        error = outcome.get("error", "")
+        assert error.startswith("DistributedError"), (result["rank"], outcome)
+        assert "rank 0 tracks step 1, which rank 1 does not track" in error, error
+        assert "its schedule skips that step" in error, error
+
+
 def test_a_parameter_the_backward_pass_never_reaches_joins_after_it(tmp_path):
     """A Linear layer the forward pass never uses: its unit (the root's) is sent
     with zeros for it, the zero results it is shown after the backward pass are

@@ -10,6 +10,7 @@ come from :func:`tests.utils.ddp.launch`; one launch runs several cases.
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 from typing import Any
 
@@ -123,15 +124,16 @@ def make_quantities(
     curvature: str | None = None,
     power: bool = False,
     extras=(quantities.Variance, quantities.MeanGSNR),
+    every=None,
 ):
-    """A configuration's quantities, tracked every step, plus ``extras``
-    (Variance and MeanGSNR).
+    """A configuration's quantities, tracked every step (or on the schedule
+    ``every``), plus ``extras`` (Variance and MeanGSNR).
 
     ``curvature``: HessTrace's (e.g. ``"hutchinson"``, the Hessian's estimate);
     ``power``: HessMaxEV by power iteration (else Lanczos).
     """
-    every = linear(1)
-    chosen = configuration(label, every)
+    every = linear(1) if every is None else every
+    chosen = configuration(label, every) if label is not None else []
     if curvature is not None:
         chosen = [q for q in chosen if q.key != "HessTrace"]
         chosen.append(quantities.HessTrace(every, curvature=curvature))
@@ -177,6 +179,10 @@ def train(
     ``case["switch"]``: from step 1 on, the optimizer is an :class:`OwnSGD`;
     ``case["apart"]`` (``[step, rank]``): that rank tracks that step with
     ``no_sync=True``, a plan the others do not have;
+    ``case["configuration"]``: ``None`` for the ``extras`` alone;
+    ``case["skip"]`` (``[step, rank, slow]``): that rank's schedule skips that
+    step (local state, after the set-up check), which the others track; rank
+    ``slow`` enters the step 1 s after the others;
     ``case["spare"]``: the model has a Linear layer its forward pass never uses
     (its parameters are shown zero results after the backward pass);
     ``case["late"]``: on rank 0, the elementwise sums of parameter 0 reach
@@ -214,6 +220,12 @@ def train(
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
+    skipped: set[int] = set()  # (filled after the set-up check at step 0)
+    skip_step, skip_rank, slow = case.get("skip", (None, None, None))
+
+    def schedule(step: int) -> bool:
+        return step not in skipped
+
     def new_cockpit():
         with contextlib.nullcontext() if rank is not None else sharded_engines():
             return Cockpit(
@@ -223,6 +235,7 @@ def train(
                     case.get("curvature"),
                     case.get("solver") == "power",
                     [getattr(quantities, name) for name in case.get("extras", EXTRAS)],
+                    every=schedule,
                 ),
                 diagnose=False,
                 timeout=60,
@@ -249,9 +262,13 @@ def train(
         counted = counter is not None and step == steps - 1
         with counter if counted else contextlib.nullcontext():
             apart = case.get("apart") == [step, rank]  # (a plan of its own)
+            if step == skip_step and rank == slow:
+                time.sleep(1.0)
             with cockpit(step, info=info, no_sync=apart):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
+        if step == 0 and rank == skip_rank:
+            skipped.add(skip_step)
         if step == 0 and case.get("switch"):
             optimizer = OwnSGD(model.parameters(), lr=0.1)
         if step == 0 and case.get("resume"):
