@@ -47,20 +47,21 @@ class UnitSums:
     Args:
         comm: The step (:class:`cockpit.distributed.step.StepComm`).
         sharding: The layout (:class:`cockpit.distributed.sharded.Sharding`).
-        channels: One name per sum a parameter has (the quantities' keys), the
+        channels: One name per sum a parameter has (``Quantity.channel``), the
             same on every process.
     """
 
     def __init__(self, comm, sharding, channels):
         self.comm = comm
         self.sharding = sharding
-        self.channels = sorted(channels)
+        self.channels = sorted(set(channels))
         self._pending: dict[tuple[str, int], Tensor] = {}
         self._late: dict[tuple[str, int], Tensor] = {}
         self._received: dict[tuple[str, int], Tensor] = {}
         self._sent: set[int] = set()
+        self._formed: set[tuple[str, int]] = set()
         self._wrapped: list = []
-        self._delivering: dict[str, Callable[[int, Tensor], None]] = {}
+        self._delivering: dict[str, list[Callable[[int, Tensor], None]]] = {}
         #: The failure of a collective in the backward pass, raised after it.
         self.broken: BaseException | None = None
 
@@ -72,11 +73,15 @@ class UnitSums:
         """Parameter ``index``'s sum for ``channel``, sent with its unit.
 
         After a failure nothing more is kept (the step raises after the
-        backward pass).
+        backward pass). A common channel's sum comes once per reader (the same
+        values): one sent already is not sent again.
         """
         if self.broken is not None:
             return
         key = (channel, index)
+        if key in self._formed and index in self._sent:
+            return
+        self._formed.add(key)
         if index in self._sent:
             self._late[key] = tensor
         else:
@@ -197,7 +202,9 @@ class UnitSums:
     ) -> None:
         """``then(index, rows)`` for every parameter, with the bucket's reduce.
 
-        ``rows``: this process's rows of ``channel``'s sum over the processes.
+        ``rows``: this process's rows of ``channel``'s sum over the processes
+        (the same tensor for every reader of a common channel: read, not
+        changed).
         Sums formed after their unit was sent, on any process (a parameter the
         backward pass did not reach, shown zero results after it; a hook later
         than FSDP's post-backward), are reduce-scattered in a next round of the
@@ -206,7 +213,7 @@ class UnitSums:
         step.
         """
         first = not self._delivering
-        self._delivering[channel] = then
+        self._delivering.setdefault(channel, []).append(then)
         if not first:
             return
         flags = torch.zeros(
@@ -224,17 +231,18 @@ class UnitSums:
         or not, so that every process adds the same slots.
         """
         for channel in self.channels:
-            then = self._delivering.get(channel)
+            readers = self._delivering.get(channel, [])  # (a common sum: several)
             for index, flagged in enumerate(late):
                 early = self._received.pop((channel, index))
                 if not flagged:
-                    if then is not None:
+                    for then in readers:
                         then(index, early)
                     continue
                 tensor = self._late.pop((channel, index), None)
 
-                def joined(value, index=index, early=early, then=then):
-                    if then is not None:
-                        then(index, early + value.to(early.dtype))
+                def joined(value, index=index, early=early, readers=readers):
+                    total = early + value.to(early.dtype)
+                    for then in readers:
+                        then(index, total)
 
                 self._add(bucket, index, tensor, joined)

@@ -153,10 +153,14 @@ class Quantity(Protocol102, abc.ABC):
     #: backward pass (:class:`cockpit.distributed.unit_sums.UnitSums`), each a
     #: channel ``"<key>/<name>"``; ``()``: none.
     sums_in_backward: ClassVar[tuple[str, ...]] = ()
+    #: Those of ``sums_in_backward`` that every quantity naming them forms alike
+    #: from the step's per-sample gradients (MeanGSNR's and EarlyStopping's
+    #: ``sum_i g_i^2``): one channel ``"<name>"`` for all, sent once.
+    common_sums: ClassVar[tuple[str, ...]] = ()
 
     def channel(self, name: str) -> str:
         """The :class:`~cockpit.distributed.unit_sums.UnitSums` channel of a sum."""
-        return f"{self.key}/{name}"
+        return name if name in self.common_sums else f"{self.key}/{name}"
 
     @property
     def unit_sums(self):

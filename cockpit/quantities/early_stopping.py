@@ -50,6 +50,7 @@ class EarlyStopping(SingleStepQuantity):
     shard_local = True
     #: FSDP2: ``sum_i g_i^2`` reduce-scattered unit by unit in the backward pass.
     sums_in_backward = ("sum_grad_squared",)
+    common_sums = sums_in_backward  # (the same sum: sent once for both)
 
     def __init__(self, track_schedule, verbose=False, epsilon=1e-5, key=None):
         super().__init__(track_schedule, verbose=verbose, key=key)

@@ -317,12 +317,13 @@ def test_shard_local_quantities_never_form_the_full_model(tmp_path, case):
 def test_a_sum_formed_after_its_unit_was_sent_joins_after_the_backward_pass(
     tmp_path,
 ):
-    """MeanGSNR's sums are sent unit by unit in the backward pass. Where one
-    process forms a parameter's sum only after its unit was sent (rank 0 holds
-    parameter 0's back until after the backward pass), that process had sent
-    zeros; every process then sends its late sums of that parameter (or zeros)
-    in a next round of the bucket, and the values equal one process's on both
-    ranks."""
+    """MeanGSNR's and EarlyStopping's sum ``sum_i g_i^2`` (the same numbers:
+    one common channel, sent once for both) is sent unit by unit in the
+    backward pass. Where one process forms a parameter's sum only after its
+    unit was sent (rank 0 holds parameter 0's back until after the backward
+    pass), that process had sent zeros; every process then sends its late sums
+    of that parameter (or zeros) in a next round of the bucket, and the values
+    of both quantities equal one process's on both ranks."""
     case = {"model": "transformer", "wrap": "units", "reshard": True, "late": True,
             "extras": ["MeanGSNR", "EarlyStopping"]}  # fmt: skip
     for result in _watched(tmp_path, case):
@@ -332,11 +333,18 @@ def test_a_sum_formed_after_its_unit_was_sent_joins_after_the_backward_pass(
             if what == "the step's sums"
         ]
         # the next round, once per step: only parameter 0 (the embedding, 23
-        # rows of 8), both quantities' sums; each process its rows of the two,
-        # padded to the larger process's (12 rows): 2 x 96 numbers
+        # rows of 8), the one common sum; each process its rows, padded to the
+        # larger process's (12 rows): 96 numbers
         assert [step for _, step in late] == [0, 1], late
         assert result["sizes"][0] == 23 * 8, result["sizes"]
-        assert all(sent == 2 * 2 * 12 * 8 for sent, _ in late), late
+        assert all(sent == 2 * 12 * 8 for sent, _ in late), late
+        # in the backward pass, each step: one sum of D numbers, each process
+        # its half (padded), not one per quantity
+        total = sum(result["sizes"])
+        unit, scattered = "the elementwise sums of a unit", result["scattered"]
+        for step in (0, 1):
+            sent = [n for n, _, at, w, _ in scattered if (at, w) == (step, unit)]
+            assert 0.5 * total <= sum(sent) / 2 < 0.6 * total, (step, sent)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

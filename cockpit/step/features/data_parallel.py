@@ -103,19 +103,22 @@ class DataParallel(StepFeature):
         """FSDP2: the channels of the elementwise sums sent unit by unit.
 
         One per sum a shard-local quantity names in ``sums_in_backward``
-        (MeanGSNR's, EarlyStopping's, TICDiag's two); they are part of the step's
+        (TICDiag's two; MeanGSNR's and EarlyStopping's ``sum_i g_i^2``, one
+        common channel for both, ``Quantity.common_sums``); they are part of the step's
         plan in the header, so the processes' collectives inside the backward
         pass agree.
         """
         state = self.state
         if self.comm.sharding is None:
             return []
-        return [
-            q.channel(name)
-            for q in state.plan.active
-            if q.shard_local and not state.ledger.out(q)
-            for name in getattr(q, "sums_in_backward", ())
-        ]
+        return sorted(
+            {
+                q.channel(name)
+                for q in state.plan.active
+                if q.shard_local and not state.ledger.out(q)
+                for name in getattr(q, "sums_in_backward", ())
+            }
+        )
 
     def _exchange_header(self, channels=()) -> distributed.StepComm:
         """Send the step, this shard's size and the plan to the other processes."""
