@@ -10,10 +10,18 @@ the claim it has not made yet, in the one round trip its look makes anyway, and 
 claim that finds another process's pass of its step or a later one stops after
 the backward pass, whose collectives then pair (neither process sends cockpit's).
 
-The key keeps the latest step passed; a claim, or the stop of a failed run,
-replaces the passes there. Every function below is one ``compare_set`` in the
-common case. (``compare_set`` answers the expected value where the key is
-absent, so a key expected to hold a value and answered with it is absent.)
+The key keeps the highest step passed; a claim, or the stop of a failed run,
+replaces the passes there. A claim that replaces another process's pass of its
+step or a later one carries it (``step|plan|rank|passed step|passed rank``), so
+that every process claiming after it stops too, whatever the number of
+processes. Every function below is one ``compare_set`` in the common case (given
+what the key held at the process's last look). (``compare_set`` answers the
+expected value where the key is absent, so a key expected to hold a value and
+answered with it is absent.)
+
+Limit: after a loop whose count went down (a pass of step 9 left, then step 3
+tracked), a pass of a lower step is not kept over the higher one, so a process
+that skips step 3 then is noticed as before passes (after its backward pass).
 """
 
 from __future__ import annotations
@@ -33,8 +41,8 @@ def passed(there: str) -> tuple[int, int] | None:
 def leave(store, key: str, step: int, rank: int, seen: str) -> tuple[str | None, str]:
     """Leave ``rank``'s pass of ``step`` at ``key``, unless a claim is there.
 
-    A pass of an earlier step is replaced; one of this step or a later one (by
-    another process) is left.
+    A pass of an earlier step is replaced; one of this step or a later one is
+    left (only looked at).
 
     Args:
         store: The process group's key-value store.
@@ -49,39 +57,56 @@ def leave(store, key: str, step: int, rank: int, seen: str) -> tuple[str | None,
     """
     mine = f"{PREFIX}{step}|{rank}"
     while True:
-        there = store.compare_set(key, seen, mine).decode()
-        if there == mine:
-            return None, there
-        if seen and there == seen:  # (the key is absent)
+        found = passed(seen) if seen else None
+        desired = seen if found is not None and found[0] >= step else mine
+        there = store.compare_set(key, seen, desired).decode()
+        if seen and there == seen and desired == mine:  # (the key is absent)
             seen = ""
             continue
+        if there == desired:
+            return None, there
         found = passed(there)
         if found is None:
             return there, seen
-        if found[0] >= step:
+        if found[0] >= step:  # (another process's pass of this step or later)
             return None, there
         seen = there
 
 
-def claim_over(store, key: str, mine: str, step: int, rank: int):
-    """Write the claim (or stop) ``mine`` over the passes at ``key``.
+def claim_over(
+    store, key: str, mine: str, step: int, rank: int, seen: str = "", excused=()
+):
+    """Write the claim ``mine`` over the passes at ``key``, unless a claim is there.
 
-    Unless a claim or stop is there already.
+    Args:
+        store: The process group's key-value store.
+        key: The key of the claim.
+        mine: The claim (``step|plan|rank``), or a stop.
+        step: The step claimed (a stop: ``None``, nothing carried).
+        rank: This process.
+        seen: What this process last found at ``key`` (``""``: nothing yet).
+        excused: Steps this process passed untracked too (a pass of one of them
+            is no conflict: the count went down).
 
     Returns:
-        ``(there, skipped)``: what the key holds now (``mine``, another process's
-        claim, or a stop) and the latest pass replaced that another process made
-        of ``step`` or a later one (``(step, rank)``), else ``None``.
+        ``(there, skipped)``: what the key holds now (``mine``, carrying the
+        pass it replaced where that pass was another process's of ``step`` or
+        a later one; another process's claim; or a stop) and that pass
+        (``(step, rank)``), else ``None``.
     """
-    seen, skipped = "", None
     while True:
-        there = store.compare_set(key, seen, mine).decode()
+        found = passed(seen) if seen else None
+        skip = None
+        if found is not None and step is not None and found[1] != rank:
+            if found[0] >= step and found[0] not in excused:
+                skip = found
+        desired = mine if skip is None else f"{mine}|{skip[0]}|{skip[1]}"
+        there = store.compare_set(key, seen, desired).decode()
         if seen and there == seen:  # (the key is absent)
             seen = ""
             continue
-        found = passed(there)
-        if found is None:
-            return there, skipped
-        if found[0] >= step and found[1] != rank:
-            skipped = found
+        if there == desired:
+            return there, skip
+        if passed(there) is None:
+            return there, None
         seen = there

@@ -11,9 +11,10 @@ step* is agreed in the process group's key-value store (the c10d store every
   work, knows before its backward pass;
 * at an untracked step a process **looks** whether another process already claimed
   a tracked step at or before this one (a step this process did not track), and
-  leaves a **pass** in the claim it has not made yet (``u|step|rank``, the latest
-  step passed): a process that claims a step another already passed untracked
-  knows before its backward pass, whichever came first;
+  leaves a **pass** in the claim it has not made yet (``u|step|rank``, the highest
+  step passed; :mod:`cockpit.distributed.passes`): a process that claims a step
+  another already passed untracked knows before its backward pass, whichever came
+  first, and so does every process that claims after it;
 * a process that cannot go on (it found a disagreement, left a step with an error,
   or waited in vain) writes a **note** (where it is, what happened) and raises the
   **failed** flag; every process waiting in cockpit polls that flag, writes its own
@@ -173,20 +174,23 @@ class StepSync:
         self.position = (step, True)
         mine = f"{step}|{plan}|{self.rank}"
         key = self._key("claim", number)
-        there, skipped = passes.claim_over(self.store, key, mine, step, self.rank)
-        passed_too, self._untracked = self._untracked, set()
-        if skipped is not None and skipped[0] in passed_too:  # (steps counted down)
-            skipped = None
+        seen = self._seen[1] if self._seen[0] == number else ""
+        excused, self._untracked = self._untracked, set()
+        there, _ = passes.claim_over(
+            self.store, key, mine, step, self.rank, seen, excused
+        )
         if self.rank == 0 and number >= 2:  # every process is past that one
             self.store.delete_key(self._key("claim", number - 2))
         if there == _STOPPED:  # another process stopped: say why, before the backward
             self.fail(None, step, doing="starting the step")
-        if skipped is not None and there == mine:  # passed untracked: it is in or
-            other_step, other = skipped  # past its backward pass, not in cockpit
-            cause = _parted(self.rank, step, other, other_step, tracked=False)
-            self._defer(cause, min(other_step, step), FIX_STEPS)
+        other_step, other_plan, other, skipped = _claimed(there)
+        if skipped is not None and other_step == step:  # a pass of this step or a
+            # later one was there (that process is in or past its backward pass,
+            # not in cockpit): stop after the backward pass, with no collective
+            passed_step, passer = skipped
+            cause = _parted(self.rank, step, passer, passed_step, tracked=False)
+            self._defer(cause, min(passed_step, step), FIX_STEPS)
             return False
-        other_step, other_plan, other = (int(x) for x in there.split("|"))
         if (other_step, other_plan) == (step, plan):
             return True
         if other_step == step:
@@ -229,7 +233,7 @@ class StepSync:
             return
         if there == _STOPPED:
             self.fail(None, step, doing="starting the step")
-        other_step, _, other = (int(x) for x in there.split("|"))
+        other_step, _, other, _ = _claimed(there)
         cause = _parted(other, other_step, self.rank, step, tracked=False)
         self._conflict(other, other_step, step, self.claimed, cause, FIX_STEPS)
 
@@ -247,7 +251,7 @@ class StepSync:
             return
         if there == _STOPPED:
             self.fail(None, step, doing="ending the step")
-        other_step, _, other = (int(x) for x in there.split("|"))
+        other_step, _, other, _ = _claimed(there)
         if other_step <= step:  # (a later step: that process is merely ahead)
             self.fail(_parted(other, other_step, self.rank, step, False), other_step)
 
@@ -309,7 +313,7 @@ class StepSync:
         self.store.compare_set(self._key("failed"), "", note)
         for number in (self.claimed, self.claimed + 1):
             key = self._key("claim", number)
-            passes.claim_over(self.store, key, _STOPPED, 0, self.rank)
+            passes.claim_over(self.store, key, _STOPPED, None, self.rank)
 
     def failed(self) -> bool:
         """Whether some process has raised the failed flag (one look, no wait).
@@ -467,6 +471,17 @@ class StepSync:
             if len(notes) == self.size or time.monotonic() > deadline:
                 return notes
             time.sleep(0.02)
+
+
+def _claimed(there: str) -> tuple[int, int, int, tuple[int, int] | None]:
+    """``(step, plan, rank, pass)`` of a claim.
+
+    ``pass``: the ``(step, rank)`` of another process's pass the claim replaced
+    (:mod:`cockpit.distributed.passes`), else ``None``.
+    """
+    fields = [int(x) for x in there.split("|")]
+    skipped = (fields[3], fields[4]) if len(fields) == 5 else None
+    return fields[0], fields[1], fields[2], skipped
 
 
 def _parted(tracker: int, at: int, other: int, other_at: int, tracked: bool) -> str:

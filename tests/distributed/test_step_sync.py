@@ -54,13 +54,38 @@ def test_processes_that_pass_and_track_the_same_steps_agree():
     assert all(sync.pending is None for sync in syncs)
 
 
-def test_steps_counted_down_are_no_conflict():
+@pytest.mark.parametrize("first", [0, 1])
+def test_steps_counted_down_are_no_conflict(first):
     """Both ranks pass step 9, then both track step 3 (a loop that restarts its
-    count): the pass of step 9 is one this rank made too."""
-    zero, one = ranks(2)
-    for sync in (zero, one):
+    count), in either order: the other rank's pass of step 9 is one this rank
+    made too, so no claim stops."""
+    syncs = ranks(2)
+    for sync in (syncs[1], syncs[0]):  # (rank 1's pass stays at the key)
         sync.untracked(9)
-    assert zero.claim(3, plan=1) and one.claim(3, plan=1)
+    order = syncs if first == 0 else syncs[::-1]
+    assert all(sync.claim(3, plan=1) for sync in order)
+    assert all(sync.pending is None for sync in syncs)
+
+
+def test_every_rank_that_claims_after_a_pass_of_its_step_stops():
+    """Rank 2 passes step 5 untracked; ranks 0 and 1 claim it after: the first
+    claim carries the pass it replaced, so the second stops too (neither makes
+    collectives of cockpit's that rank 2 would not answer)."""
+    zero, one, two = ranks(3)
+    two.untracked(5)
+    assert zero.claim(5, plan=1) is False and one.claim(5, plan=1) is False
+    for sync in (zero, one):
+        assert "which rank 2 does not track" in sync.pending[0]
+
+
+def test_a_pass_of_a_lower_step_leaves_a_higher_one():
+    """Rank 2 (counting ahead) passed step 9; rank 1's pass of step 8 leaves it
+    there, whatever rank 1 saw at its last look."""
+    store = dist.HashStore()
+    store.set("k", "u|9|2")
+    assert passes.leave(store, "k", 8, 1, seen="u|7|1") == (None, "u|9|2")
+    assert passes.leave(store, "k", 8, 1, seen="") == (None, "u|9|2")
+    assert store.get("k").decode() == "u|9|2"
 
 
 @pytest.mark.parametrize(
@@ -99,7 +124,8 @@ def test_a_stopped_run_replaces_the_passes_so_an_untracked_rank_stops_too():
 def test_a_pass_costs_the_one_look_an_untracked_step_made_before():
     """One round trip to the store per untracked step and rank: alone (each
     pass replaces its own), and two ranks at the same steps (the second finds
-    the first's pass of the step and leaves it)."""
+    the first's pass of the step and leaves it); one per claim after them (the
+    first writes over the pass it saw last, the second finds the claim)."""
     store = CountingStore()
     (alone,) = ranks(1, store)
     alone.untracked(0)
@@ -114,6 +140,10 @@ def test_a_pass_costs_the_one_look_an_untracked_step_made_before():
         zero.untracked(step)
         one.untracked(step)
         assert store.calls - before == 2, step
+    for sync in (zero, one):  # the claims after them: one round trip each
+        before = store.calls
+        assert sync.claim(20, plan=3)
+        assert store.calls - before == 1
 
 
 def test_a_pass_or_claim_expected_over_a_key_that_is_gone_is_still_written():
