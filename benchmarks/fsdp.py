@@ -13,10 +13,10 @@ float32 parameters (``--width``; per-``Linear`` units and the root wrapped with
   interleaved rounds (the order alternates): ``plain`` (zero_grad, forward,
   backward, SGD step of the FSDP model, no cockpit) and ``tracked`` (the same
   inside ``with cockpit(step, ...)`` with a configuration tracked every step:
-  ``--configurations``, default ``economy`` and ``full``, whose HessMaxEV and
-  HessTrace differentiate twice with every unit unsharded). Medians per rank and
-  their ratio, per configuration; for ``full`` also HessMaxEV's Hessian-vector
-  products per step.
+  ``--configurations``, default ``economy``, ``business`` and ``full``; their
+  HessTrace and ``full``'s HessMaxEV differentiate with every unit unsharded).
+  Medians per rank and their ratio, per configuration; for ``full`` also
+  HessMaxEV's Hessian-vector products per step.
 * **Memory**: peak resident memory per rank (``ru_maxrss``) of a fresh set of
   processes running only one variant, after building the model, minus what the
   model and one plain warm-up step took (malloc keeps freed memory with the
@@ -150,7 +150,7 @@ def main() -> None:
         help="fresh process sets per variant for the peak (median per rank)",
     )  # fmt: skip
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--configurations", default="economy,full")
+    parser.add_argument("--configurations", default="economy,business,full")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/fsdp.json")
     args = parser.parse_args()
